@@ -1,0 +1,200 @@
+"""Recipe sections as dataclasses, and the parser that maps a YAML recipe plus `--key value` overrides onto them.
+
+The YAML is flat, as with TRL: model, data, LoRA and `TrainingArguments` keys side by side. Every Trainer
+flag keeps its name and meaning; unknown keys and bad values stop with a `RecipeError` before any
+process group is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from transformers import HfArgumentParser, TrainingArguments
+
+from finetune import presets
+from finetune.errors import RecipeError, did_you_mean
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(
+        default=presets.TINY_MODEL,
+        metadata={"help": "`tiny` (the embedded preset), a local directory, or a hub id loaded with from_pretrained."},
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "Tokenizer location when it differs from the model's."}
+    )
+    torch_dtype: str = field(
+        default="auto",
+        metadata={"help": "Dtype the weights are loaded in: auto, float32, bfloat16 or float16."},
+    )
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "eager, sdpa or flash_attention_2; None lets Transformers choose."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run model code shipped with a hub repository. Off unless you trust it."}
+    )
+
+    def __post_init__(self):
+        if self.torch_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise RecipeError(
+                f"`torch_dtype: {self.torch_dtype}` is not one of auto, float32, bfloat16, float16."
+            )
+
+
+@dataclass
+class DataArguments:
+    dataset: str = field(
+        default=presets.SYNTHETIC_DATASET,
+        metadata={"help": "`synthetic` (the embedded dataset), a local file or directory, or a hub dataset id."},
+    )
+    train_file: str | None = field(
+        default=None, metadata={"help": "Local training file (.jsonl, .json, .csv, .parquet); overrides `dataset`."}
+    )
+    eval_file: str | None = field(default=None, metadata={"help": "Local evaluation file, same formats."})
+    max_seq_length: int = field(
+        default=1024, metadata={"help": "Examples are truncated to this many tokens (prompt and response)."}
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on at most this many examples (all when unset)."}
+    )
+    generation_eval_samples: int = field(
+        default=300,
+        metadata={"help": "Eval examples scored by greedy generation (exact match per task); 0 turns it off."},
+    )
+    generation_max_new_tokens: int = field(
+        default=32, metadata={"help": "Longest answer generated when scoring exact match."}
+    )
+
+    def __post_init__(self):
+        for key in ("train_file", "eval_file"):
+            path = getattr(self, key)
+            if path is not None and not Path(path).is_file():
+                raise RecipeError(f"`{key}: {path}` does not exist or is not a file.")
+        if self.max_seq_length <= 0:
+            raise RecipeError(f"`max_seq_length` must be positive, got {self.max_seq_length}.")
+        if self.generation_eval_samples < 0:
+            raise RecipeError(f"`generation_eval_samples` must be 0 or more, got {self.generation_eval_samples}.")
+
+
+@dataclass
+class LoraArguments:
+    use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) instead of all weights."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Module names to adapt; all linear layers of the model when unset."}
+    )
+
+    def __post_init__(self):
+        if self.lora_r <= 0:
+            raise RecipeError(f"`lora_r` must be positive, got {self.lora_r}.")
+
+
+@dataclass
+class FinetuneTrainingArguments(TrainingArguments):
+    """Hugging Face `TrainingArguments`, with defaults suited to fine-tuning and the demo's before/after report."""
+
+    output_dir: str | None = field(default="outputs/run", metadata={"help": "Where checkpoints and reports go."})
+    eval_on_start: bool = field(
+        default=True, metadata={"help": "Evaluate once before the first step, so the report has a 'before'."}
+    )
+
+
+RECIPE_SECTIONS = (ModelArguments, DataArguments, LoraArguments, FinetuneTrainingArguments)
+
+
+@dataclass
+class Recipe:
+    """A parsed recipe: one instance per section, in the order the sections are built."""
+
+    model: ModelArguments
+    data: DataArguments
+    lora: LoraArguments
+    training: FinetuneTrainingArguments
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat key → value view that a recipe YAML would hold."""
+        values: dict[str, Any] = {}
+        for section in (self.model, self.data, self.lora):
+            values.update(dataclasses.asdict(section))
+        values.update(self.training.to_dict())
+        return values
+
+
+class RecipeParser(HfArgumentParser):
+    """`HfArgumentParser` that raises `RecipeError` instead of printing usage and exiting."""
+
+    def __init__(self):
+        super().__init__(RECIPE_SECTIONS, prog="finetune train", allow_abbrev=False)
+
+        # Without an accelerator, Trainer must be told `use_cpu`: otherwise a launcher's DeepSpeed or
+        # multi-process config silently trains as ONE process per rank (world size 1).
+        self.set_defaults(use_cpu=not torch.accelerator.is_available())
+
+    def error(self, message):
+        raise RecipeError(message)
+
+    def known_keys(self) -> set[str]:
+        return {action.dest for action in self._actions if action.dest != "help"}
+
+
+def load_recipe_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file `{path}` does not exist.")
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        raise RecipeError(f"recipe `{path}` is not valid YAML: {error}") from None
+    if not isinstance(values, dict):
+        raise RecipeError(f"recipe `{path}` must be a mapping of keys to values, got {type(values).__name__}.")
+    return values
+
+
+def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
+    """YAML values become the parser's defaults, then `overrides` (`--key value` strings) win over them.
+
+    Scalars from YAML are passed as strings so that argparse converts and checks them exactly as it
+    would on the command line: `learning_rate: abc` fails the same way `--learning_rate abc` does.
+    """
+    parser = RecipeParser()
+    values = load_recipe_file(recipe_path) if recipe_path is not None else {}
+    known = parser.known_keys()
+    source = f"recipe `{recipe_path}`" if recipe_path is not None else "the recipe"
+    for key in values:
+        if key not in known:
+            raise RecipeError(f"unknown key `{key}` in {source}{did_you_mean(key, known)}.")
+    parser.set_defaults(**{key: _as_argparse_default(value) for key, value in values.items()})
+    try:
+        *sections, remaining = parser.parse_args_into_dataclasses(
+            args=list(overrides or []), return_remaining_strings=True, look_for_args_file=False
+        )
+    except RecipeError:
+        raise
+    except (ValueError, TypeError) as error:  # TrainingArguments' own checks
+        raise RecipeError(_name_the_culprit(str(error), values, overrides or [])) from None
+    if remaining:
+        name = remaining[0].lstrip("-").replace("-", "_")
+        raise RecipeError(f"unknown option `{remaining[0]}`{did_you_mean(name, known)}.")
+    return Recipe(*sections)
+
+
+def _name_the_culprit(message: str, values: dict[str, Any], overrides: list[str]) -> str:
+    """Prefixes `key: value` to a Trainer error that quotes the value but not the key."""
+    given = dict(values)
+    given.update({key.lstrip("-"): value for key, value in zip(overrides, overrides[1:]) if key.startswith("--")})
+    culprits = [f"`{key}: {value}`" for key, value in given.items() if str(value) and str(value) in message]
+    return f"{', '.join(culprits)}: {message}" if len(culprits) == 1 else message
+
+
+def _as_argparse_default(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)):
+        return str(value)
+    return value

@@ -1,0 +1,30 @@
+"""The `finetune` command line: one subcommand a module under finetune/commands/."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from finetune.commands.configs import configs_command_parser
+from finetune.commands.train import train_command_parser
+from finetune.errors import RecipeError, report_user_error
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs across GPUs.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add in (train_command_parser, configs_command_parser):
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RecipeError as error:
+        return report_user_error(error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""`finetune configs write|check`: the shipped DeepSpeed and Accelerate configs, generated from finetune/configs/."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from finetune.configs.files import check_configs, write_configs
+
+
+def configs_command_parser(subparsers) -> None:
+    parser = subparsers.add_parser("configs", help="write or check the generated launch configs")
+    actions = parser.add_subparsers(dest="action", required=True)
+    write = actions.add_parser("write", help="write the shipped config set")
+    write.add_argument("--out", type=Path, default=Path("."), help="root to write under (default: here)")
+    check = actions.add_parser("check", help="exit non-zero with a diff if a shipped file differs from the generator")
+    check.add_argument("--root", type=Path, default=Path("."), help="project root holding the shipped configs")
+    parser.set_defaults(func=configs_command)
+
+
+def configs_command(args) -> int:
+    if args.action == "write":
+        for path in write_configs(args.out):
+            print(f"wrote {path}")
+        return 0
+    problems = check_configs(args.root)
+    for problem in problems:
+        sys.stdout.write(problem)
+    if problems:
+        print(f"{len(problems)} shipped config(s) differ from the generator; run `finetune configs write`.")
+        return 1
+    print("shipped configs match the generator")
+    return 0

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the project into $VENV (default .venv), in the only order that avoids surprises:
+#   1. torch: an existing torch is kept (a CUDA build stays a CUDA build); otherwise a CUDA build where a
+#      GPU is visible, else the CPU build `torch==$TORCH_CPU_VERSION` (from $TORCH_CPU_INDEX when set);
+#   2. DeepSpeed from source without prebuilt ops (they are JIT-built when first used), against that torch;
+#   3. the project itself, editable, with its dev extras.
+set -euo pipefail
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_CPU_VERSION=${TORCH_CPU_VERSION:-2.13.0}
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-}
+
+# --system-site-packages: a torch the machine already has (e.g. a CUDA build) is reused, not replaced.
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv --system-site-packages "$VENV"
+pip=("$VENV/bin/python" -m pip install --quiet)
+
+if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    echo "install: keeping torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "install: GPU found, installing a CUDA build of torch"
+    "${pip[@]}" torch
+else
+    echo "install: no GPU found, installing the CPU build torch==$TORCH_CPU_VERSION"
+    "${pip[@]}" "torch==$TORCH_CPU_VERSION" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
+fi
+
+if ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
+    echo "install: DeepSpeed (ops built on first use)"
+    DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation deepspeed
+fi
+
+echo "install: finetune and its dependencies"
+"${pip[@]}" -e ".[dev,plots]"

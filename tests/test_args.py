@@ -1,0 +1,66 @@
+from pathlib import Path
+
+import pytest
+
+from finetune.args import parse_recipe
+from finetune.errors import RecipeError
+from finetune.testing import PROJECT_ROOT
+
+RECIPES = sorted((PROJECT_ROOT / "recipes").glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[path.stem for path in RECIPES])
+def test_every_shipped_recipe_parses(recipe, tmp_path):
+    parsed = parse_recipe(recipe, ["--output_dir", str(tmp_path)])
+    assert parsed.training.max_steps > 0
+
+
+def test_yaml_values_land_in_their_sections_and_overrides_win(tmp_path):
+    recipe = write(tmp_path, "model_name_or_path: tiny\nlearning_rate: 0.002\nmax_seq_length: 48\nuse_lora: true\n")
+    parsed = parse_recipe(recipe, ["--learning_rate", "5e-4", "--output_dir", str(tmp_path)])
+    assert parsed.model.model_name_or_path == "tiny"
+    assert parsed.data.max_seq_length == 48
+    assert parsed.lora.use_lora is True
+    assert parsed.training.learning_rate == 5e-4
+    assert parsed.training.use_cpu is True  # no accelerator here: Trainer must be told
+
+
+def test_unknown_key_is_named_with_a_suggestion(tmp_path):
+    with pytest.raises(RecipeError, match=r"unknown key `learning_rat`.*did you mean `learning_rate`"):
+        parse_recipe(write(tmp_path, "learning_rat: 0.1\n"))
+
+
+def test_unknown_command_line_option_is_named(tmp_path):
+    with pytest.raises(RecipeError, match=r"unknown option `--max_stepz`.*max_steps"):
+        parse_recipe(write(tmp_path, "max_steps: 3\n"), ["--max_stepz", "4"])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("learning_rate: abc\n", r"learning_rate.*invalid float value: 'abc'"),
+        ("max_steps: 1.5\n", r"max_steps.*invalid int value"),
+        ("lr_scheduler_type: sideways\n", r"`lr_scheduler_type: sideways`: sideways is not a valid SchedulerType"),
+        ("torch_dtype: float64\n", r"torch_dtype: float64"),
+        ("max_seq_length: 0\n", r"max_seq_length"),
+        ("train_file: no/such/file.jsonl\n", r"train_file: no/such/file.jsonl` does not exist"),
+    ],
+)
+def test_invalid_values_stop_with_the_key_named(tmp_path, text, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe(write(tmp_path, text))
+
+
+def test_recipe_file_problems_are_user_errors(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        parse_recipe(tmp_path / "missing.yaml")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        parse_recipe(write(tmp_path, "a: [1,\n"))
+    with pytest.raises(RecipeError, match="must be a mapping"):
+        parse_recipe(write(tmp_path, "- 1\n- 2\n"))
