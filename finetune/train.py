@@ -51,6 +51,10 @@ def train(recipe: Recipe) -> dict:
     trainer.save_state()
 
     summary = summarize_evaluations(trainer.state.log_history, exact_match.history)
+    summary["world_size"] = args.world_size
+    summary["deepspeed_zero_stage"] = (
+        trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None
+    )
     summary["train_loss"] = train_output.training_loss
     summary["dropped_examples"] = data.dropped
     if trainer.is_world_process_zero():

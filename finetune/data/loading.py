@@ -25,6 +25,17 @@ def _builder_for(path: str, key: str) -> str:
     return builder
 
 
+def _load(source: str, path: str, **kwargs) -> DatasetDict:
+    try:
+        return DatasetDict(load_dataset(path, **kwargs))
+    except RecipeError:
+        raise
+    except Exception as error:  # datasets raises many types; all mean "this source cannot be read"
+        if "corresponds to no data" in str(error):
+            raise RecipeError(f"the `train` split of the dataset is empty ({source}).") from None
+        raise RecipeError(f"cannot load dataset `{source}`: {type(error).__name__}: {error}") from None
+
+
 def load_raw_splits(data_args) -> DatasetDict:
     """A `DatasetDict` with a `train` split and, when one is available, an `eval` split."""
     if data_args.train_file is not None:
@@ -34,20 +45,16 @@ def load_raw_splits(data_args) -> DatasetDict:
         builders = {_builder_for(path, f"{split}_file") for split, path in data_files.items()}
         if len(builders) > 1:
             raise RecipeError("`train_file` and `eval_file` must have the same format (e.g. both .jsonl).")
-        splits = load_dataset(builders.pop(), data_files=data_files)
+        splits = _load(", ".join(data_files.values()), builders.pop(), data_files=data_files)
     elif data_args.dataset == presets.SYNTHETIC_DATASET:
         directory = presets.synthetic_data_dir()
         data_files = {"train": str(directory / "train.jsonl"), "eval": str(directory / "eval.jsonl")}
-        splits = load_dataset("json", data_files=data_files)
-    elif Path(data_args.dataset).exists():
-        path = Path(data_args.dataset)
-        if path.is_file():
-            splits = load_dataset(_builder_for(str(path), "dataset"), data_files={"train": str(path)})
-        else:
-            splits = load_dataset(str(path))
+        splits = _load(data_args.dataset, "json", data_files=data_files)
+    elif Path(data_args.dataset).is_file():
+        path = data_args.dataset
+        splits = _load(path, _builder_for(path, "dataset"), data_files={"train": path})
     else:
-        splits = load_dataset(data_args.dataset)  # a hub dataset id
-    splits = DatasetDict(splits)
+        splits = _load(data_args.dataset, data_args.dataset)  # a local dataset directory or a hub id
     if "train" not in splits:
         raise RecipeError(f"dataset `{data_args.dataset}` has no `train` split (found: {', '.join(splits)}).")
     for name in ("validation", "test"):

@@ -1,0 +1,48 @@
+import pytest
+
+from finetune.cli import main
+from finetune.testing import PROJECT_ROOT, accelerate_launch_command, finetune_command, run
+
+
+def test_top_level_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "configs" in out
+
+
+def test_train_help_and_recipe_keys(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "RECIPE" in capsys.readouterr().out.upper()
+    assert main(["train", "--help-keys"]) == 0
+    keys = capsys.readouterr().out
+    for key in ("--model_name_or_path", "--max_seq_length", "--lora_r", "--learning_rate", "--deepspeed"):
+        assert key in keys
+
+
+def test_train_without_recipe_is_a_one_line_error(capsys):
+    assert main(["train"]) == 2
+    assert capsys.readouterr().err.strip() == "finetune: error: `finetune train` needs a recipe: finetune train recipes/demo.yaml"
+
+
+def test_bad_recipe_exits_non_zero_with_one_line_and_no_traceback(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model_name_or_path: tiny\nlearning_rat: 0.1\n")
+    result = run(finetune_command("train", str(recipe)), timeout=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("finetune: error:")]
+    assert lines == ["finetune: error: unknown key `learning_rat` in recipe `%s` (did you mean `learning_rate`?)." % recipe]
+
+
+@pytest.mark.distributed
+def test_bad_recipe_under_a_two_process_launch_is_reported_once(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("train_file: missing.jsonl\n")
+    command = accelerate_launch_command("accelerate_configs/cpu_deepspeed_zero2.yaml", "train", str(recipe))
+    result = run(command, timeout=180, cwd=PROJECT_ROOT)
+    assert result.returncode != 0
+    assert result.output.count("finetune: error: `train_file: missing.jsonl` does not exist or is not a file.") == 1
+    assert "tokenizing" not in result.output  # stopped before any work, let alone a process group
