@@ -8,6 +8,8 @@ process group is started.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,8 @@ class Recipe:
     data: DataArguments
     lora: LoraArguments
     training: FinetuneTrainingArguments
+    # Where each key given by the user came from: "recipe <path>" or "command line".
+    sources: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The flat key → value view that a recipe YAML would hold."""
@@ -163,27 +167,66 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
 
     Scalars from YAML are passed as strings so that argparse converts and checks them exactly as it
     would on the command line: `learning_rate: abc` fails the same way `--learning_rate abc` does.
+    Sections are built in order and the launch configs are linted before `TrainingArguments`, whose
+    construction starts the process group.
     """
     parser = RecipeParser()
     values = load_recipe_file(recipe_path) if recipe_path is not None else {}
+    overrides = list(overrides or [])
     known = parser.known_keys()
     source = f"recipe `{recipe_path}`" if recipe_path is not None else "the recipe"
     for key in values:
         if key not in known:
             raise RecipeError(f"unknown key `{key}` in {source}{did_you_mean(key, known)}.")
     parser.set_defaults(**{key: _as_argparse_default(value) for key, value in values.items()})
-    try:
-        *sections, remaining = parser.parse_args_into_dataclasses(
-            args=list(overrides or []), return_remaining_strings=True, look_for_args_file=False
-        )
-    except RecipeError:
-        raise
-    except (ValueError, TypeError) as error:  # TrainingArguments' own checks
-        raise RecipeError(_name_the_culprit(str(error), values, overrides or [])) from None
+    namespace, remaining = parser.parse_known_args(args=overrides)
     if remaining:
         name = remaining[0].lstrip("-").replace("-", "_")
         raise RecipeError(f"unknown option `{remaining[0]}`{did_you_mean(name, known)}.")
-    return Recipe(*sections)
+    sources = {key: f"recipe {recipe_path}" for key in values}
+    sources.update({_option_name(token): "command line" for token in overrides if token.startswith("--")})
+    sections = []
+    for section_type in RECIPE_SECTIONS:
+        names = {f.name for f in dataclasses.fields(section_type) if f.init}
+        inputs = {name: value for name, value in vars(namespace).items() if name in names}
+        if section_type is FinetuneTrainingArguments:
+            preflight_launch(inputs)
+        try:
+            sections.append(section_type(**inputs))
+        except RecipeError:
+            raise
+        except (ValueError, TypeError) as error:  # TrainingArguments' own checks
+            raise RecipeError(_name_the_culprit(str(error), values, overrides)) from None
+    return Recipe(*sections, sources=sources)
+
+
+def _option_name(token: str) -> str:
+    return token[2:].split("=", 1)[0].replace("-", "_")
+
+
+def preflight_launch(training_inputs: dict[str, Any]) -> None:
+    """Lints the DeepSpeed JSON this process will use and the process count against visible GPUs."""
+    from finetune.configs.lint import lint_deepspeed
+
+    config_file = training_inputs.get("deepspeed")
+    if config_file is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    if isinstance(config_file, str):
+        if not Path(config_file).is_file():
+            raise RecipeError(f"DeepSpeed config `{config_file}` does not exist (relative to {Path.cwd()}).")
+        try:
+            config = json.loads(Path(config_file).read_text())
+        except json.JSONDecodeError as error:
+            raise RecipeError(f"DeepSpeed config `{config_file}` is not valid JSON: {error}") from None
+        problems = lint_deepspeed(config, world_size, source=config_file)
+        if problems:
+            raise RecipeError(" ".join(problems))
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    use_cpu = str(training_inputs.get("use_cpu")).lower() == "true"
+    if not use_cpu and torch.cuda.is_available() and local_processes > torch.cuda.device_count():
+        raise RecipeError(f"{local_processes} processes per machine but {torch.cuda.device_count()} visible GPU(s); "
+                          "launch with --num_processes equal to the GPU count or fix CUDA_VISIBLE_DEVICES.")
 
 
 def _name_the_culprit(message: str, values: dict[str, Any], overrides: list[str]) -> str:

@@ -7,11 +7,16 @@ Run it under any launcher, e.g.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from transformers import DataCollatorForSeq2Seq, Trainer, set_seed
 
 from finetune.args import Recipe, parse_recipe
+from finetune.configs.lint import lint_fsdp_wrap_classes
+from finetune.effective import describe_effective_config, print_effective_config
+from finetune.errors import RecipeError
+from finetune.strategy import StrategyCheckCallback, write_effective_config
 from finetune.data import load_raw_splits, prepare_datasets
 from finetune.data.tokenize import IGNORE_INDEX
 from finetune.evaluation import ExactMatchCallback
@@ -33,6 +38,7 @@ def train(recipe: Recipe) -> dict:
     if data.eval is None:
         args.eval_on_start = False  # nothing to evaluate on: no 'before' column
 
+    check_fsdp_wrap_classes(model)
     exact_match = ExactMatchCallback(tokenizer, data.generation_examples, recipe.data.generation_max_new_tokens)
     trainer = Trainer(
         model=model,
@@ -43,6 +49,17 @@ def train(recipe: Recipe) -> dict:
         processing_class=tokenizer,
         callbacks=[exact_match],
     )
+
+    effective = describe_effective_config(trainer, recipe.sources)
+    if trainer.is_world_process_zero():
+        write_effective_config(effective, args.output_dir)
+        print_effective_config(effective)
+    if effective["deepspeed_mismatches"]:
+        raise RecipeError(
+            "the DeepSpeed JSON contradicts the recipe: " + "; ".join(effective["deepspeed_mismatches"])
+            + ". Set those DeepSpeed values to \"auto\" (Trainer fills them from the recipe) or change the recipe."
+        )
+    trainer.add_callback(StrategyCheckCallback(trainer, effective))
 
     train_output = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if data.eval is not None:
@@ -61,6 +78,15 @@ def train(recipe: Recipe) -> dict:
         Path(args.output_dir, "eval_results.json").write_text(json.dumps(summary, indent=2) + "\n")
         print_before_after(summary)
     return summary
+
+
+def check_fsdp_wrap_classes(model) -> None:
+    """The FSDP wrap classes an Accelerate config names must exist in the model, or nothing is sharded."""
+    names = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and names:
+        problems = lint_fsdp_wrap_classes([name.strip() for name in names.split(",")], model)
+        if problems:
+            raise RecipeError(" ".join(problems))
 
 
 def train_command(recipe_path: str | None, overrides: list[str]) -> dict:

@@ -1,7 +1,7 @@
 import shutil
 
 from finetune.cli import main
-from finetune.configs.files import shipped_configs
+from finetune.configs.files import expected_files
 from finetune.testing import PROJECT_ROOT
 
 
@@ -10,7 +10,7 @@ def test_shipped_configs_match_the_generator(capsys):
 
 
 def test_check_fails_with_a_diff_on_a_hand_edited_file(tmp_path, capsys):
-    for relative in shipped_configs():
+    for relative in expected_files():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(PROJECT_ROOT / relative, tmp_path / relative)
     edited = tmp_path / "deepspeed_configs" / "zero2.json"
@@ -23,3 +23,98 @@ def test_check_fails_with_a_diff_on_a_hand_edited_file(tmp_path, capsys):
 def test_write_then_check_round_trips(tmp_path, capsys):
     assert main(["configs", "write", "--out", str(tmp_path)]) == 0
     assert main(["configs", "check", "--root", str(tmp_path)]) == 0
+
+
+# --- every shipped file is accepted by the engine that reads it -------------------------------------------
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+from accelerate.commands.config.config_args import load_config_from_file  # noqa: E402
+
+from finetune import presets  # noqa: E402
+from finetune.args import parse_recipe  # noqa: E402
+from finetune.configs import accelerate_config, deepspeed_config  # noqa: E402
+from finetune.configs.files import SHIPPED  # noqa: E402
+from finetune.configs.lint import (  # noqa: E402
+    lint_accelerate, lint_deepspeed, lint_file, lint_fsdp_wrap_classes, parse_with_deepspeed,
+)
+from finetune.errors import RecipeError  # noqa: E402
+
+DEEPSPEED_FILES = [c.path for c in SHIPPED if c.path.endswith(".json")]
+ACCELERATE_FILES = [c.path for c in SHIPPED if c.path.endswith(".yaml")]
+
+
+@pytest.mark.parametrize("path", DEEPSPEED_FILES)
+def test_deepspeed_parses_every_shipped_json(path):
+    config = json.loads((PROJECT_ROOT / path).read_text())
+    parsed = parse_with_deepspeed(config)
+    assert parsed.zero_optimization_stage == config["zero_optimization"]["stage"]
+    assert lint_file(PROJECT_ROOT / path) == []
+    if parsed.zero_optimization_stage == 3:
+        assert parsed.zero_config.gather_16bit_weights_on_model_save is True
+
+
+@pytest.mark.parametrize("path", ACCELERATE_FILES)
+def test_accelerate_loads_every_shipped_yaml(path, monkeypatch):
+    monkeypatch.chdir(PROJECT_ROOT)  # deepspeed_config_file paths are relative to the launch directory
+    loaded = load_config_from_file(path)
+    assert loaded.num_processes >= 1
+    assert lint_file(path) == []
+
+
+def test_deepspeed_yaml_files_point_at_shipped_json():
+    for config in SHIPPED:
+        file = config.make().get("deepspeed_config", {}).get("deepspeed_config_file")
+        if file:
+            assert (PROJECT_ROOT / file).is_file(), config.path
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (deepspeed_config(stage=2, offload_param="cpu"), "offload_param` needs ZeRO stage 3 (stage is 2)"),
+        ({**deepspeed_config(stage=1), "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
+        (deepspeed_config(stage=3, offload_optimizer="nvme"), "offload_optimizer` offloads to NVMe without `nvme_path`"),
+        ({**deepspeed_config(stage=2), "train_batch_size": 64, "train_micro_batch_size_per_gpu": 16,
+          "gradient_accumulation_steps": 1}, "train_batch_size 64 != micro 16 × accumulation 1 × world size 2 = 32"),
+        ({**deepspeed_config(stage=2), "zero_optimisation": {}}, "unknown top-level key(s) 'zero_optimisation'"),
+        ({**deepspeed_config(stage=2), "zero_optimization": {"stage": 2, "overlap_com": True}},
+         "zero_optimization.overlap_com`: Extra inputs are not permitted"),
+    ],
+    ids=["offload-param-stage2", "fp16-and-bf16", "nvme-without-path", "batch-product", "unknown-key", "unknown-zero-key"],
+)
+def test_each_invalid_deepspeed_combination_is_named(config, message):
+    problems = lint_deepspeed(config, world_size=2, source="ds.json")
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_process_count_above_visible_gpus_is_rejected():
+    problems = lint_accelerate(accelerate_config("ddp", num_processes=2), visible_devices=1)
+    assert problems == ["Accelerate config: 2 process(es) per machine but 1 visible GPU(s); set num_processes "
+                        "to the GPU count or fix CUDA_VISIBLE_DEVICES."]
+    assert lint_accelerate(accelerate_config("ddp", num_processes=2), visible_devices=2) == []
+
+
+def test_fsdp_wrap_class_missing_from_the_model_is_named():
+    model = presets.build_model(presets.build_tokenizer())
+    assert lint_fsdp_wrap_classes(["LlamaDecoderLayer"], model) == []
+    problems = lint_fsdp_wrap_classes(["GPT2Block"], model)
+    assert problems and "GPT2Block not found in LlamaForCausalLM" in problems[0] and "LlamaDecoderLayer" in problems[0]
+
+
+def test_finetune_train_lints_the_launchers_deepspeed_json_before_the_process_group(tmp_path, monkeypatch):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps(deepspeed_config(stage=1, offload_param="cpu")))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(bad))
+    with pytest.raises(RecipeError, match=r"offload_param` needs ZeRO stage 3 \(stage is 1\)"):
+        parse_recipe(PROJECT_ROOT / "recipes" / "demo.yaml", ["--output_dir", str(tmp_path)])
+
+
+def test_lint_command_exit_status(tmp_path, capsys):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({**deepspeed_config(stage=2), "fp16": {"enabled": True}, "bf16": {"enabled": True}}))
+    assert main(["configs", "lint", str(bad)]) == 1
+    assert "both true" in capsys.readouterr().out
+    assert main(["configs", "lint", str(PROJECT_ROOT / "deepspeed_configs" / "zero3.json")]) == 0

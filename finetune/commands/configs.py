@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from finetune.configs.files import check_configs, write_configs
+from finetune.configs.lint import lint_file
 
 
 def configs_command_parser(subparsers) -> None:
@@ -15,6 +16,10 @@ def configs_command_parser(subparsers) -> None:
     write.add_argument("--out", type=Path, default=Path("."), help="root to write under (default: here)")
     check = actions.add_parser("check", help="exit non-zero with a diff if a shipped file differs from the generator")
     check.add_argument("--root", type=Path, default=Path("."), help="project root holding the shipped configs")
+    lint = actions.add_parser("lint", help="report invalid or contradictory settings in DeepSpeed JSON / Accelerate YAML")
+    lint.add_argument("files", nargs="+", type=Path)
+    lint.add_argument("--world-size", type=int, help="world size for the batch-size product check")
+    lint.add_argument("--visible-devices", type=int, help="GPUs per machine for the process-count check")
     parser.set_defaults(func=configs_command)
 
 
@@ -23,6 +28,12 @@ def configs_command(args) -> int:
         for path in write_configs(args.out):
             print(f"wrote {path}")
         return 0
+    if args.action == "lint":
+        problems = [problem for path in args.files for problem in lint_file(path, args.world_size, args.visible_devices)]
+        for problem in problems:
+            print(problem)
+        print(f"{len(problems)} problem(s) in {len(args.files)} file(s)")
+        return 1 if problems else 0
     problems = check_configs(args.root)
     for problem in problems:
         sys.stdout.write(problem)

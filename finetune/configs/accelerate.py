@@ -1,8 +1,17 @@
-"""Accelerate launch configs (the YAML `accelerate launch --config_file` reads) as dicts."""
+"""Accelerate launch configs (the YAML `accelerate launch --config_file` reads) as dicts.
+
+One function covers every strategy; the shipped files differ only in its arguments (see files.py).
+Multi-node files carry placeholders that `accelerate launch --machine_rank R --main_process_ip IP`
+overrides on each node.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+STRATEGIES = ("single", "ddp", "deepspeed", "fsdp")
+FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard")
+MAIN_PROCESS_IP_PLACEHOLDER = "MAIN_NODE_IP"
 
 
 def accelerate_config(
@@ -10,14 +19,28 @@ def accelerate_config(
     num_processes: int = 2,
     num_machines: int = 1,
     use_cpu: bool = False,
-    mixed_precision: str = "no",
+    mixed_precision: str = "bf16",
     deepspeed_config_file: str | None = None,
+    fsdp_sharding: str = "full_shard",
+    fsdp_offload_params: bool = False,
+    main_process_port: int = 29500,
 ) -> dict[str, Any]:
-    """`strategy` is one of single, ddp, deepspeed; `deepspeed_config_file` is relative to the launch directory."""
-    distributed_type = {"single": "NO", "ddp": "MULTI_CPU" if use_cpu else "MULTI_GPU", "deepspeed": "DEEPSPEED"}
+    """`num_processes` counts every process on every machine, as Accelerate does.
+
+    `deepspeed_config_file` is relative to the directory `accelerate launch` runs in. With DeepSpeed the
+    JSON decides precision, so `mixed_precision` is left out (Accelerate refuses both).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "single":
+        distributed_type = "NO"
+    elif strategy == "ddp":
+        distributed_type = "MULTI_CPU" if use_cpu else "MULTI_GPU"
+    else:
+        distributed_type = strategy.upper()
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": distributed_type[strategy],
+        "distributed_type": distributed_type,
         "num_machines": num_machines,
         "num_processes": num_processes,
         "machine_rank": 0,
@@ -26,8 +49,35 @@ def accelerate_config(
         "same_network": True,
         "use_cpu": use_cpu,
     }
-    if strategy != "deepspeed":
-        config["mixed_precision"] = mixed_precision  # with DeepSpeed the JSON decides precision
-    else:
+    if num_machines > 1:
+        config.update(main_process_ip=MAIN_PROCESS_IP_PLACEHOLDER, main_process_port=main_process_port)
+    if strategy == "deepspeed":
         config["deepspeed_config"] = {"deepspeed_config_file": deepspeed_config_file, "zero3_init_flag": False}
+    else:
+        config["mixed_precision"] = "no" if use_cpu else mixed_precision
+    if strategy == "fsdp":
+        config["fsdp_config"] = _fsdp_section(fsdp_sharding, fsdp_offload_params)
+        if fsdp_sharding == "hybrid_shard":
+            # FSDP2 hybrid sharding: shard inside a node, replicate across nodes (fast intra-node links only).
+            config["parallelism_config"] = {
+                "parallelism_config_dp_replicate_size": num_machines,
+                "parallelism_config_dp_shard_size": num_processes // num_machines,
+                "parallelism_config_tp_size": 1,
+                "parallelism_config_cp_size": 1,
+            }
     return config
+
+
+def _fsdp_section(sharding: str, offload_params: bool) -> dict[str, Any]:
+    if sharding not in FSDP_SHARDING:
+        raise ValueError(f"fsdp_sharding must be one of {FSDP_SHARDING}, got {sharding!r}")
+    return {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # wraps the model's `_no_split_modules` layers
+        # FSDP2 expresses ZeRO-2-like sharding (gradients + optimizer only) as not resharding after forward.
+        "fsdp_reshard_after_forward": sharding != "shard_grad_op",
+        "fsdp_offload_params": offload_params,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_activation_checkpointing": False,
+    }

@@ -1,19 +1,23 @@
 """DeepSpeed JSON configs as dicts.
 
-Values Trainer knows are left as "auto" so there is one source of truth (the recipe): micro batch,
-accumulation, train batch, gradient clipping, optimizer/scheduler hyper-parameters, precision and the
-size-dependent bucket sizes (see transformers/integrations/deepspeed.py, `trainer_config_process` and
-`trainer_config_finalize`).
+Values Trainer knows are left as "auto" so the recipe stays the one source of truth: micro batch,
+accumulation, train batch, gradient clipping, precision, and ZeRO-3's size-dependent buckets
+(transformers/integrations/deepspeed.py: `trainer_config_process`, `trainer_config_finalize`).
+ZeRO-2 buckets are fixed (2e8, as in Hugging Face's ZeRO-2 example): Trainer's "auto" is hidden²,
+which splits a small model's gradients into thousands of collectives per step.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-OFFLOAD_DEVICES = (None, "cpu", "nvme")
+OFFLOAD_DEVICES = ("cpu", "nvme")
+NVME_PATH_PLACEHOLDER = "/local_nvme"
 
 
 def _offload(device: str, nvme_path: str | None) -> dict[str, Any]:
+    if device not in OFFLOAD_DEVICES:
+        raise ValueError(f"offload device must be one of {OFFLOAD_DEVICES}, got {device!r}")
     section: dict[str, Any] = {"device": device, "pin_memory": True}
     if device == "nvme":
         section["nvme_path"] = nvme_path
@@ -26,14 +30,20 @@ def deepspeed_config(
     offload_param: str | None = None,
     nvme_path: str | None = None,
     overlap_comm: bool = True,
+    zeropp_hpz_partition_size: int | None = None,
 ) -> dict[str, Any]:
-    """A ZeRO config for `stage` 0-3 with optional optimizer/parameter offload to `cpu` or `nvme`."""
+    """A ZeRO config for `stage` 0-3, optional offload to `cpu`/`nvme`, optional ZeRO++ (stage 3).
+
+    `zeropp_hpz_partition_size` turns on ZeRO++: quantized weight all-gather (qwZ), quantized gradient
+    reduce-scatter (qgZ) and a secondary weight partition of that many ranks, usually the GPUs of one
+    node (hpZ), so the forward all-gather stays inside the node (arXiv 2306.10209).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     zero: dict[str, Any] = {"stage": stage}
     if stage >= 1:
         zero.update(overlap_comm=overlap_comm, contiguous_gradients=True)
     if stage == 2:
-        # Fixed buckets as in Hugging Face's ZeRO-2 example: Trainer's "auto" (hidden_size²) makes
-        # thousands of tiny collectives per step for small models.
         zero.update(reduce_bucket_size=2e8, allgather_bucket_size=2e8, allgather_partitions=True,
                     reduce_scatter=True, round_robin_gradients=True)
     if stage == 3:
@@ -46,6 +56,9 @@ def deepspeed_config(
             # Saves consolidated 16-bit weights, so a saved model loads with from_pretrained directly.
             stage3_gather_16bit_weights_on_model_save=True,
         )
+    if zeropp_hpz_partition_size:
+        zero.update(zero_quantized_weights=True, zero_quantized_gradients=True,
+                    zero_hpz_partition_size=zeropp_hpz_partition_size)
     if offload_optimizer:
         zero["offload_optimizer"] = _offload(offload_optimizer, nvme_path)
     if offload_param:

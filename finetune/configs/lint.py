@@ -1,0 +1,163 @@
+"""Validation before launch: contradictions in DeepSpeed JSON and Accelerate YAML, one clear message each.
+
+DeepSpeed's own config model decides what it can (its pydantic ZeRO section forbids unknown keys; its
+constants name the top-level keys); this module adds the cross-field rules it misses.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Values Trainer fills in for "auto", used only to let DeepSpeed's parser see a complete config.
+_AUTO_STAND_INS = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
+_EXTRA_TOP_LEVEL_KEYS = {
+    "zero_optimization", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+    "comet", "comms_logger", "compile", "aio", "tensor_parallel", "amp", "autotuning", "elasticity",
+    "nebula", "data_efficiency", "curriculum_learning", "compression_training", "sparse_attention",
+    "pipeline", "weight_quantization", "hybrid_engine", "monitor_config", "zero_force_ds_cpu_optimizer",
+    "torch_autocast", "timers", "fp8", "mics_shard_size", "mics_hierarchical_params_gather",
+}
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("enabled") is True
+
+
+def _known_top_level_keys() -> set[str]:
+    import deepspeed.runtime.constants as constants
+
+    values = {value for name, value in vars(constants).items() if name.isupper() and isinstance(value, str)}
+    return values | _EXTRA_TOP_LEVEL_KEYS
+
+
+def lint_deepspeed(config: dict[str, Any], world_size: int | None = None, source: str = "DeepSpeed config") -> list[str]:
+    """Problems in a DeepSpeed config dict; `world_size` enables the batch-size product check."""
+    problems = []
+    zero = config.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if zero.get("offload_param") and stage != 3:
+        problems.append(f"{source}: `zero_optimization.offload_param` needs ZeRO stage 3 (stage is {stage}); "
+                        "remove offload_param or set stage 3.")
+    if _enabled(config.get("fp16")) and _enabled(config.get("bf16")):
+        problems.append(f"{source}: `fp16.enabled` and `bf16.enabled` are both true; enable one (or use \"auto\").")
+    for section in ("offload_optimizer", "offload_param"):
+        offload = zero.get(section) or {}
+        if offload.get("device") == "nvme" and not offload.get("nvme_path"):
+            problems.append(f"{source}: `zero_optimization.{section}` offloads to NVMe without `nvme_path`; "
+                            "set it to a directory on a local NVMe drive.")
+    problems += _batch_product_problems(config, world_size, source)
+    unknown = sorted(set(config) - _known_top_level_keys())
+    if unknown:
+        problems.append(f"{source}: unknown top-level key(s) {', '.join(map(repr, unknown))} (DeepSpeed ignores them).")
+    problems += _zero_section_problems(zero, source)
+    return problems
+
+
+def _batch_product_problems(config: dict[str, Any], world_size: int | None, source: str) -> list[str]:
+    values = {key: config.get(key) for key in
+              ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+    if not all(isinstance(value, int) for value in values.values()):
+        return []  # "auto" or absent: Trainer fills them consistently
+    total, micro, accumulation = values.values()
+    if world_size is not None and total != micro * accumulation * world_size:
+        return [f"{source}: train_batch_size {total} != micro {micro} × accumulation {accumulation} × "
+                f"world size {world_size} = {micro * accumulation * world_size}; set them to \"auto\"."]
+    if total % (micro * accumulation):
+        return [f"{source}: train_batch_size {total} is not a multiple of micro {micro} × accumulation {accumulation}."]
+    return []
+
+
+def _zero_section_problems(zero: dict[str, Any], source: str) -> list[str]:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    resolved = {key: (int(5e8) if value == "auto" else value) for key, value in zero.items()}
+    try:
+        DeepSpeedZeroConfig(**resolved)
+    except ValidationError as error:
+        return [f"{source}: `zero_optimization.{'.'.join(map(str, e['loc']))}`: {e['msg']}" for e in error.errors()]
+    return []
+
+
+def parse_with_deepspeed(config: dict[str, Any]):
+    """DeepSpeed's own `DeepSpeedConfig` parse (in this single process), "auto" values filled as Trainer would."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    resolved = _fill_auto(copy.deepcopy(config))
+    if resolved.get("train_batch_size") == "auto":
+        resolved["train_batch_size"] = (
+            resolved["train_micro_batch_size_per_gpu"] * resolved["gradient_accumulation_steps"]
+        )
+    return DeepSpeedConfig(resolved)
+
+
+def _fill_auto(node: Any, key: str | None = None) -> Any:
+    if isinstance(node, dict):
+        return {k: _fill_auto(v, k) for k, v in node.items()}
+    if node == "auto":
+        if key == "enabled":
+            return False
+        return _AUTO_STAND_INS.get(key, int(5e8) if key != "train_batch_size" else "auto")
+    return node
+
+
+def lint_accelerate(config: dict[str, Any], visible_devices: int | None = None, source: str = "Accelerate config") -> list[str]:
+    """Problems in an Accelerate config dict; `visible_devices` enables the per-machine process count check."""
+    problems = []
+    machines = int(config.get("num_machines", 1) or 1)
+    processes = int(config.get("num_processes", 1) or 1)
+    if processes % machines:
+        problems.append(f"{source}: num_processes {processes} is not a multiple of num_machines {machines}.")
+    uses_gpus = not config.get("use_cpu") and config.get("distributed_type") not in ("MULTI_CPU",)
+    per_machine = processes // machines
+    if uses_gpus and visible_devices is not None and per_machine > visible_devices:
+        problems.append(f"{source}: {per_machine} process(es) per machine but {visible_devices} visible GPU(s); "
+                        "set num_processes to the GPU count or fix CUDA_VISIBLE_DEVICES.")
+    if config.get("distributed_type") == "DEEPSPEED":
+        path = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
+        if path and not Path(path).is_file():
+            problems.append(f"{source}: deepspeed_config_file `{path}` does not exist (paths are relative to the "
+                            "directory you launch from).")
+    if config.get("use_cpu") and config.get("mixed_precision") == "fp16":
+        problems.append(f"{source}: fp16 mixed precision is not supported on CPU; use bf16 or no.")
+    return problems
+
+
+def lint_fsdp_wrap_classes(layer_classes: list[str], model) -> list[str]:
+    """FSDP wrap classes that do not occur in `model`."""
+    present = {type(module).__name__ for module in model.modules()}
+    missing = [name for name in layer_classes if name not in present]
+    if not missing:
+        return []
+    candidates = getattr(model, "_no_split_modules", None) or sorted(present)[:8]
+    return [f"FSDP wrap class(es) {', '.join(missing)} not found in {type(model).__name__}; "
+            f"this model's layer class is {', '.join(candidates)}."]
+
+
+def lint_file(path: str | Path, world_size: int | None = None, visible_devices: int | None = None) -> list[str]:
+    """Lints a DeepSpeed JSON or an Accelerate YAML; unreadable files are problems too."""
+    path = Path(path)
+    if not path.is_file():
+        return [f"{path}: no such file."]
+    text = path.read_text()
+    try:
+        config = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        return [f"{path}: cannot parse: {error}"]
+    if not isinstance(config, dict):
+        return [f"{path}: expected a mapping at the top level."]
+    if path.suffix == ".json":
+        return lint_deepspeed(config, world_size, source=str(path))
+    problems = lint_accelerate(config, visible_devices, source=str(path))
+    try:
+        from accelerate.commands.config.config_args import load_config_from_file
+
+        load_config_from_file(str(path))
+    except Exception as error:  # Accelerate's loader is the judge of its own format
+        problems.append(f"{path}: Accelerate cannot load it: {type(error).__name__}: {error}")
+    return problems

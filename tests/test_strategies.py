@@ -1,0 +1,109 @@
+"""Real 2-process runs: every DeepSpeed config that can run on CPU trains, the stage really applies (bytes per
+rank), a silent FSDP→DDP fallback is caught, and a DeepSpeed/Trainer contradiction is reported."""
+
+import json
+import math
+
+import pytest
+
+from finetune.configs import deepspeed_config
+from finetune.testing import accelerate_launch_command, assert_succeeded, run
+
+pytestmark = pytest.mark.distributed
+
+# ZeRO-3 NVMe needs an NVMe path and the async-I/O op; ZeRO++ quantization kernels need CUDA.
+CPU_RUNNABLE = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+SHORT_RUN = ["--max_steps", "3", "--logging_steps", "1", "--eval_on_start", "false", "--generation_eval_samples", "6"]
+
+
+def launch(config_file, output_dir, *extra, deepspeed_json=None):
+    command = accelerate_launch_command(config_file, "train", "recipes/demo.yaml", "--output_dir", str(output_dir),
+                                        *SHORT_RUN, *extra)
+    if deepspeed_json is not None:
+        at = command.index("--main_process_port")
+        command[at:at] = ["--deepspeed_config_file", deepspeed_json]
+    return run(command, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    runs = {}
+    for name in CPU_RUNNABLE:
+        output_dir = tmp_path_factory.mktemp(name)
+        result = launch("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir,
+                        deepspeed_json=f"deepspeed_configs/{name}.json")
+        assert_succeeded(result)
+        state = json.loads((output_dir / "trainer_state.json").read_text())
+        runs[name] = {
+            "effective": json.loads((output_dir / "effective_config.json").read_text()),
+            "losses": [entry["loss"] for entry in state["log_history"] if "loss" in entry],
+            "output_dir": output_dir,
+        }
+    return runs
+
+
+@pytest.mark.parametrize("name", CPU_RUNNABLE)
+def test_deepspeed_config_trains_and_runs_what_it_asks(deepspeed_runs, name):
+    run_ = deepspeed_runs[name]
+    assert len(run_["losses"]) == 3 and all(math.isfinite(loss) for loss in run_["losses"])
+    strategy = run_["effective"]["strategy"]
+    requested, running = strategy["requested"], strategy["running"]
+    assert running["strategy"] == "deepspeed"
+    assert running["zero_stage"] == requested["zero_stage"] == int(name[4])
+    assert running["offload_optimizer"] == ("cpu" if "offload" in name else None)
+    assert running["offload_param"] == ("cpu" if name == "zero3_offload" else None)
+    assert [entry["rank"] for entry in run_["effective"]["ranks"]] == [0, 1]
+    assert (run_["output_dir"] / "model.safetensors").is_file()
+
+
+def per_rank(runs, name, key):
+    return [entry[key] for entry in runs[name]["effective"]["ranks"]]
+
+
+def test_optimizer_state_bytes_per_rank_halve_from_zero0_to_zero1(deepspeed_runs):
+    zero0 = per_rank(deepspeed_runs, "zero0", "optimizer_bytes")
+    zero1 = per_rank(deepspeed_runs, "zero1", "optimizer_bytes")
+    assert zero0[0] == zero0[1] > 0
+    for held in zero1:  # half, up to DeepSpeed's partition alignment padding
+        assert abs(held - zero0[0] / 2) <= 0.01 * zero0[0]
+    assert per_rank(deepspeed_runs, "zero2", "optimizer_bytes") == zero1
+
+
+def test_parameters_per_rank_halve_under_zero3(deepspeed_runs):
+    full = per_rank(deepspeed_runs, "zero2", "params_bytes")
+    for name in ("zero3", "zero3_offload"):
+        for held in per_rank(deepspeed_runs, name, "params_bytes"):
+            assert abs(held - full[0] / 2) <= 0.01 * full[0]
+
+
+def test_effective_config_names_the_source_of_each_value(deepspeed_runs):
+    values = deepspeed_runs["zero2"]["effective"]["values"]
+    assert values["world_size"] == {"value": 2, "source": "Accelerate config (WORLD_SIZE)"}
+    assert values["zero_stage"] == {"value": 2, "source": "DeepSpeed JSON deepspeed_configs/zero2.json"}
+    assert values["per_device_train_batch_size"]["source"] == 'recipe recipes/demo.yaml → DeepSpeed "auto" filled by Trainer'
+    assert values["learning_rate"] == {"value": 0.002, "source": "recipe recipes/demo.yaml"}
+    assert values["global_batch_size"]["value"] == 32
+    assert deepspeed_runs["zero2"]["effective"]["deepspeed_mismatches"] == []
+
+
+def test_deepspeed_json_contradicting_the_recipe_stops_with_both_values(tmp_path):
+    contradicting = tmp_path / "zero2_clip.json"
+    contradicting.write_text(json.dumps({**deepspeed_config(stage=2), "gradient_clipping": 0.5}))
+    output_dir = tmp_path / "out"
+    result = launch("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, "--max_grad_norm", "1.0",
+                    deepspeed_json=str(contradicting))
+    assert result.returncode != 0
+    assert result.output.count("finetune: error: the DeepSpeed JSON contradicts the recipe: "
+                               "ds gradient_clipping=0.5 vs hf max_grad_norm=1.0") == 1
+    effective = json.loads((output_dir / "effective_config.json").read_text())
+    assert effective["deepspeed_mismatches"] == ["ds gradient_clipping=0.5 vs hf max_grad_norm=1.0"]
+    assert effective["values"]["max_grad_norm"]["source"].startswith(f"DeepSpeed JSON {contradicting} (gradient_clipping=0.5)")
+    assert effective["values"]["max_grad_norm"]["source"].endswith("Trainer has 1.0")
+    assert not (output_dir / "trainer_state.json").exists()
+
+
+def test_fsdp_silently_turned_into_ddp_on_cpu_is_detected(tmp_path):
+    result = launch("accelerate_configs/cpu_fsdp.yaml", tmp_path / "out")
+    assert result.returncode != 0
+    assert result.output.count("finetune: error: fsdp was requested but Trainer prepared ddp") == 1
+    assert "Trainer's use_cpu turns FSDP into DDP" in result.output
