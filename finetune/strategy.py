@@ -60,7 +60,8 @@ def running_strategy(trainer) -> dict:
     if trainer.is_fsdp_enabled and _is_fsdp_sharded(trainer.model):
         return {"strategy": "fsdp"}
     if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-        return {"strategy": "ddp"}
+        hooks = [getattr(hook, "__name__", str(hook)) for hook, _ in getattr(wrapped, "_comm_hooks", [])]
+        return {"strategy": "ddp", "comm_hooks": hooks}
     return {"strategy": "single"}
 
 
@@ -126,6 +127,10 @@ def strategy_problems(requested: dict, running: dict, trainer) -> list[str]:
             if unpartitioned:
                 problems.append(f"ZeRO-3 is on but {len(unpartitioned)} parameters are not partitioned "
                                 f"(e.g. {unpartitioned[0]}).")
+    hook = trainer.args.ddp_comm_hook
+    if hook != "no" and not any(name.startswith(hook) for name in running.get("comm_hooks", [])):
+        problems.append(f"`ddp_comm_hook: {hook}` was requested but no {hook} hook is registered "
+                        f"(strategy: {got}); communication hooks apply to DDP only.")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if trainer.args.world_size != world_size:
         problems.append(f"the launcher started {world_size} processes but Trainer runs with world size "

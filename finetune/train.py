@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from accelerate.utils import DDPCommunicationHookType
 from transformers import DataCollatorForSeq2Seq, Trainer, set_seed
 
 from finetune.args import Recipe, parse_recipe
@@ -50,6 +51,9 @@ def train(recipe: Recipe) -> dict:
         callbacks=[exact_match],
     )
 
+    if args.ddp_comm_hook != "no":
+        # Trainer builds the DDP kwargs handler itself; the hook is registered when it wraps the model.
+        trainer.accelerator.ddp_handler.comm_hook = DDPCommunicationHookType(args.ddp_comm_hook)
     effective = describe_effective_config(trainer, recipe.sources)
     if trainer.is_world_process_zero():
         write_effective_config(effective, args.output_dir)

@@ -118,3 +118,13 @@ def test_lint_command_exit_status(tmp_path, capsys):
     assert main(["configs", "lint", str(bad)]) == 1
     assert "both true" in capsys.readouterr().out
     assert main(["configs", "lint", str(PROJECT_ROOT / "deepspeed_configs" / "zero3.json")]) == 0
+
+
+def test_bf16_communication_hook_without_cuda_is_refused(tmp_path):
+    with pytest.raises(RecipeError, match="`ddp_comm_hook: bf16` needs CUDA"):
+        parse_recipe(PROJECT_ROOT / "recipes" / "demo.yaml", ["--ddp_comm_hook", "bf16", "--output_dir", str(tmp_path)])
+
+
+def test_multi_cpu_config_that_would_start_one_process_is_flagged():
+    config = {**accelerate_config("ddp", use_cpu=True), "distributed_type": "MULTI_CPU"}
+    assert "starts ONE process" in lint_accelerate(config)[0]

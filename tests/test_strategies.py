@@ -3,11 +3,13 @@ rank), a silent FSDP→DDP fallback is caught, and a DeepSpeed/Trainer contradic
 
 import json
 import math
+import shutil
+import sys
 
 import pytest
 
 from finetune.configs import deepspeed_config
-from finetune.testing import accelerate_launch_command, assert_succeeded, run
+from finetune.testing import PROJECT_ROOT, accelerate_launch_command, assert_succeeded, free_port, run
 
 pytestmark = pytest.mark.distributed
 
@@ -107,3 +109,29 @@ def test_fsdp_silently_turned_into_ddp_on_cpu_is_detected(tmp_path):
     assert result.returncode != 0
     assert result.output.count("finetune: error: fsdp was requested but Trainer prepared ddp") == 1
     assert "Trainer's use_cpu turns FSDP into DDP" in result.output
+
+
+def test_a_default_accelerate_config_nobody_named_is_warned_about(tmp_path):
+    hf_home = tmp_path / "hf_home"
+    (hf_home / "accelerate").mkdir(parents=True)
+    default = hf_home / "accelerate" / "default_config.yaml"
+    shutil.copy(PROJECT_ROOT / "accelerate_configs" / "cpu_deepspeed_zero2.yaml", default)
+    output_dir = tmp_path / "out"
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--main_process_port",
+               str(free_port()), "-m", "finetune", "train", "recipes/demo.yaml", "--output_dir", str(output_dir),
+               *SHORT_RUN]
+    result = run(command, timeout=300, env={"HF_HOME": str(hf_home)})
+    assert_succeeded(result)
+    warning = (f"accelerate launch used its default config {default}, which the command did not name; "
+               "pass --config_file to choose one.")
+    assert json.loads((output_dir / "effective_config.json").read_text())["warnings"] == [warning]
+    assert result.output.count("warning: accelerate launch used its default config") == 1
+
+
+def test_ddp_gradient_compression_hook_is_registered_on_two_processes(tmp_path):
+    output_dir = tmp_path / "out"
+    result = launch("accelerate_configs/cpu_ddp.yaml", output_dir, "--ddp_comm_hook", "fp16")
+    assert_succeeded(result)
+    effective = json.loads((output_dir / "effective_config.json").read_text())
+    assert effective["strategy"]["running"] == {"strategy": "ddp", "comm_hooks": ["fp16_compress_hook"]}
+    assert effective["values"]["world_size"]["value"] == 2

@@ -35,7 +35,9 @@ def accelerate_config(
     if strategy == "single":
         distributed_type = "NO"
     elif strategy == "ddp":
-        distributed_type = "MULTI_CPU" if use_cpu else "MULTI_GPU"
+        # Not MULTI_CPU: without mpirun, `accelerate launch` starts ONE process for it. MULTI_GPU with
+        # use_cpu gives N gloo ranks (Trainer must also get use_cpu, which the recipe parser sets).
+        distributed_type = "MULTI_GPU"
     else:
         distributed_type = strategy.upper()
     config: dict[str, Any] = {

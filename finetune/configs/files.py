@@ -121,6 +121,12 @@ def render_readme(folder: str) -> str:
         "| --- | --- | --- | --- |",
     ]
     lines += [f"| `{Path(c.path).name}` | {c.shards} | {c.use_when} | `{c.launch}` |" for c in rows]
+    if folder == "accelerate_configs":
+        lines.append(
+            "| `ddp.yaml` + `--ddp_comm_hook bf16` | nothing; gradients all-reduced in bf16 (DDP comm hook) | "
+            "2 GPUs over PCIe, communication-bound | "
+            f"`accelerate launch --config_file accelerate_configs/ddp.yaml {DEMO} --ddp_comm_hook bf16` |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -113,7 +113,11 @@ def lint_accelerate(config: dict[str, Any], visible_devices: int | None = None, 
     processes = int(config.get("num_processes", 1) or 1)
     if processes % machines:
         problems.append(f"{source}: num_processes {processes} is not a multiple of num_machines {machines}.")
-    uses_gpus = not config.get("use_cpu") and config.get("distributed_type") not in ("MULTI_CPU",)
+    if config.get("distributed_type") == "MULTI_CPU" and processes > machines:
+        problems.append(f"{source}: MULTI_CPU with {processes} processes: `accelerate launch` starts ONE process "
+                        "per machine for it unless run under mpirun; use distributed_type MULTI_GPU with "
+                        "use_cpu: true for several CPU processes on one machine.")
+    uses_gpus = not config.get("use_cpu") and config.get("distributed_type") != "MULTI_CPU"
     per_machine = processes // machines
     if uses_gpus and visible_devices is not None and per_machine > visible_devices:
         problems.append(f"{source}: {per_machine} process(es) per machine but {visible_devices} visible GPU(s); "
