@@ -122,6 +122,10 @@ def strategy_problems(requested: dict, running: dict, trainer) -> list[str]:
         for key in ("offload_optimizer", "offload_param"):
             if requested[key] and requested[key] != running[key]:
                 problems.append(f"{key} to {requested[key]} was requested but the engine has {running[key]}.")
+        if requested["offload_optimizer"] == "cpu":
+            devices = held_bytes(trainer.model, trainer.optimizer)["optimizer_devices"]
+            if devices and devices != ["cpu"]:
+                problems.append(f"optimizer offload to CPU was requested but optimizer states are on {devices}.")
         if running["zero_stage"] == 3 and trainer.args.world_size > 1:
             unpartitioned = [n for n, p in trainer.model.named_parameters() if not hasattr(p, "ds_tensor")]
             if unpartitioned:
