@@ -128,14 +128,6 @@ class Recipe:
     # Where each key given by the user came from: "recipe <path>" or "command line".
     sources: dict[str, str] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The flat key → value view that a recipe YAML would hold."""
-        values: dict[str, Any] = {}
-        for section in (self.model, self.data, self.lora):
-            values.update(dataclasses.asdict(section))
-        values.update(self.training.to_dict())
-        return values
-
 
 class RecipeParser(HfArgumentParser):
     """`HfArgumentParser` that raises `RecipeError` instead of printing usage and exiting."""

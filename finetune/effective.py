@@ -14,7 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from finetune.strategy import requested_strategy
+from finetune.errors import RecipeError
+from finetune.strategy import StrategyCheckCallback, requested_strategy, write_effective_config
 
 # Trainer argument → the DeepSpeed key Trainer fills from it when the JSON says "auto".
 DEEPSPEED_KEYS = {
@@ -62,7 +63,7 @@ def describe_effective_config(trainer, sources: dict[str, str]) -> dict:
         source = sources.get(key, "default")
         ds_value = ds_json.get(DEEPSPEED_KEYS.get(key, ""), None)
         if ds_value == "auto":
-            source += f" → DeepSpeed \"auto\" filled by Trainer"
+            source += " → DeepSpeed \"auto\" filled by Trainer"
         elif ds_value is not None:
             source = f"DeepSpeed JSON {ds_file} ({DEEPSPEED_KEYS[key]}={ds_value}); Trainer has {getattr(args, key)}"
         add(key, getattr(args, key), source)
@@ -96,3 +97,19 @@ def print_effective_config(effective: dict, console: Console | None = None) -> N
         console.print(f"[yellow]warning:[/yellow] {warning}")
     for mismatch in effective["deepspeed_mismatches"]:
         console.print(f"[red]DeepSpeed JSON contradicts Trainer:[/red] {mismatch}")
+
+
+def report_and_guard_launch(trainer, sources: dict[str, str]) -> dict:
+    """Writes and prints the effective configuration, stops on a DeepSpeed/Trainer contradiction, and
+    arms the check that the strategy Trainer prepares is the requested one."""
+    effective = describe_effective_config(trainer, sources)
+    if trainer.is_world_process_zero():
+        write_effective_config(effective, trainer.args.output_dir)
+        print_effective_config(effective)
+    if effective["deepspeed_mismatches"]:
+        raise RecipeError(
+            "the DeepSpeed JSON contradicts the recipe: " + "; ".join(effective["deepspeed_mismatches"])
+            + '. Set those DeepSpeed values to "auto" (Trainer fills them from the recipe) or change the recipe.'
+        )
+    trainer.add_callback(StrategyCheckCallback(trainer, effective))
+    return effective

@@ -15,11 +15,10 @@ from transformers import DataCollatorForSeq2Seq, Trainer, set_seed
 
 from finetune.args import Recipe, parse_recipe
 from finetune.configs.lint import lint_fsdp_wrap_classes
-from finetune.effective import describe_effective_config, print_effective_config
-from finetune.errors import RecipeError
-from finetune.strategy import StrategyCheckCallback, write_effective_config
 from finetune.data import load_raw_splits, prepare_datasets
 from finetune.data.tokenize import IGNORE_INDEX
+from finetune.effective import report_and_guard_launch
+from finetune.errors import RecipeError
 from finetune.evaluation import ExactMatchCallback
 from finetune.models import apply_lora, load_model, load_tokenizer
 from finetune.report import print_before_after, summarize_evaluations
@@ -51,19 +50,8 @@ def train(recipe: Recipe) -> dict:
         callbacks=[exact_match],
     )
 
-    if args.ddp_comm_hook != "no":
-        # Trainer builds the DDP kwargs handler itself; the hook is registered when it wraps the model.
-        trainer.accelerator.ddp_handler.comm_hook = DDPCommunicationHookType(args.ddp_comm_hook)
-    effective = describe_effective_config(trainer, recipe.sources)
-    if trainer.is_world_process_zero():
-        write_effective_config(effective, args.output_dir)
-        print_effective_config(effective)
-    if effective["deepspeed_mismatches"]:
-        raise RecipeError(
-            "the DeepSpeed JSON contradicts the recipe: " + "; ".join(effective["deepspeed_mismatches"])
-            + ". Set those DeepSpeed values to \"auto\" (Trainer fills them from the recipe) or change the recipe."
-        )
-    trainer.add_callback(StrategyCheckCallback(trainer, effective))
+    apply_ddp_comm_hook(trainer)
+    report_and_guard_launch(trainer, recipe.sources)  # effective_config.json; stops on a fallback
 
     train_output = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if data.eval is not None:
@@ -82,6 +70,12 @@ def train(recipe: Recipe) -> dict:
         Path(args.output_dir, "eval_results.json").write_text(json.dumps(summary, indent=2) + "\n")
         print_before_after(summary)
     return summary
+
+
+def apply_ddp_comm_hook(trainer) -> None:
+    """Trainer builds the DDP kwargs handler itself; the hook is registered when it wraps the model."""
+    if trainer.args.ddp_comm_hook != "no":
+        trainer.accelerator.ddp_handler.comm_hook = DDPCommunicationHookType(trainer.args.ddp_comm_hook)
 
 
 def check_fsdp_wrap_classes(model) -> None:

@@ -1,7 +1,18 @@
+import json
 import shutil
 
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+from finetune import presets
+from finetune.args import parse_recipe
 from finetune.cli import main
-from finetune.configs.files import expected_files
+from finetune.configs import accelerate_config, deepspeed_config
+from finetune.configs.files import SHIPPED, expected_files
+from finetune.configs.lint import (
+    lint_accelerate, lint_deepspeed, lint_file, lint_fsdp_wrap_classes, parse_with_deepspeed,
+)
+from finetune.errors import RecipeError
 from finetune.testing import PROJECT_ROOT
 
 
@@ -24,22 +35,6 @@ def test_write_then_check_round_trips(tmp_path, capsys):
     assert main(["configs", "write", "--out", str(tmp_path)]) == 0
     assert main(["configs", "check", "--root", str(tmp_path)]) == 0
 
-
-# --- every shipped file is accepted by the engine that reads it -------------------------------------------
-
-import json  # noqa: E402
-
-import pytest  # noqa: E402
-from accelerate.commands.config.config_args import load_config_from_file  # noqa: E402
-
-from finetune import presets  # noqa: E402
-from finetune.args import parse_recipe  # noqa: E402
-from finetune.configs import accelerate_config, deepspeed_config  # noqa: E402
-from finetune.configs.files import SHIPPED  # noqa: E402
-from finetune.configs.lint import (  # noqa: E402
-    lint_accelerate, lint_deepspeed, lint_file, lint_fsdp_wrap_classes, parse_with_deepspeed,
-)
-from finetune.errors import RecipeError  # noqa: E402
 
 DEEPSPEED_FILES = [c.path for c in SHIPPED if c.path.endswith(".json")]
 ACCELERATE_FILES = [c.path for c in SHIPPED if c.path.endswith(".yaml")]

@@ -99,11 +99,11 @@ def parse_with_deepspeed(config: dict[str, Any]):
 def _fill_auto(node: Any, key: str | None = None) -> Any:
     if isinstance(node, dict):
         return {k: _fill_auto(v, k) for k, v in node.items()}
-    if node == "auto":
-        if key == "enabled":
-            return False
-        return _AUTO_STAND_INS.get(key, int(5e8) if key != "train_batch_size" else "auto")
-    return node
+    if node != "auto" or key == "train_batch_size":  # train_batch_size is derived after the others
+        return node
+    if key == "enabled":
+        return False
+    return _AUTO_STAND_INS.get(key, int(5e8))  # the rest are bucket sizes and thresholds
 
 
 def lint_accelerate(config: dict[str, Any], visible_devices: int | None = None, source: str = "Accelerate config") -> list[str]:
