@@ -20,6 +20,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from finetune import presets
 from finetune.errors import RecipeError, did_you_mean
+from finetune.scaling import BatchPlan, plan_from_recipe
 
 
 @dataclass
@@ -109,6 +110,32 @@ class FinetuneTrainingArguments(TrainingArguments):
         metadata={"help": "Compress DDP gradient all-reduce to fp16/bf16 (a DDP communication hook): halves the "
                           "bytes moved per step on PCIe-linked GPUs. Accelerate configs cannot carry this."},
     )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Sequences per optimizer step over all processes; micro-batch and accumulation are "
+                          "planned for whatever world size is launched (per_device_train_batch_size caps the micro-batch)."},
+    )
+    max_micro_batch_size: int | None = field(
+        default=None, metadata={"help": "Largest micro-batch that fits in memory (default: per_device_train_batch_size)."}
+    )
+    lr_scaling: Literal["none", "linear", "sqrt"] = field(
+        default="none", metadata={"help": "Scale base_learning_rate from base_batch_size to the global batch."}
+    )
+    base_learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate tuned at base_batch_size (default: learning_rate)."}
+    )
+    base_batch_size: int | None = field(
+        default=None, metadata={"help": "Global batch at which base_learning_rate was tuned (default: this run's)."}
+    )
+    warmup_tokens: int | None = field(
+        default=None, metadata={"help": "Warm up over this many tokens (sets warmup_steps from the batch plan)."}
+    )
+    loss_normalization: Literal["tokens", "micro_batch_mean"] = field(
+        default="tokens",
+        metadata={"help": "tokens: every answer token weighs the same across accumulation steps and ranks "
+                          "(Trainer's num_items_in_batch). micro_batch_mean: the classic per-micro-batch mean, "
+                          "which changes the gradient when the GPU count changes; kept for comparison."},
+    )
     eval_on_start: bool = field(
         default=True, metadata={"help": "Evaluate once before the first step, so the report has a 'before'."}
     )
@@ -125,8 +152,9 @@ class Recipe:
     data: DataArguments
     lora: LoraArguments
     training: FinetuneTrainingArguments
-    # Where each key given by the user came from: "recipe <path>" or "command line".
+    # Where each key given by the user came from: "recipe <path>", "command line" or "batch plan".
     sources: dict[str, str] = field(default_factory=dict)
+    batch_plan: BatchPlan | None = None
 
 
 class RecipeParser(HfArgumentParser):
@@ -188,13 +216,30 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
         inputs = {name: value for name, value in vars(namespace).items() if name in names}
         if section_type is FinetuneTrainingArguments:
             preflight_launch(inputs)
+            batch_plan = plan_from_recipe(inputs, sections[1].max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
+            _apply_batch_plan(batch_plan, inputs, sources)
         try:
             sections.append(section_type(**inputs))
         except RecipeError:
             raise
         except (ValueError, TypeError) as error:  # TrainingArguments' own checks
             raise RecipeError(_name_the_culprit(str(error), values, overrides)) from None
-    return Recipe(*sections, sources=sources)
+    return Recipe(*sections, sources=sources, batch_plan=batch_plan)
+
+
+def _apply_batch_plan(plan: BatchPlan, training_inputs: dict[str, Any], sources: dict[str, str]) -> None:
+    """Writes the planned values into the training section, noting where each changed value came from."""
+    planned = {
+        "per_device_train_batch_size": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "learning_rate": plan.learning_rate,
+    }
+    if plan.warmup_steps is not None:
+        planned["warmup_steps"] = plan.warmup_steps
+    for key, value in planned.items():
+        if training_inputs.get(key) != value:
+            training_inputs[key] = value
+            sources[key] = "batch plan (global_batch_size, lr_scaling, warmup_tokens)"
 
 
 def _option_name(token: str) -> str:

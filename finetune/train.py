@@ -22,6 +22,7 @@ from finetune.errors import RecipeError
 from finetune.evaluation import ExactMatchCallback
 from finetune.models import apply_lora, load_model, load_tokenizer
 from finetune.report import print_before_after, summarize_evaluations
+from finetune.scaling import print_batch_plan, write_batch_plan
 
 
 def train(recipe: Recipe) -> dict:
@@ -51,6 +52,10 @@ def train(recipe: Recipe) -> dict:
     )
 
     apply_ddp_comm_hook(trainer)
+    if args.loss_normalization == "micro_batch_mean":
+        trainer.model_accepts_loss_kwargs = False  # Trainer then averages per micro-batch, the classic way
+    if trainer.is_world_process_zero():
+        print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
     report_and_guard_launch(trainer, recipe.sources)  # effective_config.json; stops on a fallback
 
     train_output = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
