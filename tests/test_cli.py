@@ -46,3 +46,16 @@ def test_bad_recipe_under_a_two_process_launch_is_reported_once(tmp_path):
     assert result.returncode != 0
     assert result.output.count("finetune: error: `train_file: missing.jsonl` does not exist or is not a file.") == 1
     assert "tokenizing" not in result.output  # stopped before any work, let alone a process group
+
+
+def test_configs_help_lists_its_actions(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["configs", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "write" in out and "check" in out and "lint" in out
+
+
+def test_configs_lint_of_a_missing_file_fails(tmp_path, capsys):
+    assert main(["configs", "lint", str(tmp_path / "nope.json")]) == 1
+    assert f"{tmp_path / 'nope.json'}: no such file." in capsys.readouterr().out
