@@ -74,6 +74,9 @@ def train(recipe: Recipe) -> dict:
     if trainer.is_world_process_zero():
         Path(args.output_dir, "eval_results.json").write_text(json.dumps(summary, indent=2) + "\n")
         print_before_after(summary)
+    # A clean shutdown: gloo's threads abort the interpreter at exit when the group is left alive.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return summary
 
 
