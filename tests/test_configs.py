@@ -123,3 +123,12 @@ def test_bf16_communication_hook_without_cuda_is_refused(tmp_path):
 def test_multi_cpu_config_that_would_start_one_process_is_flagged():
     config = {**accelerate_config("ddp", use_cpu=True), "distributed_type": "MULTI_CPU"}
     assert "starts ONE process" in lint_accelerate(config)[0]
+
+
+@pytest.mark.parametrize("folder", ["deepspeed_configs", "accelerate_configs"])
+def test_every_file_a_generated_readme_names_exists(folder):
+    import re
+
+    readme = (PROJECT_ROOT / folder / "README.md").read_text()
+    named = set(re.findall(r"--(?:config_file|deepspeed_config_file) (\S+)", readme))
+    assert named and all((PROJECT_ROOT / path).is_file() for path in named), sorted(named)

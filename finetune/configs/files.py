@@ -31,9 +31,8 @@ class ShippedConfig:
 
 
 def _ds(name: str, shards: str, use_when: str, **options) -> ShippedConfig:
-    path = f"deepspeed_configs/{name}.json"
-    launch = f"accelerate launch --config_file accelerate_configs/deepspeed_{name}.yaml {DEMO}"
-    return ShippedConfig(path, partial(deepspeed_config, **options), shards, use_when, launch)
+    # The launch command comes from the Accelerate config that points at this file (see `launch_command`).
+    return ShippedConfig(f"deepspeed_configs/{name}.json", partial(deepspeed_config, **options), shards, use_when, "")
 
 
 def _acc(name: str, shards: str, use_when: str, *, launch_note: str = "", **options) -> ShippedConfig:
@@ -102,6 +101,18 @@ ACCELERATE_CONFIGS = [
 SHIPPED = DEEPSPEED_CONFIGS + ACCELERATE_CONFIGS
 
 
+def launch_command(config: ShippedConfig) -> str:
+    """An Accelerate config's own command; for a DeepSpeed JSON, that of the first Accelerate config pointing at
+    it, else the ZeRO-2 one with `--deepspeed_config_file` swapping the JSON in."""
+    if config.launch:
+        return config.launch
+    for candidate in ACCELERATE_CONFIGS:
+        if candidate.make().get("deepspeed_config", {}).get("deepspeed_config_file") == config.path:
+            return candidate.launch
+    return (f"accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml "
+            f"--deepspeed_config_file {config.path} {DEMO}")
+
+
 def render(path: str, content: dict[str, Any]) -> str:
     if path.endswith(".json"):
         return json.dumps(content, indent=2) + "\n"
@@ -120,7 +131,7 @@ def render_readme(folder: str) -> str:
         "| file | shards | use when | launch |",
         "| --- | --- | --- | --- |",
     ]
-    lines += [f"| `{Path(c.path).name}` | {c.shards} | {c.use_when} | `{c.launch}` |" for c in rows]
+    lines += [f"| `{Path(c.path).name}` | {c.shards} | {c.use_when} | `{launch_command(c)}` |" for c in rows]
     if folder == "accelerate_configs":
         lines.append(
             "| `ddp.yaml` + `--ddp_comm_hook bf16` | nothing; gradients all-reduced in bf16 (DDP comm hook) | "
