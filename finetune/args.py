@@ -249,19 +249,17 @@ def _option_name(token: str) -> str:
 def preflight_launch(training_inputs: dict[str, Any]) -> None:
     """Lints the DeepSpeed JSON this process will use and the process count against visible GPUs."""
     from finetune.configs.lint import lint_deepspeed
+    from finetune.strategy import launch_deepspeed_config
 
-    config_file = training_inputs.get("deepspeed")
-    if config_file is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    if isinstance(config_file, str):
-        if not Path(config_file).is_file():
-            raise RecipeError(f"DeepSpeed config `{config_file}` does not exist (relative to {Path.cwd()}).")
-        try:
-            config = json.loads(Path(config_file).read_text())
-        except json.JSONDecodeError as error:
-            raise RecipeError(f"DeepSpeed config `{config_file}` is not valid JSON: {error}") from None
-        problems = lint_deepspeed(config, world_size, source=config_file)
+    try:
+        config_file, config = launch_deepspeed_config(training_inputs.get("deepspeed"))
+    except FileNotFoundError as error:
+        raise RecipeError(f"DeepSpeed config `{error.filename}` does not exist (relative to {Path.cwd()}).") from None
+    except json.JSONDecodeError as error:
+        raise RecipeError(f"the DeepSpeed config is not valid JSON: {error}") from None
+    if config is not None:
+        problems = lint_deepspeed(config, world_size, source=config_file or "DeepSpeed config")
         if problems:
             raise RecipeError(" ".join(problems))
     if training_inputs.get("ddp_comm_hook") == "bf16" and not torch.cuda.is_available():

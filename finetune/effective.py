@@ -7,15 +7,15 @@ arguments (found by Transformers' own DeepSpeed integration, `HfTrainerDeepSpeed
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from finetune.errors import RecipeError
-from finetune.strategy import StrategyCheckCallback, requested_strategy, write_effective_config
+from finetune.strategy import (
+    StrategyCheckCallback, launch_deepspeed_config, requested_strategy, write_effective_config,
+)
 
 # Trainer argument → the DeepSpeed key Trainer fills from it when the JSON says "auto".
 DEEPSPEED_KEYS = {
@@ -25,25 +25,30 @@ DEEPSPEED_KEYS = {
 }
 
 
+def launched_by_accelerate() -> bool:
+    """`accelerate launch` hands every process its config as ACCELERATE_* variables; this one is always set."""
+    return "ACCELERATE_MIXED_PRECISION" in os.environ
+
+
 def unnamed_accelerate_config() -> str | None:
     """Accelerate's default config file, when `accelerate launch` used it without being told to."""
     from accelerate.commands.config.config_args import default_config_file
 
-    if not os.path.isfile(default_config_file) or "ACCELERATE_MIXED_PRECISION" not in os.environ:
+    if not os.path.isfile(default_config_file) or not launched_by_accelerate():
         return None
     import psutil
 
     command = psutil.Process().parent().cmdline()
-    launched_by_accelerate = "launch" in command and any("accelerate" in part for part in command)
-    return default_config_file if launched_by_accelerate and "--config_file" not in command else None
+    parent_is_accelerate = "launch" in command and any("accelerate" in part for part in command)
+    return default_config_file if parent_is_accelerate and "--config_file" not in command else None
 
 
 def describe_effective_config(trainer, sources: dict[str, str]) -> dict:
     args = trainer.args
-    requested = requested_strategy(args)
-    ds_file = requested.get("config_file")
-    ds_json = json.loads(Path(ds_file).read_text()) if ds_file else {}
-    launcher = "Accelerate config" if "ACCELERATE_MIXED_PRECISION" in os.environ else "launcher"
+    ds_file, ds_json = launch_deepspeed_config(args.deepspeed)
+    requested = requested_strategy(args, ds_file, ds_json)
+    ds_json = ds_json or {}
+    launcher = "Accelerate config" if launched_by_accelerate() else "launcher"
     values: dict[str, dict] = {}
 
     def add(name, value, source):

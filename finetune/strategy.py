@@ -21,26 +21,29 @@ from transformers import TrainerCallback
 from finetune.errors import RecipeError
 
 
-def _deepspeed_config_file(args) -> str | None:
-    if isinstance(args.deepspeed, str):
-        return args.deepspeed
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        return os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    return None
+def launch_deepspeed_config(deepspeed=None) -> tuple[str | None, dict | None]:
+    """`(path, config)` of the DeepSpeed config this process will use: Trainer's `deepspeed` argument (a path
+    or a dict), else the JSON an Accelerate DeepSpeed config named; `(None, None)` without DeepSpeed."""
+    if isinstance(deepspeed, dict):
+        return None, deepspeed
+    path = deepspeed
+    if path is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path is None:
+        return None, None
+    return path, json.loads(Path(path).read_text())
 
 
-def requested_strategy(args) -> dict:
+def requested_strategy(args, deepspeed_file: str | None, deepspeed: dict | None) -> dict:
     """The strategy the launcher's config and the recipe ask for, read from what they hand this process."""
-    config_file = _deepspeed_config_file(args)
-    if config_file is not None or isinstance(args.deepspeed, dict):
-        config = args.deepspeed if isinstance(args.deepspeed, dict) else json.loads(Path(config_file).read_text())
-        zero = config.get("zero_optimization", {})
+    if deepspeed is not None:
+        zero = deepspeed.get("zero_optimization", {})
         return {
             "strategy": "deepspeed",
             "zero_stage": zero.get("stage", 0),
             "offload_optimizer": (zero.get("offload_optimizer") or {}).get("device"),
             "offload_param": (zero.get("offload_param") or {}).get("device"),
-            "config_file": config_file,
+            "config_file": deepspeed_file,
         }
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or args.fsdp:
         return {"strategy": "fsdp"}
