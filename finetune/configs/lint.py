@@ -13,8 +13,6 @@ from typing import Any
 
 import yaml
 
-# Values Trainer fills in for "auto", used only to let DeepSpeed's parser see a complete config.
-_AUTO_STAND_INS = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
 _EXTRA_TOP_LEVEL_KEYS = {
     "zero_optimization", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
     "comet", "comms_logger", "compile", "aio", "tensor_parallel", "amp", "autotuning", "elasticity",
@@ -84,26 +82,23 @@ def _zero_section_problems(zero: dict[str, Any], source: str) -> list[str]:
     return []
 
 
-def parse_with_deepspeed(config: dict[str, Any]):
-    """DeepSpeed's own `DeepSpeedConfig` parse (in this single process), "auto" values filled as Trainer would."""
+def parse_with_deepspeed(config: dict[str, Any], hidden_size: int = 4096):
+    """DeepSpeed's own `DeepSpeedConfig` parse (in this single process), after Transformers' integration has
+    filled the "auto" values exactly as Trainer does (`trainer_config_process` / `trainer_config_finalize`)
+    for default `TrainingArguments` and a model of `hidden_size`."""
+    import tempfile
+    from types import SimpleNamespace
+
     from deepspeed.runtime.config import DeepSpeedConfig
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    resolved = _fill_auto(copy.deepcopy(config))
-    if resolved.get("train_batch_size") == "auto":
-        resolved["train_batch_size"] = (
-            resolved["train_micro_batch_size_per_gpu"] * resolved["gradient_accumulation_steps"]
-        )
-    return DeepSpeedConfig(resolved)
-
-
-def _fill_auto(node: Any, key: str | None = None) -> Any:
-    if isinstance(node, dict):
-        return {k: _fill_auto(v, k) for k, v in node.items()}
-    if node != "auto" or key == "train_batch_size":  # train_batch_size is derived after the others
-        return node
-    if key == "enabled":
-        return False
-    return _AUTO_STAND_INS.get(key, int(5e8))  # the rest are bucket sizes and thresholds
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = TrainingArguments(output_dir=output_dir, use_cpu=True, report_to="none")
+    filled = HfTrainerDeepSpeedConfig(copy.deepcopy(config))
+    filled.trainer_config_process(args)
+    filled.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=hidden_size)), 100)
+    return DeepSpeedConfig(filled.config)
 
 
 def lint_accelerate(config: dict[str, Any], visible_devices: int | None = None, source: str = "Accelerate config") -> list[str]:
