@@ -16,8 +16,13 @@ Warmup is given in tokens (`warmup_tokens`, turned into steps here) or as a rati
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
 
 from finetune.errors import RecipeError
 
@@ -100,9 +105,6 @@ def plan_from_recipe(training: dict, max_seq_length: int, world_size: int) -> Ba
 
 def write_batch_plan(plan: BatchPlan, output_dir: str) -> dict:
     """Writes `batch_plan.json`, noting a world-size change since the plan an earlier run left there."""
-    import json
-    from pathlib import Path
-
     path = Path(output_dir, "batch_plan.json")
     record = plan.to_dict()
     if path.is_file():
@@ -120,9 +122,6 @@ def write_batch_plan(plan: BatchPlan, output_dir: str) -> dict:
 
 
 def print_batch_plan(record: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="Batch plan")
     table.add_column("micro-batch × processes × accumulation = global batch")
     table.add_column("learning rate")
