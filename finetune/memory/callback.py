@@ -1,0 +1,139 @@
+"""`MemoryReportCallback`: per rank, what is really held next to what the estimator predicted for the same run.
+
+Works in any `Trainer`: `Trainer(..., callbacks=[MemoryReportCallback(sequence_length=2048)])`. At the first
+optimizer step it reads the ledger (`finetune.memory.ledger`), then stays idle; at the end of training it
+adds the peak, gathers every rank's record and rank 0 writes `memory_report.json`, `.md` and `.png`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType, gather_object
+from transformers import TrainerCallback
+from transformers.utils import logging
+
+from finetune.memory.estimate import Setup, estimate
+from finetune.memory.ledger import GradientProbe, measure_states, peak_memory
+from finetune.memory.report import write_memory_report
+from finetune.memory.shapes import shape_of
+
+logger = logging.get_logger(__name__)
+STATE_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
+
+
+def optimizer_kind(optim: str) -> str | None:
+    """Trainer's `optim` name → the estimator's optimizer family; None when the estimator has no model of it."""
+    name = str(getattr(optim, "value", optim))
+    if "adam" in name:
+        return "adamw_8bit" if "8bit" in name else "adamw"
+    return "sgd" if name == "sgd" else None
+
+
+def running_setup(args, model, sequence_length: int | None) -> Setup:
+    """The estimator's `Setup` for this run, read from Accelerate's state (what was prepared) and the args."""
+    state = AcceleratorState()
+    options = {}
+    if state.distributed_type == DistributedType.DEEPSPEED:
+        config = state.deepspeed_plugin.deepspeed_config
+        zero = config.get("zero_optimization", {})
+        half = config.get("bf16", {}).get("enabled") is True or config.get("fp16", {}).get("enabled") is True
+        options = dict(
+            strategy="deepspeed", zero_stage=zero.get("stage", 0),
+            offload_optimizer=_offload_device(zero.get("offload_optimizer")),
+            offload_param=_offload_device(zero.get("offload_param")),
+            precision="bf16" if half else "fp32",
+            overlap_comm=bool(zero.get("overlap_comm", False)),
+        )
+        if isinstance(zero.get("reduce_bucket_size"), (int, float)):
+            options["reduce_bucket_size"] = int(zero["reduce_bucket_size"])
+    else:
+        if state.distributed_type == DistributedType.FSDP:
+            sharding = str(getattr(state.fsdp_plugin, "sharding_strategy", "FULL_SHARD")).rsplit(".", 1)[-1]
+            options = dict(strategy="fsdp", fsdp_sharding=sharding.lower())
+        else:
+            options = dict(strategy="ddp" if args.world_size > 1 else "single")
+        options["precision"] = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    config = model.config
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    return Setup(
+        **options,
+        num_gpus=args.world_size,
+        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)),
+        optimizer=optimizer_kind(args.optim) or "adamw",
+        micro_batch_size=args.per_device_train_batch_size,
+        sequence_length=sequence_length or getattr(config, "max_position_embeddings", 2048),
+        gradient_checkpointing=bool(args.gradient_checkpointing),
+        attention="eager" if getattr(config, "_attn_implementation", "sdpa") == "eager" else "sdpa",
+        trainable_parameters=trainable,
+    )
+
+
+def _offload_device(section) -> str | None:
+    device = (section or {}).get("device")
+    return None if device in (None, "none") else device
+
+
+def strategy_label(setup: Setup) -> str:
+    if setup.strategy == "deepspeed":
+        label = f"deepspeed_zero{setup.zero_stage}"
+        offloads = [f"{key}={value}" for key, value in
+                    (("offload_optimizer", setup.offload_optimizer), ("offload_param", setup.offload_param)) if value]
+        return "+".join([label, *offloads])
+    return f"fsdp_{setup.fsdp_sharding}" if setup.strategy == "fsdp" else setup.strategy
+
+
+def predicted_ledger(model, args, sequence_length: int | None) -> tuple[Setup, dict]:
+    setup = running_setup(args, model, sequence_length)
+    prediction = estimate(shape_of(model), setup)
+    offloaded = prediction.offloaded
+    ledger = {key: getattr(prediction, key) + offloaded.get(key, 0) for key in STATE_KEYS}
+    ledger["offloaded_bytes"] = sum(offloaded.values())
+    ledger["peak_bytes"] = prediction.total_bytes
+    ledger["estimate"] = prediction.to_dict()
+    return setup, ledger
+
+
+class MemoryReportCallback(TrainerCallback):
+    """Measures each rank's parameters, gradients, optimizer states and peak memory; writes the report.
+
+    `sequence_length` sizes the predicted activations (default: the model's maximum context)."""
+
+    def __init__(self, sequence_length: int | None = None, output_dir: str | None = None):
+        self.sequence_length = sequence_length
+        self.output_dir = output_dir
+        self.probe: GradientProbe | None = None
+        self.measured: dict | None = None
+        self.pending_log: dict | None = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if optimizer is not None and self.measured is None:
+            self.probe = GradientProbe(model, optimizer)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.probe is None or not self.probe.done:
+            return
+        self.measured = measure_states(model, optimizer, self.probe.by_device())
+        self.probe.remove()
+        self.probe = None
+        self.pending_log = {f"memory/{key}": value for key, value in self.measured.items() if key in STATE_KEYS}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.pending_log and logs is not None:  # once: into the printed logs and the log history
+            logs.update(self.pending_log)
+            if state.log_history:
+                state.log_history[-1].update(self.pending_log)
+            self.pending_log = None
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.probe is not None:
+            self.probe.remove()
+        setup, predicted = predicted_ledger(model, args, self.sequence_length)
+        measured = None if self.measured is None else {**self.measured, **peak_memory()}
+        record = {"rank": args.process_index, "world_size": args.world_size, "strategy": strategy_label(setup),
+                  "measured": measured, "predicted": predicted}
+        records = gather_object([record]) if args.world_size > 1 else [record]
+        if state.is_world_process_zero:
+            paths = write_memory_report(sorted(records, key=lambda r: r["rank"]), self.output_dir or args.output_dir)
+            logger.info("memory report written to %s", ", ".join(map(str, paths)))

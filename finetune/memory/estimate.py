@@ -1,0 +1,290 @@
+"""Predicted memory per GPU (and per host under offload) for a model shape and a training setup.
+
+Model states follow what DeepSpeed and Trainer really allocate, measured on real runs by
+`MemoryReportCallback` (tests/test_memory_distributed.py), which is not always the ZeRO paper's count:
+
+- DeepSpeed casts the model to the half dtype and keeps an fp32 master copy; at the optimizer step a rank
+  holds its gradient partition in the model dtype and an fp32 copy of it (`stage_1_and_2.py::step`,
+  `stage3.py::_prepare_fp32_grad_for_sub_group`). With Ψ trainable parameters, N ranks and Adam:
+  ZeRO-1/2 = 2Ψ + (2 + 4 + 4 + 8)Ψ/N, ZeRO-3 = (2 + 2 + 4 + 4 + 8)Ψ/N. This is DeepSpeed's own
+  18 bytes/param (`estimate_zero2_model_states_mem_needs`), not the paper's 12 (arXiv 1910.02054).
+  DeepSpeed's ZeRO-1 partitions gradients just as ZeRO-2 does (measured: same bytes per rank).
+- In fp32, DeepSpeed still clones the fp32 partition for the optimizer (4Ψ/N more than the paper's 16Ψ).
+- Without DeepSpeed (single GPU, DDP, FSDP), Trainer's mixed precision is autocast: weights, gradients
+  and Adam states stay fp32 (4 + 4 + 8 = 16 bytes/param); DDP adds its gradient buckets (4Ψ, a copy of
+  the gradients, `gradient_as_bucket_view=False`).
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"), counted tensor by tensor for today's decoder block (RMSNorm, gated MLP, grouped-query attention,
+no dropout), plus the logits, which the loss upcasts to fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from finetune.errors import RecipeError
+from finetune.memory.shapes import ModelShape
+
+STRATEGIES = ("single", "ddp", "deepspeed", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
+# Bytes of optimizer state per trainable parameter, besides any master copy.
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8,        # momentum + variance, fp32
+    "adamw_8bit": 2,   # bitsandbytes: both moments in 8 bits (block-wise constants are negligible)
+    "sgd": 0,          # Trainer's "sgd" has no momentum
+}
+# QLoRA: NF4 weights (0.5 byte) + one 8-bit absmax per 64 weights + one fp32 constant per 256 of those
+# (double quantization, Dettmers et al. 2023, "QLoRA").
+NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a model is trained. Field names follow Trainer, DeepSpeed and Accelerate."""
+
+    strategy: str = "ddp"
+    num_gpus: int = 1
+    gpus_per_node: int | None = None          # default: all GPUs on one node
+    zero_stage: int = 0                       # DeepSpeed only
+    offload_optimizer: str | None = None      # "cpu" or "nvme" (DeepSpeed)
+    offload_param: str | None = None          # "cpu" or "nvme" (DeepSpeed ZeRO-3)
+    fsdp_sharding: str = "full_shard"
+    precision: str = "bf16"                   # "fp32", or mixed "bf16"/"fp16"
+    optimizer: str = "adamw"
+    lora_rank: int = 0                        # 0: full fine-tuning
+    lora_target_modules: tuple[str, ...] | None = None  # None: every linear layer in the blocks
+    qlora: bool = False                       # 4-bit NF4 base weights (needs lora_rank)
+    micro_batch_size: int = 1
+    sequence_length: int = 2048
+    gradient_checkpointing: bool = False
+    attention: str = "sdpa"                   # "sdpa"/"flash_attention_2" (no s² scores) or "eager"
+    reduce_bucket_size: int = 200_000_000     # DeepSpeed buckets, in elements (the shipped configs' value)
+    overlap_comm: bool = True
+    trainable_parameters: int | None = None   # exact count from a live model; otherwise derived from LoRA
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.num_gpus // (self.gpus_per_node or self.num_gpus))
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks a model state is split over."""
+        if self.strategy == "deepspeed" and self.zero_stage > 0:
+            return self.num_gpus
+        if self.strategy == "fsdp" and self.fsdp_sharding != "no_shard":
+            return self.gpus_per_node or self.num_gpus if self.fsdp_sharding == "hybrid_shard" else self.num_gpus
+        return 1
+
+    def check(self) -> None:
+        choices = {"strategy": (self.strategy, STRATEGIES), "precision": (self.precision, PRECISIONS),
+                   "optimizer": (self.optimizer, tuple(OPTIMIZER_STATE_BYTES)),
+                   "fsdp_sharding": (self.fsdp_sharding, FSDP_SHARDING)}
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise RecipeError(f"`{key}: {value}` is not one of {', '.join(allowed)}.")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise RecipeError(f"`zero_stage: {self.zero_stage}` must be 0, 1, 2 or 3.")
+        if self.num_gpus < 1 or self.micro_batch_size < 1 or self.sequence_length < 1:
+            raise RecipeError("num_gpus, micro_batch_size and sequence_length must be positive.")
+        if self.strategy == "single" and self.num_gpus != 1:
+            raise RecipeError("strategy `single` runs on one GPU; use ddp, deepspeed or fsdp for more.")
+        if (self.offload_optimizer or self.offload_param) and self.strategy != "deepspeed":
+            raise RecipeError("offload is modelled for DeepSpeed only (strategy: deepspeed).")
+        if self.offload_param and self.zero_stage != 3:
+            raise RecipeError("offload_param needs ZeRO stage 3: only stage 3 partitions parameters.")
+        if self.qlora and not self.lora_rank:
+            raise RecipeError("QLoRA trains LoRA adapters on a 4-bit base: set lora_rank too.")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU; `offloaded` is per rank on the offload device (host RAM or NVMe)."""
+
+    setup: Setup
+    num_parameters: int
+    trainable_parameters: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    temporary_bytes: int
+    offloaded: dict = field(default_factory=dict)
+
+    @property
+    def model_states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Predicted peak allocated on one GPU: every part counted as live at once (an upper bound: in
+        practice activations shrink as gradients appear)."""
+        return self.model_states_bytes + self.activations_bytes + self.temporary_bytes
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """Host RAM (or NVMe) one node's ranks fill with offloaded states, without pinned-buffer slack."""
+        return sum(self.offloaded.values()) * (self.setup.gpus_per_node or self.setup.num_gpus)
+
+    def fits(self, gpu_memory_bytes: float, headroom: float = 0.9) -> bool:
+        """Fits when the prediction stays under `headroom` of the GPU (the rest: CUDA context, fragmentation)."""
+        return self.total_bytes <= headroom * gpu_memory_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "setup": asdict(self.setup),
+            "num_parameters": self.num_parameters,
+            "trainable_parameters": self.trainable_parameters,
+            "per_gpu": {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
+                        "optimizer_bytes": self.optimizer_bytes, "activations_bytes": self.activations_bytes,
+                        "temporary_bytes": self.temporary_bytes, "total_bytes": self.total_bytes},
+            "offloaded_per_rank": dict(self.offloaded),
+            "host_bytes_per_node": self.host_bytes_per_node,
+        }
+
+
+def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
+    setup.check()
+    if setup.lora_rank:  # the whole base is frozen; adapters come on top of it
+        trainable = setup.trainable_parameters or shape.lora_parameters(setup.lora_rank, setup.lora_target_modules)
+        frozen = shape.num_parameters
+    else:
+        trainable = setup.trainable_parameters or shape.num_parameters
+        frozen = shape.num_parameters - trainable
+    quantized = shape.block_linear_parameters if setup.qlora else 0
+    frozen_bytes = (frozen - quantized) * _half_or_fp32(setup) + quantized * NF4_BYTES_PER_PARAMETER
+
+    if setup.strategy == "deepspeed":
+        params, grads, optimizer, offloaded = _deepspeed_states(trainable, frozen_bytes, setup)
+    else:
+        params, grads, optimizer, offloaded = _torch_states(trainable, frozen_bytes, setup)
+    return MemoryEstimate(
+        setup=setup,
+        num_parameters=frozen + trainable,
+        trainable_parameters=trainable,
+        params_bytes=int(params),
+        grads_bytes=int(grads),
+        optimizer_bytes=int(optimizer),
+        activations_bytes=int(activation_bytes(shape, setup)),
+        temporary_bytes=int(temporary_bytes(shape, setup, trainable)),
+        offloaded={key: int(value) for key, value in offloaded.items() if value},
+    )
+
+
+def _half_or_fp32(setup: Setup) -> int:
+    return 4 if setup.precision == "fp32" else 2
+
+
+def _deepspeed_states(trainable: int, frozen_bytes: float, setup: Setup):
+    """DeepSpeed casts the module to the half dtype (w bytes) and keeps an fp32 master copy (see module doc)."""
+    w, n, k = _half_or_fp32(setup), setup.shard_degree, OPTIMIZER_STATE_BYTES[setup.optimizer]
+    offloaded = {"params_bytes": 0, "grads_bytes": 0, "optimizer_bytes": 0}
+    if setup.zero_stage == 0:
+        # FP16/BF16 optimizer: half weights and gradients, fp32 master weights and fp32 gradients (none of
+        # the extra copies in fp32, where the torch optimizer steps on the model's own tensors).
+        params = w * trainable + frozen_bytes
+        grads = (w + (4 if w != 4 else 0)) * trainable
+        optimizer = (k + (4 if w != 4 else 0)) * trainable
+        return params, grads, optimizer, offloaded
+    params = w * trainable + frozen_bytes
+    if setup.zero_stage == 3:
+        params /= n
+    grads = (w + 4) * trainable / n   # the partition in the model dtype + its fp32 copy at the step
+    optimizer = (4 + k) * trainable / n  # fp32 master partition + states
+    if setup.offload_optimizer:
+        # ZeRO-1/2 reduce straight into pinned fp32 host buffers; ZeRO-3 keeps its gradient partition
+        # buffer on the optimizer's device (stage3.py: grad_partitions_flat_buffer, device=self.device).
+        host_grads = grads if setup.zero_stage == 3 else 4 * trainable / n
+        offloaded.update(grads_bytes=host_grads, optimizer_bytes=optimizer)
+        grads, optimizer = 0, 0
+    if setup.offload_param:
+        offloaded["params_bytes"] = params
+        params = 0
+    return params, grads, optimizer, offloaded
+
+
+def _torch_states(trainable: int, frozen_bytes: float, setup: Setup):
+    """Single GPU, DDP, FSDP: trainable weights fp32 under autocast, adapters fp32 (peft's default)."""
+    n, k = setup.shard_degree, OPTIMIZER_STATE_BYTES[setup.optimizer]
+    params = (4 * trainable + frozen_bytes) / n
+    return params, 4 * trainable / n, k * trainable / n, {}
+
+
+def activation_bytes(shape: ModelShape, setup: Setup) -> float:
+    """Activations saved for backward in one micro-batch, plus the logits the loss keeps.
+
+    Per layer, in elements (Korthikanti et al. 2022, §4, recounted for RMSNorm + gated MLP + GQA, no
+    dropout): two norm inputs and two normed outputs (4sbh), q and attention output (2sbh), k and v
+    (2·s·b·h_kv), gate, up, activation and product (4·s·b·i); eager attention adds the scores and the
+    softmax (2·a·s²·b). Full checkpointing keeps only each layer's input (s·b·h) and recomputes one layer.
+    """
+    s, b, h = setup.sequence_length, setup.micro_batch_size, shape.hidden_size
+    c = _half_or_fp32(setup)  # activations are in the autocast dtype
+    kv = h * shape.num_key_value_heads // shape.num_attention_heads
+    per_layer = s * b * (6 * h + 2 * kv + 4 * shape.intermediate_size)
+    if setup.attention == "eager":
+        per_layer += 2 * shape.num_attention_heads * s * s * b
+    if setup.gradient_checkpointing:
+        layers = shape.num_layers * s * b * h + per_layer
+    else:
+        layers = shape.num_layers * per_layer
+    # Logits in the compute dtype, their fp32 upcast for the loss, and its saved log-softmax.
+    logits = s * b * shape.vocab_size * (c + 4 + (4 if c != 4 else 0))
+    return layers * c + logits
+
+
+def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:
+    """Communication buffers and gathered weights that come and go around each step."""
+    w = _half_or_fp32(setup)
+    if setup.strategy == "ddp" and setup.num_gpus > 1:
+        return 4 * trainable  # DDP's reducer buckets: a flat copy of the fp32 gradients
+    if setup.strategy == "fsdp":
+        # Two gathered blocks (the running one and the prefetched one) in the compute dtype plus one block's
+        # fp32 gradients before the reduce-scatter; SHARD_GRAD_OP keeps the whole gathered model
+        # between forward and backward.
+        gathered = 2 * shape.layer_parameters * w + 4 * shape.layer_parameters
+        if setup.fsdp_sharding == "shard_grad_op":
+            gathered += shape.num_parameters * w
+        return gathered if setup.shard_degree > 1 else 0
+    if setup.strategy != "deepspeed":
+        return 0
+    if setup.zero_stage == 0:
+        return 0
+    bucket = min(setup.reduce_bucket_size, trainable) * w
+    if setup.zero_stage in (1, 2):
+        return bucket * (2 if setup.overlap_comm else 1)  # ipg buckets, doubled to overlap communication
+    # ZeRO-3: one reduce bucket, plus the largest module gathered with its gradient (DeepSpeed's
+    # `4 * largest_layer_params` in bf16) and the next block prefetched.
+    return bucket + 2 * shape.largest_layer_parameters * w + shape.layer_parameters * w
+
+
+def pipeline_bubble_fraction(pipeline_parallel: int, micro_batches: int) -> float:
+    """Idle fraction of a GPipe/1F1B schedule: (p − 1) / (m + p − 1) (Huang et al. 2019, "GPipe")."""
+    return (pipeline_parallel - 1) / (micro_batches + pipeline_parallel - 1)
+
+
+def parallel_3d(shape: ModelShape, setup: Setup, tensor_parallel: int, pipeline_parallel: int,
+                micro_batches: int) -> dict:
+    """Memory per GPU on paper with tensor (t) and pipeline (p) parallelism and ZeRO-1 over the rest.
+
+    Model states split over t·p; the data-parallel ranks d = N / (t·p) split the optimizer states (ZeRO-1,
+    Megatron-DeepSpeed's default). Activations: a layer's share is divided by t (with sequence
+    parallelism, Korthikanti et al.), a stage holds L/p layers, and under 1F1B the first stage keeps p
+    micro-batches in flight.
+    """
+    t, p = tensor_parallel, pipeline_parallel
+    if setup.num_gpus % (t * p):
+        raise RecipeError(f"{setup.num_gpus} GPUs cannot be split into tensor {t} × pipeline {p} groups.")
+    d = setup.num_gpus // (t * p)
+    psi = shape.num_parameters / (t * p)
+    w, k = _half_or_fp32(setup), OPTIMIZER_STATE_BYTES[setup.optimizer]
+    states = w * psi + (w + 4) * psi + (4 + k) * psi / d
+    activations = activation_bytes(shape, setup) / t / p * min(p, micro_batches)
+    return {
+        "tensor_parallel": t, "pipeline_parallel": p, "data_parallel": d,
+        "model_states_bytes": int(states), "activations_bytes": int(activations),
+        "total_bytes": int(states + activations),
+        "pipeline_bubble_fraction": pipeline_bubble_fraction(p, micro_batches),
+    }

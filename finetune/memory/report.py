@@ -1,0 +1,105 @@
+"""The memory report files: `memory_report.json` (the record), `memory_report.md` (a table) and
+`memory_report.png` (stacked bars, predicted next to measured, per rank). `finetune report` re-renders
+the last two from the JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune.errors import RecipeError
+
+REPORT_JSON = "memory_report.json"
+PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"))
+MiB = 1024**2
+
+
+def write_memory_report(records: list[dict], output_dir) -> list[Path]:
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / REPORT_JSON
+    path.write_text(json.dumps({"ranks": records}, indent=2) + "\n")
+    return [path, *render_memory_report(output_dir)]
+
+
+def load_memory_report(output_dir) -> list[dict]:
+    path = Path(output_dir) / REPORT_JSON
+    if not path.is_file():
+        raise RecipeError(f"no {REPORT_JSON} in {output_dir}: run `finetune train` (or a Trainer with "
+                          f"MemoryReportCallback) with this output_dir first.")
+    try:
+        return json.loads(path.read_text())["ranks"]
+    except (json.JSONDecodeError, KeyError) as error:
+        raise RecipeError(f"{path} is not a memory report ({error}).") from None
+
+
+def render_memory_report(output_dir) -> list[Path]:
+    """Writes the Markdown table and, when matplotlib is installed, the PNG, from `memory_report.json`."""
+    records = load_memory_report(output_dir)
+    markdown = Path(output_dir) / "memory_report.md"
+    markdown.write_text(markdown_table(records))
+    picture = Path(output_dir) / "memory_report.png"
+    return [markdown, picture] if plot(records, picture) else [markdown]
+
+
+def _mib(value) -> str:
+    return "–" if value is None else f"{value / MiB:,.2f}"
+
+
+def markdown_table(records: list[dict]) -> str:
+    lines = [
+        "# Memory per rank: predicted vs measured (MiB)",
+        "",
+        f"Strategy: {records[0]['strategy']}, world size {records[0]['world_size']}.",
+        "",
+        "| rank | part | predicted | measured | measured / predicted |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for record in records:
+        predicted, measured = record["predicted"], record["measured"] or {}
+        rows = [*PARTS, ("peak_bytes", f"peak ({measured.get('peak_kind', 'not measured')})")]
+        for key, label in rows:
+            want, got = predicted.get(key), measured.get(key)
+            comparable = key != "peak_bytes" or measured.get("peak_kind", "").startswith("cuda")
+            ratio = f"{got / want:.3f}" if want and got is not None and comparable else "–"
+            lines.append(f"| {record['rank']} | {label} | {_mib(want)} | {_mib(got)} | {ratio} |")
+    lines += [
+        "",
+        "Parameters, gradients and optimizer states are counted per storage on each rank at the first optimizer",
+        "step (offloaded bytes included). The predicted peak is per GPU; on a CPU-only run the measured peak is",
+        "the process's resident memory (Python, libraries, data), which the estimator does not model.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axis = plt.subplots(figsize=(2.2 + 1.6 * len(records), 4.2))
+    colors = ("#4C72B0", "#DD8452", "#55A868")
+    labels, positions = [], []
+    for index, record in enumerate(records):
+        for offset, (kind, ledger) in enumerate((("predicted", record["predicted"]), ("measured", record["measured"]))):
+            x = index * 2.6 + offset
+            positions.append(x)
+            labels.append(f"rank {record['rank']}\n{kind}")
+            bottom = 0.0
+            for (key, name), color in zip(PARTS, colors):
+                height = (ledger or {}).get(key, 0) / MiB
+                axis.bar(x, height, bottom=bottom, color=color, label=name if x == 0 else None,
+                         hatch="//" if kind == "predicted" else None, edgecolor="white")
+                bottom += height
+    axis.set_xticks(positions, labels, fontsize=8)
+    axis.set_ylabel("MiB held per rank")
+    axis.set_title(f"Model states per rank: {records[0]['strategy']}", fontsize=10)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
