@@ -139,6 +139,11 @@ class FinetuneTrainingArguments(TrainingArguments):
     eval_on_start: bool = field(
         default=True, metadata={"help": "Evaluate once before the first step, so the report has a 'before'."}
     )
+    memory_report: bool = field(
+        default=True,
+        metadata={"help": "Measure each rank's parameters, gradients, optimizer states and peak memory next to the "
+                          "estimator's prediction; writes memory_report.json/.md/.png to output_dir."},
+    )
 
 
 RECIPE_SECTIONS = (ModelArguments, DataArguments, LoraArguments, FinetuneTrainingArguments)

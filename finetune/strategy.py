@@ -19,6 +19,7 @@ from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
 from finetune.errors import RecipeError
+from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
 
 
 def launch_deepspeed_config(deepspeed=None) -> tuple[str | None, dict | None]:
@@ -82,30 +83,16 @@ def _is_fsdp_sharded(model) -> bool:
     )
 
 
-def _base_optimizer(optimizer):
-    """The innermost torch optimizer behind Accelerate's and DeepSpeed's wrappers."""
-    while hasattr(optimizer, "optimizer") and optimizer.optimizer is not optimizer:
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 def held_bytes(model, optimizer) -> dict:
-    """Bytes of parameters and optimizer states this rank really holds (ZeRO-3 partitions, not full tensors)."""
-    params = 0
-    for parameter in model.parameters():
-        local = getattr(parameter, "ds_tensor", None)
-        if local is None and hasattr(parameter, "to_local"):
-            local = parameter.to_local()
-        local = parameter if local is None else local
-        params += local.numel() * local.element_size()
-    states, devices = 0, set()
-    base = _base_optimizer(optimizer) if optimizer is not None else None
-    for state in getattr(base, "state", {}).values():
-        for value in state.values():
-            if torch.is_tensor(value) and value.dim() > 0:
-                states += value.numel() * value.element_size()
-                devices.add(value.device.type)
-    return {"params_bytes": params, "optimizer_bytes": states, "optimizer_devices": sorted(devices)}
+    """Bytes of parameters and optimizer states this rank really holds (ZeRO-3 partitions, not full tensors);
+    the full ledger, gradients included, is `finetune.memory`'s."""
+    params = StorageCount().add(local_parameters(model))
+    states = StorageCount()
+    if optimizer is not None:
+        base = optimizer_chain(optimizer)[-1]
+        states.add([value for state in base.state.values() for value in state.values()
+                    if torch.is_tensor(value) and value.dim() > 0])
+    return {"params_bytes": params.total, "optimizer_bytes": states.total, "optimizer_devices": sorted(states.by_device)}
 
 
 def strategy_problems(requested: dict, running: dict, trainer) -> list[str]:

@@ -51,3 +51,20 @@ def assert_succeeded(result) -> None:
         raise AssertionError(
             f"exit status {result.returncode}: {' '.join(map(str, result.args))}\n{result.output[-OUTPUT_TAIL:]}"
         )
+
+
+# The DeepSpeed configs a CPU-only machine can run (ZeRO-3 NVMe needs an NVMe path and the async-I/O op;
+# ZeRO++ quantization kernels need CUDA), and a short demo run for tests.
+CPU_RUNNABLE_DEEPSPEED = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+DEMO_SHORT_RUN = ["--max_steps", "3", "--logging_steps", "1", "--eval_on_start", "false",
+                  "--generation_eval_samples", "6"]
+
+
+def launch_demo(config_file: str, output_dir, *extra: str, deepspeed_json: str | None = None, timeout: float = 600):
+    """A short 2-process run of recipes/demo.yaml under an Accelerate config, optionally with another DeepSpeed JSON."""
+    command = accelerate_launch_command(config_file, "train", "recipes/demo.yaml", "--output_dir", str(output_dir),
+                                        *DEMO_SHORT_RUN, *extra)
+    if deepspeed_json is not None:
+        at = command.index("--main_process_port")
+        command[at:at] = ["--deepspeed_config_file", deepspeed_json]
+    return run(command, timeout=timeout)

@@ -20,6 +20,7 @@ from finetune.data.tokenize import IGNORE_INDEX
 from finetune.effective import report_and_guard_launch
 from finetune.errors import RecipeError
 from finetune.evaluation import ExactMatchCallback
+from finetune.memory import MemoryReportCallback
 from finetune.models import apply_lora, load_model, load_tokenizer
 from finetune.report import print_before_after, summarize_evaluations
 from finetune.scaling import print_batch_plan, write_batch_plan
@@ -41,6 +42,9 @@ def train(recipe: Recipe) -> dict:
 
     check_fsdp_wrap_classes(model)
     exact_match = ExactMatchCallback(tokenizer, data.generation_examples, recipe.data.generation_max_new_tokens)
+    callbacks = [exact_match]
+    if args.memory_report:
+        callbacks.append(MemoryReportCallback(sequence_length=recipe.data.max_seq_length))
     trainer = Trainer(
         model=model,
         args=args,
@@ -48,7 +52,7 @@ def train(recipe: Recipe) -> dict:
         eval_dataset=data.eval,
         data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX),
         processing_class=tokenizer,
-        callbacks=[exact_match],
+        callbacks=callbacks,
     )
 
     apply_ddp_comm_hook(trainer)

@@ -1,6 +1,45 @@
+import json
 import os
+
+import pytest
 
 # Tests never reach a hub; everything they load is built in code or written to a temporary directory.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# One 2-process demo run per CPU-runnable DeepSpeed config (fp32, the CPU default), plus two in bf16 mixed
+# precision, shared by the strategy and memory tests so the start-up cost is paid once per config.
+BF16_RUNS = ["zero2", "zero3"]
+
+
+@pytest.fixture(scope="session")
+def deepspeed_runs(tmp_path_factory):
+    from finetune.testing import CPU_RUNNABLE_DEEPSPEED, assert_succeeded, launch_demo
+
+    runs = {}
+    for name, extra in [*((n, ()) for n in CPU_RUNNABLE_DEEPSPEED), *((n, ("--bf16", "true")) for n in BF16_RUNS)]:
+        key = f"{name}_bf16" if extra else name
+        output_dir = tmp_path_factory.mktemp(key)
+        result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, *extra,
+                             deepspeed_json=f"deepspeed_configs/{name}.json")
+        assert_succeeded(result)
+        state = json.loads((output_dir / "trainer_state.json").read_text())
+        runs[key] = {
+            "effective": json.loads((output_dir / "effective_config.json").read_text()),
+            "losses": [entry["loss"] for entry in state["log_history"] if "loss" in entry],
+            "log_history": state["log_history"],
+            "output_dir": output_dir,
+        }
+    return runs
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory):
+    """A short 2-process DDP run (gloo) with an fp16 gradient-compression hook; returns its output_dir."""
+    from finetune.testing import assert_succeeded, launch_demo
+
+    output_dir = tmp_path_factory.mktemp("ddp")
+    assert_succeeded(launch_demo("accelerate_configs/cpu_ddp.yaml", output_dir, "--ddp_comm_hook", "fp16"))
+    return output_dir

@@ -9,42 +9,14 @@ import sys
 import pytest
 
 from finetune.configs import deepspeed_config
-from finetune.testing import PROJECT_ROOT, accelerate_launch_command, assert_succeeded, free_port, run
+from finetune.testing import (
+    CPU_RUNNABLE_DEEPSPEED, DEMO_SHORT_RUN, PROJECT_ROOT, assert_succeeded, free_port, launch_demo, run,
+)
 
 pytestmark = pytest.mark.distributed
 
-# ZeRO-3 NVMe needs an NVMe path and the async-I/O op; ZeRO++ quantization kernels need CUDA.
-CPU_RUNNABLE = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
-SHORT_RUN = ["--max_steps", "3", "--logging_steps", "1", "--eval_on_start", "false", "--generation_eval_samples", "6"]
 
-
-def launch(config_file, output_dir, *extra, deepspeed_json=None):
-    command = accelerate_launch_command(config_file, "train", "recipes/demo.yaml", "--output_dir", str(output_dir),
-                                        *SHORT_RUN, *extra)
-    if deepspeed_json is not None:
-        at = command.index("--main_process_port")
-        command[at:at] = ["--deepspeed_config_file", deepspeed_json]
-    return run(command, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def deepspeed_runs(tmp_path_factory):
-    runs = {}
-    for name in CPU_RUNNABLE:
-        output_dir = tmp_path_factory.mktemp(name)
-        result = launch("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir,
-                        deepspeed_json=f"deepspeed_configs/{name}.json")
-        assert_succeeded(result)
-        state = json.loads((output_dir / "trainer_state.json").read_text())
-        runs[name] = {
-            "effective": json.loads((output_dir / "effective_config.json").read_text()),
-            "losses": [entry["loss"] for entry in state["log_history"] if "loss" in entry],
-            "output_dir": output_dir,
-        }
-    return runs
-
-
-@pytest.mark.parametrize("name", CPU_RUNNABLE)
+@pytest.mark.parametrize("name", CPU_RUNNABLE_DEEPSPEED)
 def test_deepspeed_config_trains_and_runs_what_it_asks(deepspeed_runs, name):
     run_ = deepspeed_runs[name]
     assert len(run_["losses"]) == 3 and all(math.isfinite(loss) for loss in run_["losses"])
@@ -92,7 +64,7 @@ def test_deepspeed_json_contradicting_the_recipe_stops_with_both_values(tmp_path
     contradicting = tmp_path / "zero2_clip.json"
     contradicting.write_text(json.dumps({**deepspeed_config(stage=2), "gradient_clipping": 0.5}))
     output_dir = tmp_path / "out"
-    result = launch("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, "--max_grad_norm", "1.0",
+    result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, "--max_grad_norm", "1.0",
                     deepspeed_json=str(contradicting))
     assert result.returncode != 0
     assert result.output.count("finetune: error: the DeepSpeed JSON contradicts the recipe: "
@@ -105,7 +77,7 @@ def test_deepspeed_json_contradicting_the_recipe_stops_with_both_values(tmp_path
 
 
 def test_fsdp_silently_turned_into_ddp_on_cpu_is_detected(tmp_path):
-    result = launch("accelerate_configs/cpu_fsdp.yaml", tmp_path / "out")
+    result = launch_demo("accelerate_configs/cpu_fsdp.yaml", tmp_path / "out")
     assert result.returncode != 0
     assert result.output.count("finetune: error: fsdp was requested but Trainer prepared ddp") == 1
     assert "Trainer's use_cpu turns FSDP into DDP" in result.output
@@ -119,7 +91,7 @@ def test_a_default_accelerate_config_nobody_named_is_warned_about(tmp_path):
     output_dir = tmp_path / "out"
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--main_process_port",
                str(free_port()), "-m", "finetune", "train", "recipes/demo.yaml", "--output_dir", str(output_dir),
-               *SHORT_RUN]
+               *DEMO_SHORT_RUN]
     result = run(command, timeout=300, env={"HF_HOME": str(hf_home)})
     assert_succeeded(result)
     warning = (f"accelerate launch used its default config {default}, which the command did not name; "
@@ -128,10 +100,7 @@ def test_a_default_accelerate_config_nobody_named_is_warned_about(tmp_path):
     assert result.output.count("warning: accelerate launch used its default config") == 1
 
 
-def test_ddp_gradient_compression_hook_is_registered_on_two_processes(tmp_path):
-    output_dir = tmp_path / "out"
-    result = launch("accelerate_configs/cpu_ddp.yaml", output_dir, "--ddp_comm_hook", "fp16")
-    assert_succeeded(result)
-    effective = json.loads((output_dir / "effective_config.json").read_text())
+def test_ddp_gradient_compression_hook_is_registered_on_two_processes(ddp_run):
+    effective = json.loads((ddp_run / "effective_config.json").read_text())
     assert effective["strategy"]["running"] == {"strategy": "ddp", "comm_hooks": ["fp16_compress_hook"]}
     assert effective["values"]["world_size"]["value"] == 2

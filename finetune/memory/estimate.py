@@ -61,7 +61,7 @@ class Setup:
     sequence_length: int = 2048
     gradient_checkpointing: bool = False
     attention: str = "sdpa"                   # "sdpa"/"flash_attention_2" (no s² scores) or "eager"
-    reduce_bucket_size: int = 200_000_000     # DeepSpeed buckets, in elements (the shipped configs' value)
+    reduce_bucket_size: int | None = None     # DeepSpeed, elements; None: the shipped configs' (2e8; ZeRO-3 "auto")
     overlap_comm: bool = True
     trainable_parameters: int | None = None   # exact count from a live model; otherwise derived from LoRA
 
@@ -252,12 +252,14 @@ def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:
         return 0
     if setup.zero_stage == 0:
         return 0
-    bucket = min(setup.reduce_bucket_size, trainable) * w
+    # DeepSpeed allocates its reduce buckets at full size whatever the model (stage_1_and_2.py::setup_buckets,
+    # stage3.py: ipg bucket buffers). Trainer fills ZeRO-3's "auto" with hidden².
+    bucket = setup.reduce_bucket_size or (shape.hidden_size**2 if setup.zero_stage == 3 else 200_000_000)
     if setup.zero_stage in (1, 2):
-        return bucket * (2 if setup.overlap_comm else 1)  # ipg buckets, doubled to overlap communication
+        return bucket * w * (2 if setup.overlap_comm else 1)  # doubled to overlap communication
     # ZeRO-3: one reduce bucket, plus the largest module gathered with its gradient (DeepSpeed's
     # `4 * largest_layer_params` in bf16) and the next block prefetched.
-    return bucket + 2 * shape.largest_layer_parameters * w + shape.layer_parameters * w
+    return bucket * w + 2 * shape.largest_layer_parameters * w + shape.layer_parameters * w
 
 
 def pipeline_bubble_fraction(pipeline_parallel: int, micro_batches: int) -> float:

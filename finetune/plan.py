@@ -1,0 +1,183 @@
+"""`finetune plan`: which strategy fits a model on N GPUs, with what batch plan, launched how.
+
+Every shipped strategy is estimated; the recommendation is the first that fits in the classic decision
+tree (fits on one GPU → DDP, then ZeRO-1; a little short → ZeRO-2; far short → ZeRO-3 / FSDP; still short →
+CPU offload, then NVMe), each step trading speed for memory. The micro-batch is the largest that still fits
+the recommended strategy; accumulation makes up the target global batch and the learning rate is scaled
+by `finetune.scaling`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from finetune.errors import RecipeError
+from finetune.memory.estimate import GiB, MemoryEstimate, Setup, estimate, parallel_3d
+from finetune.memory.shapes import ALIASES, model_shape
+from finetune.scaling import plan_batch, scale_learning_rate
+
+HEADROOM = 0.9  # of GPU memory the estimate may fill; the rest: CUDA context, allocator fragmentation
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    config: str  # the shipped Accelerate config that launches it
+    options: dict
+
+
+# In decision-tree order: the first that fits is recommended.
+CANDIDATES = (
+    Candidate("DDP", "accelerate_configs/ddp.yaml", dict(strategy="ddp")),
+    Candidate("ZeRO-1", "accelerate_configs/deepspeed_zero1.yaml", dict(strategy="deepspeed", zero_stage=1)),
+    Candidate("ZeRO-2", "accelerate_configs/deepspeed_zero2.yaml", dict(strategy="deepspeed", zero_stage=2)),
+    Candidate("FSDP shard-grad-op", "accelerate_configs/fsdp_shard_grad_op.yaml",
+              dict(strategy="fsdp", fsdp_sharding="shard_grad_op")),
+    Candidate("ZeRO-3", "accelerate_configs/deepspeed_zero3.yaml", dict(strategy="deepspeed", zero_stage=3)),
+    Candidate("FSDP full-shard", "accelerate_configs/fsdp_full_shard.yaml",
+              dict(strategy="fsdp", fsdp_sharding="full_shard")),
+    Candidate("ZeRO-2 + CPU offload", "accelerate_configs/deepspeed_zero2_offload.yaml",
+              dict(strategy="deepspeed", zero_stage=2, offload_optimizer="cpu")),
+    Candidate("ZeRO-3 + CPU offload", "accelerate_configs/deepspeed_zero3_offload.yaml",
+              dict(strategy="deepspeed", zero_stage=3, offload_optimizer="cpu", offload_param="cpu")),
+    Candidate("ZeRO-3 + NVMe offload", "accelerate_configs/deepspeed_zero3_nvme.yaml",
+              dict(strategy="deepspeed", zero_stage=3, offload_optimizer="nvme", offload_param="nvme")),
+)
+SINGLE_GPU = Candidate("single GPU", "accelerate_configs/single_gpu.yaml", dict(strategy="single"))
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    gpus: int
+    gpu_memory_gib: float
+    host_memory_gib: float | None = None
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    lora_rank: int = 0
+    qlora: bool = False
+    sequence_length: int = 2048
+    gradient_checkpointing: bool = False
+    global_batch_size: int = 32
+    max_micro_batch_size: int = 64
+    learning_rate: float | None = None  # at base_batch_size; default 2e-5 full, 2e-4 LoRA
+    base_batch_size: int | None = None
+    lr_scaling: str = "sqrt"
+    recipe: str = "RECIPE.yaml"
+
+
+def candidates_for(gpus: int) -> tuple[Candidate, ...]:
+    if gpus == 1:  # sharding over one rank saves nothing; offload still helps
+        return (SINGLE_GPU, *(c for c in CANDIDATES if "offload" in c.name))
+    return CANDIDATES
+
+
+def _setup(request: PlanRequest, candidate: Candidate, micro_batch_size: int) -> Setup:
+    return Setup(
+        **candidate.options, num_gpus=request.gpus, precision=request.precision, optimizer=request.optimizer,
+        lora_rank=request.lora_rank, qlora=request.qlora, micro_batch_size=micro_batch_size,
+        sequence_length=request.sequence_length, gradient_checkpointing=request.gradient_checkpointing,
+    )
+
+
+def fits(request: PlanRequest, result: MemoryEstimate) -> bool:
+    if not result.fits(request.gpu_memory_gib * GiB, HEADROOM):
+        return False
+    host_limited = request.host_memory_gib is not None and result.setup.offload_optimizer == "cpu"
+    return not host_limited or result.host_bytes_per_node <= HEADROOM * request.host_memory_gib * GiB
+
+
+def make_plan(request: PlanRequest) -> dict:
+    if request.gpus < 1 or request.gpu_memory_gib <= 0:
+        raise RecipeError("`--gpus` must be at least 1 and `--gpu-memory` positive (GiB per GPU).")
+    shape = model_shape(request.model)
+    rows = []
+    for candidate in candidates_for(request.gpus):
+        result = estimate(shape, _setup(request, candidate, 1))
+        rows.append({"name": candidate.name, "config": candidate.config, "fits": fits(request, result),
+                     "estimate": result})
+    recommended = next((row for row in rows if row["fits"]), None)
+    plan = {
+        "model": request.model,
+        "num_parameters": shape.num_parameters,
+        "trainable_parameters": rows[0]["estimate"].trainable_parameters,
+        "gpus": request.gpus,
+        "gpu_memory_gib": request.gpu_memory_gib,
+        "strategies": rows,
+        "recommended": recommended and recommended["name"],
+        "batch_plan": None,
+        "launch_command": None,
+        "parallel_3d": None,
+    }
+    if recommended is None:
+        plan["parallel_3d"] = smallest_3d_fit(request, shape)
+        return plan
+    candidate = next(c for c in candidates_for(request.gpus) if c.name == recommended["name"])
+    micro = largest_micro_batch(request, shape, candidate)
+    plan["batch_plan"] = batch_plan(request, micro)
+    plan["launch_command"] = launch_command(request, candidate, plan["batch_plan"])
+    if not any(row["fits"] and "offload" not in row["name"] for row in rows):
+        plan["parallel_3d"] = smallest_3d_fit(request, shape)
+    return plan
+
+
+def largest_micro_batch(request: PlanRequest, shape, candidate: Candidate) -> int:
+    """The largest power-of-two micro-batch (up to the per-GPU share of the global batch) that still fits."""
+    limit = min(request.max_micro_batch_size, max(1, request.global_batch_size // request.gpus))
+    micro = 1
+    while micro * 2 <= limit and fits(request, estimate(shape, _setup(request, candidate, micro * 2))):
+        micro *= 2
+    return micro
+
+
+def batch_plan(request: PlanRequest, max_micro_batch_size: int) -> dict:
+    micro, accumulation = plan_batch(request.global_batch_size, request.gpus, max_micro_batch_size)
+    base_lr = request.learning_rate or (2e-4 if request.lora_rank else 2e-5)
+    base_batch = request.base_batch_size or request.global_batch_size
+    return {
+        "micro_batch_size": micro,
+        "gradient_accumulation_steps": accumulation,
+        "global_batch_size": micro * request.gpus * accumulation,
+        "learning_rate": scale_learning_rate(base_lr, base_batch, request.global_batch_size, request.lr_scaling),
+        "lr_scaling": request.lr_scaling,
+        "base_learning_rate": base_lr,
+        "base_batch_size": base_batch,
+    }
+
+
+def launch_command(request: PlanRequest, candidate: Candidate, batch: dict) -> str:
+    model = ALIASES.get(request.model.lower(), request.model)
+    parts = ["accelerate launch", f"--config_file {candidate.config}"]
+    default_processes = 1 if candidate is SINGLE_GPU else 2
+    if request.gpus != default_processes:
+        parts.append(f"--num_processes {request.gpus}")
+    parts += [
+        "-m finetune train", request.recipe, f"--model_name_or_path {model}",
+        f"--per_device_train_batch_size {batch['micro_batch_size']}",
+        f"--gradient_accumulation_steps {batch['gradient_accumulation_steps']}",
+        f"--learning_rate {batch['learning_rate']:.3g}",
+        f"--max_seq_length {request.sequence_length}",
+    ]
+    if request.precision != "fp32":
+        parts.append(f"--{request.precision} true")
+    if request.lora_rank:
+        parts.append(f"--use_lora true --lora_r {request.lora_rank}")
+    if request.gradient_checkpointing:
+        parts.append("--gradient_checkpointing true")
+    return " ".join(parts)
+
+
+def smallest_3d_fit(request: PlanRequest, shape) -> dict | None:
+    """The smallest tensor × pipeline split (ZeRO-1 over the rest) that fits, on paper: when data parallelism
+    alone does not fit without offload, this says how far 3D parallelism (Megatron-style) would go."""
+    setup = replace(_setup(request, CANDIDATES[0], 1), strategy="deepspeed", zero_stage=1)
+    micro_batches = max(1, request.global_batch_size // request.gpus)
+    options = []
+    for tensor in (1, 2, 4, 8):
+        for pipeline in (1, 2, 4, 8, 16, 32):
+            if tensor * pipeline <= request.gpus and request.gpus % (tensor * pipeline) == 0 and tensor * pipeline > 1:
+                result = parallel_3d(shape, setup, tensor, pipeline, micro_batches)
+                if result["total_bytes"] <= HEADROOM * request.gpu_memory_gib * GiB:
+                    options.append(result)
+    return min(options, key=lambda r: (r["tensor_parallel"] * r["pipeline_parallel"], r["pipeline_bubble_fraction"]),
+               default=None)

@@ -1,0 +1,215 @@
+"""The estimator against published parameter counts and DeepSpeed's own estimator functions; the planner's
+decision tree; the report files. The measured-vs-predicted ledger is in test_memory_distributed.py."""
+
+import json
+
+import pytest
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+from finetune import presets
+from finetune.cli import main
+from finetune.errors import RecipeError
+from finetune.memory import Setup, estimate, model_shape
+from finetune.memory.estimate import GiB, pipeline_bubble_fraction
+from finetune.memory.report import write_memory_report
+from finetune.plan import PlanRequest, make_plan
+
+# Parameter counts published on the models' cards.
+PUBLISHED = {"llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "qwen2.5-0.5b": 0.494e9, "qwen2.5-7b": 7.62e9,
+             "mistral-7b": 7.24e9}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_known_shapes_have_their_published_parameter_count(name):
+    assert model_shape(name).num_parameters == pytest.approx(PUBLISHED[name], rel=0.005)
+
+
+def test_shape_from_a_local_directory_and_its_config_json_equals_the_preset(tmp_path):
+    config = presets.build_model_config(presets.build_tokenizer())
+    config.save_pretrained(tmp_path)
+    tiny = model_shape("tiny")
+    assert tiny.num_parameters == 525_824  # tied head counted once
+    assert model_shape(str(tmp_path)).num_parameters == tiny.num_parameters
+    assert model_shape(str(tmp_path / "config.json")).layer_parameters == tiny.layer_parameters
+
+
+def test_unknown_model_is_a_user_error_with_a_suggestion(tmp_path):
+    with pytest.raises(RecipeError, match=r"did you mean `llama-3-8b`"):
+        model_shape("llama-3-8")
+    with pytest.raises(RecipeError, match="has no config.json"):
+        model_shape(str(tmp_path))
+
+
+def test_lora_adapters_count_rank_times_in_plus_out_on_every_block_linear():
+    shape = model_shape("llama-3-8b")
+    # per layer: q 4096→4096, k,v 4096→1024, o 4096→4096, gate/up 4096→14336, down 14336→4096
+    per_layer = 16 * ((4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 3)
+    assert shape.lora_parameters(16) == 32 * per_layer
+    assert shape.lora_parameters(16, ["q_proj", "v_proj"]) == 32 * 16 * ((4096 + 4096) + (4096 + 1024))
+    with pytest.raises(RecipeError, match="match no linear layer"):
+        shape.lora_parameters(16, ["query_key_value"])
+
+
+def model_states(result):
+    return result.params_bytes + result.grads_bytes + result.optimizer_bytes
+
+
+@pytest.mark.parametrize("name", ["mistral-7b", "qwen2.5-0.5b"])
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_zero2_model_states_equal_deepspeeds_estimator(name, gpus):
+    shape = model_shape(name)
+    psi = shape.num_parameters
+    ours = estimate(shape, Setup("deepspeed", gpus, zero_stage=2))
+    cpu, gpu = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=gpus, cpu_offload=False)
+    assert model_states(ours) == pytest.approx(gpu, abs=2)  # 2Ψ + 18Ψ/N, int rounding only
+
+    offload = estimate(shape, Setup("deepspeed", gpus, zero_stage=2, offload_optimizer="cpu"))
+    cpu, gpu = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=gpus, cpu_offload=True)
+    assert model_states(offload) == gpu  # 2Ψ of bf16 weights stay on the GPU
+    if 4 * gpus <= 16:  # DeepSpeed's max(4N, 16): loading the fp32 model on every process can dominate
+        # Host: fp32 gradients + master + Adam (16Ψ per node); DeepSpeed adds a 1.5 pinned-buffer factor.
+        assert offload.host_bytes_per_node * 1.5 == pytest.approx(cpu, abs=gpus * 4)
+
+
+@pytest.mark.parametrize("gpus", [2, 8])
+def test_zero3_model_states_differ_from_deepspeeds_estimator_exactly_as_documented(gpus):
+    shape = model_shape("mistral-7b")
+    psi, largest = shape.num_parameters, shape.largest_layer_parameters
+    # No offload: DeepSpeed's 4·largest_layer is a gathered layer (our `temporary_bytes`) and its 18Ψ/N leaves
+    # out the 2Ψ/N bf16 parameter partition each rank holds.
+    ours = estimate(shape, Setup("deepspeed", gpus, zero_stage=3))
+    _, gpu, largest_memory = estimate_zero3_model_states_mem_needs(psi, largest, gpus, cpu_offload=False)
+    assert largest_memory == 4 * largest
+    assert model_states(ours) == pytest.approx(gpu - largest_memory + 2 * psi / gpus, abs=4)
+    # Optimizer offload: only the bf16 parameter partition stays, exactly as DeepSpeed counts it.
+    optimizer_offload = estimate(shape, Setup("deepspeed", gpus, zero_stage=3, offload_optimizer="cpu"))
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(psi, largest, gpus, cpu_offload=True, cpu_offload_params=False)
+    assert model_states(optimizer_offload) == pytest.approx(gpu - largest_memory, abs=4)
+    # Full offload: nothing but gathered layers on the GPU; the host holds 20Ψ (DeepSpeed: 18Ψ × 1.5).
+    full = estimate(shape, Setup("deepspeed", gpus, zero_stage=3, offload_optimizer="cpu", offload_param="cpu"))
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(psi, largest, gpus, cpu_offload=True, cpu_offload_params=True)
+    assert model_states(full) == 0 and gpu == largest_memory
+    assert full.host_bytes_per_node == pytest.approx(cpu / 1.5 + 2 * psi, rel=1e-6)
+
+
+def test_strategies_order_as_the_zero_paper_says():
+    shape = model_shape("llama-3-8b")
+    states = [model_states(estimate(shape, Setup("deepspeed", 8, zero_stage=stage))) for stage in (0, 1, 2, 3)]
+    psi = shape.num_parameters
+    assert states[0] == 20 * psi  # bf16 weights + bf16 and fp32 gradients + fp32 master + Adam
+    assert states[1] == states[2] == 2 * psi + 18 * psi // 8  # DeepSpeed's ZeRO-1 partitions gradients too
+    assert states[3] == pytest.approx(20 * psi / 8, abs=8)
+    ddp = estimate(shape, Setup("ddp", 8))
+    assert model_states(ddp) == 16 * psi and ddp.temporary_bytes == 4 * psi  # fp32 + Adam; reducer buckets
+
+
+def test_activations_scale_with_micro_batch_and_shrink_with_checkpointing():
+    shape = model_shape("llama-3-8b")
+    one = estimate(shape, Setup("single", micro_batch_size=1, sequence_length=1024)).activations_bytes
+    two = estimate(shape, Setup("single", micro_batch_size=2, sequence_length=1024)).activations_bytes
+    checkpointed = estimate(shape, Setup("single", sequence_length=1024, gradient_checkpointing=True))
+    eager = estimate(shape, Setup("single", sequence_length=1024, attention="eager")).activations_bytes
+    assert two == 2 * one
+    assert checkpointed.activations_bytes < one / 3  # the fp32 logits stay: checkpointing does not cover them
+    assert eager > one  # the s² attention scores
+
+
+def test_lora_and_qlora_shrink_model_states():
+    shape = model_shape("llama-3-8b")
+    full = estimate(shape, Setup("single"))
+    lora = estimate(shape, Setup("single", lora_rank=16))
+    qlora = estimate(shape, Setup("single", lora_rank=16, qlora=True))
+    adapters = shape.lora_parameters(16)
+    assert lora.trainable_parameters == adapters
+    assert lora.grads_bytes == 4 * adapters and lora.optimizer_bytes == 8 * adapters
+    assert lora.params_bytes == 2 * shape.num_parameters + 4 * adapters  # bf16 base + fp32 adapters
+    assert qlora.params_bytes < lora.params_bytes * 0.4 < full.params_bytes
+
+
+def test_setup_errors_name_the_problem():
+    shape = model_shape("tiny")
+    with pytest.raises(RecipeError, match="offload_param needs ZeRO stage 3"):
+        estimate(shape, Setup("deepspeed", 2, zero_stage=2, offload_param="cpu"))
+    with pytest.raises(RecipeError, match="`optimizer: adam` is not one of"):
+        estimate(shape, Setup("ddp", 2, optimizer="adam"))
+    with pytest.raises(RecipeError, match="QLoRA"):
+        estimate(shape, Setup("single", qlora=True))
+
+
+def test_pipeline_bubble_fraction():
+    assert pipeline_bubble_fraction(1, 8) == 0
+    assert pipeline_bubble_fraction(4, 4) == pytest.approx(3 / 7)
+
+
+def test_plan_for_a_7b_model_on_two_24_gib_gpus_recommends_a_strategy_that_fits():
+    plan = make_plan(PlanRequest("mistral-7b", gpus=2, gpu_memory_gib=24))
+    rows = {row["name"]: row for row in plan["strategies"]}
+    assert not rows["DDP"]["fits"] and not rows["ZeRO-1"]["fits"]
+    recommended = rows[plan["recommended"]]
+    assert recommended["fits"] and recommended["estimate"].total_bytes <= 0.9 * 24 * GiB
+    # The first that fits in decision-tree order: nothing before it fits.
+    names = [row["name"] for row in plan["strategies"]]
+    assert not any(rows[name]["fits"] for name in names[: names.index(plan["recommended"])])
+    assert plan["recommended"] == "ZeRO-3 + CPU offload"
+    batch = plan["batch_plan"]
+    assert batch["micro_batch_size"] * 2 * batch["gradient_accumulation_steps"] == 32
+    assert plan["launch_command"].startswith(
+        "accelerate launch --config_file accelerate_configs/deepspeed_zero3_offload.yaml -m finetune train")
+
+
+def test_plan_picks_ddp_when_it_fits_and_grows_the_micro_batch():
+    plan = make_plan(PlanRequest("qwen2.5-0.5b", gpus=2, gpu_memory_gib=80, sequence_length=512))
+    assert plan["recommended"] == "DDP"
+    assert plan["batch_plan"]["micro_batch_size"] > 1
+
+
+def test_plan_json_from_the_command_line(capsys):
+    assert main(["plan", "--model", "mistral-7b", "--gpus", "2", "--gpu-memory", "24", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    fits = {row["name"]: row["fits"] for row in plan["strategies"]}
+    assert fits["DDP"] is False and fits["ZeRO-1"] is False and fits[plan["recommended"]] is True
+    assert plan["strategies"][0]["per_gpu"]["total_bytes"] > 100 * GiB
+
+
+def test_plan_table_names_the_recommendation(capsys):
+    assert main(["plan", "--model", "mistral-7b", "--gpus", "2", "--gpu-memory", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: ZeRO-3 + CPU offload" in out and "DDP, ZeRO-1, ZeRO-2" in out
+    assert "accelerate launch --config_file accelerate_configs/deepspeed_zero3_offload.yaml" in out
+
+
+def test_plan_help_and_unknown_model_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--help"])
+    assert exit_info.value.code == 0 and "--gpu-memory" in capsys.readouterr().out
+    assert main(["plan", "--model", "no-such-model", "--gpus", "2", "--gpu-memory", "24"]) == 2
+    assert "cannot read a config for model 'no-such-model'" in capsys.readouterr().err
+
+
+def fake_records():
+    ledger = {"params_bytes": 2 << 20, "grads_bytes": 1 << 20, "optimizer_bytes": 3 << 20}
+    return [{"rank": rank, "world_size": 2, "strategy": "deepspeed_zero2",
+             "measured": {**ledger, "peak_bytes": 500 << 20, "peak_kind": "cpu_max_rss"},
+             "predicted": {**ledger, "peak_bytes": 10 << 20}} for rank in (0, 1)]
+
+
+def test_report_files_and_rerender(tmp_path, capsys):
+    paths = write_memory_report(fake_records(), tmp_path)
+    assert [p.name for p in paths] == ["memory_report.json", "memory_report.md", "memory_report.png"]
+    assert (tmp_path / "memory_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (tmp_path / "memory_report.md").read_text()
+    assert "| 1 | gradients | 1.00 | 1.00 | 1.000 |" in markdown
+    assert "| 0 | peak (cpu_max_rss) | 10.00 | 500.00 | – |" in markdown  # RSS is not comparable to a GPU peak
+    (tmp_path / "memory_report.md").unlink()
+    assert main(["report", str(tmp_path)]) == 0
+    assert "| 0 | parameters | 2.00 | 2.00 | 1.000 |" in capsys.readouterr().out
+    assert (tmp_path / "memory_report.md").is_file()
+
+
+def test_report_without_a_run_is_a_user_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no memory_report.json in" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", "--help"])
+    assert exit_info.value.code == 0 and "OUTPUT_DIR" in capsys.readouterr().out.upper()
