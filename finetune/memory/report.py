@@ -81,7 +81,7 @@ def plot(records: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    figure, axis = plt.subplots(figsize=(2.2 + 1.6 * len(records), 4.2))
+    figure, axis = plt.subplots(figsize=(4.0 + 1.6 * len(records), 4.2))
     colors = ("#4C72B0", "#DD8452", "#55A868")
     labels, positions = [], []
     for index, record in enumerate(records):
@@ -95,10 +95,15 @@ def plot(records: list[dict], path: Path) -> bool:
                 axis.bar(x, height, bottom=bottom, color=color, label=name if x == 0 else None,
                          hatch="//" if kind == "predicted" else None, edgecolor="white")
                 bottom += height
+            peak = (ledger or {}).get("peak_bytes")
+            if peak and str(record["measured"] and record["measured"].get("peak_kind")).startswith("cuda"):
+                axis.plot([x - 0.4, x + 0.4], [peak / MiB] * 2, color="black", linewidth=2,
+                          label="peak allocated" if x == 0 else None)
     axis.set_xticks(positions, labels, fontsize=8)
     axis.set_ylabel("MiB held per rank")
-    axis.set_title(f"Model states per rank: {records[0]['strategy']}", fontsize=10)
-    axis.legend(fontsize=8)
+    precision = (records[0]["predicted"].get("estimate") or {}).get("setup", {}).get("precision", "")
+    axis.set_title(f"Memory per rank: {records[0]['strategy']} {precision}".rstrip(), fontsize=10)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
