@@ -213,3 +213,46 @@ def test_report_without_a_run_is_a_user_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["report", "--help"])
     assert exit_info.value.code == 0 and "OUTPUT_DIR" in capsys.readouterr().out.upper()
+
+
+def train_tiny_with_callback(output_dir, steps=2):
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from finetune.memory import MemoryReportCallback
+
+    tokenizer = presets.build_tokenizer()
+    model = presets.build_model(tokenizer, seed=0)
+    ids = torch.randint(0, 250, (8, 16), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(str(output_dir), per_device_train_batch_size=4, max_steps=steps, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids],
+                      callbacks=[MemoryReportCallback(sequence_length=16)])
+    trainer.train()
+    return trainer, json.loads((output_dir / "memory_report.json").read_text())["ranks"]
+
+
+def test_callback_in_a_plain_single_process_trainer(tmp_path):
+    trainer, ranks = train_tiny_with_callback(tmp_path)
+    (record,) = ranks
+    psi = model_shape("tiny").num_parameters
+    assert record["strategy"] == "single" and record["world_size"] == 1
+    assert record["measured"]["params_bytes"] == record["predicted"]["params_bytes"] == 4 * psi
+    assert record["measured"]["grads_bytes"] == record["predicted"]["grads_bytes"] == 4 * psi
+    assert record["measured"]["optimizer_bytes"] == record["predicted"]["optimizer_bytes"] == 8 * psi
+    assert trainer.state.log_history[0]["memory/optimizer_bytes"] == 8 * psi
+    assert "memory/optimizer_bytes" not in trainer.state.log_history[1]  # logged once
+    assert (tmp_path / "memory_report.png").is_file()
+
+
+def test_a_model_the_estimator_cannot_read_still_trains_and_reports_what_was_held(tmp_path, monkeypatch):
+    import finetune.memory.callback as callback
+
+    def unreadable(model):
+        raise RecipeError("cannot find the repeated decoder blocks of Exotic.")
+
+    monkeypatch.setattr(callback, "shape_of", unreadable)
+    trainer, (record,) = train_tiny_with_callback(tmp_path)
+    assert trainer.state.global_step == 2
+    assert record["predicted"] is None and record["measured"]["params_bytes"] == 4 * model_shape("tiny").num_parameters
+    assert "| 0 | parameters | – | 2.01 | – |" in (tmp_path / "memory_report.md").read_text()

@@ -14,7 +14,8 @@ from accelerate.utils import DistributedType, gather_object
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from finetune.memory.estimate import Setup, estimate
+from finetune.errors import RecipeError
+from finetune.memory.estimate import FSDP_SHARDING, Setup, estimate
 from finetune.memory.ledger import GradientProbe, measure_states, peak_memory
 from finetune.memory.report import write_memory_report
 from finetune.memory.shapes import shape_of
@@ -50,8 +51,7 @@ def running_setup(args, model, sequence_length: int | None) -> Setup:
             options["reduce_bucket_size"] = int(zero["reduce_bucket_size"])
     else:
         if state.distributed_type == DistributedType.FSDP:
-            sharding = str(getattr(state.fsdp_plugin, "sharding_strategy", "FULL_SHARD")).rsplit(".", 1)[-1]
-            options = dict(strategy="fsdp", fsdp_sharding=sharding.lower())
+            options = dict(strategy="fsdp", fsdp_sharding=_fsdp_sharding(state.fsdp_plugin))
         else:
             options = dict(strategy="ddp" if args.world_size > 1 else "single")
         options["precision"] = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -68,6 +68,15 @@ def running_setup(args, model, sequence_length: int | None) -> Setup:
         attention="eager" if getattr(config, "_attn_implementation", "sdpa") == "eager" else "sdpa",
         trainable_parameters=trainable,
     )
+
+
+def _fsdp_sharding(plugin) -> str:
+    """FSDP2 says `reshard_after_forward` (True: full shard, False: shard-grad-op); FSDP1 a ShardingStrategy."""
+    reshard = getattr(plugin, "reshard_after_forward", None)
+    if isinstance(reshard, bool):
+        return "full_shard" if reshard else "shard_grad_op"
+    name = str(reshard or getattr(plugin, "sharding_strategy", "")).rsplit(".", 1)[-1].lower()
+    return name if name in FSDP_SHARDING else "full_shard"
 
 
 def _offload_device(section) -> str | None:
@@ -92,6 +101,8 @@ def predicted_ledger(model, args, sequence_length: int | None) -> tuple[Setup, d
     ledger["offloaded_bytes"] = sum(offloaded.values())
     ledger["peak_bytes"] = prediction.total_bytes
     ledger["estimate"] = prediction.to_dict()
+    if optimizer_kind(args.optim) is None:
+        ledger["note"] = f"optimizer {args.optim} is not modelled: AdamW's 8 bytes/param assumed"
     return setup, ledger
 
 
@@ -129,9 +140,14 @@ class MemoryReportCallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.probe is not None:
             self.probe.remove()
-        setup, predicted = predicted_ledger(model, args, self.sequence_length)
+        try:
+            setup, predicted = predicted_ledger(model, args, self.sequence_length)
+            strategy = strategy_label(setup)
+        except RecipeError as error:  # a model the estimator cannot read: report the measurement alone
+            logger.warning("memory report: no prediction for this run (%s)", error)
+            strategy, predicted = AcceleratorState().distributed_type.value.lower(), None
         measured = None if self.measured is None else {**self.measured, **peak_memory()}
-        record = {"rank": args.process_index, "world_size": args.world_size, "strategy": strategy_label(setup),
+        record = {"rank": args.process_index, "world_size": args.world_size, "strategy": strategy,
                   "measured": measured, "predicted": predicted}
         records = gather_object([record]) if args.world_size > 1 else [record]
         if state.is_world_process_zero:

@@ -74,8 +74,10 @@ class Setup:
         """Ranks a model state is split over."""
         if self.strategy == "deepspeed" and self.zero_stage > 0:
             return self.num_gpus
+        if self.strategy == "fsdp" and self.fsdp_sharding == "hybrid_shard":
+            return self.gpus_per_node or self.num_gpus  # shard within a node, replicate across nodes
         if self.strategy == "fsdp" and self.fsdp_sharding != "no_shard":
-            return self.gpus_per_node or self.num_gpus if self.fsdp_sharding == "hybrid_shard" else self.num_gpus
+            return self.num_gpus
         return 1
 
     def check(self) -> None:

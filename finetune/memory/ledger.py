@@ -18,7 +18,7 @@ DEEPSPEED_GRADIENT_ATTRIBUTES = ("averaged_gradients", "grad_partitions_flat_buf
 
 def _tensors(value):
     if torch.is_tensor(value):
-        yield value
+        yield value.to_local() if hasattr(value, "to_local") else value  # an FSDP2 DTensor: this rank's shard
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors(item)

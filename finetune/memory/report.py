@@ -56,7 +56,7 @@ def markdown_table(records: list[dict]) -> str:
         "|---:|---|---:|---:|---:|",
     ]
     for record in records:
-        predicted, measured = record["predicted"], record["measured"] or {}
+        predicted, measured = record["predicted"] or {}, record["measured"] or {}
         rows = [*PARTS, ("peak_bytes", f"peak ({measured.get('peak_kind', 'not measured')})")]
         for key, label in rows:
             want, got = predicted.get(key), measured.get(key)
@@ -101,7 +101,7 @@ def plot(records: list[dict], path: Path) -> bool:
                           label="peak allocated" if x == 0 else None)
     axis.set_xticks(positions, labels, fontsize=8)
     axis.set_ylabel("MiB held per rank")
-    precision = (records[0]["predicted"].get("estimate") or {}).get("setup", {}).get("precision", "")
+    precision = ((records[0]["predicted"] or {}).get("estimate") or {}).get("setup", {}).get("precision", "")
     axis.set_title(f"Memory per rank: {records[0]['strategy']} {precision}".rstrip(), fontsize=10)
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
