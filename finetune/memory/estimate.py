@@ -273,8 +273,9 @@ def parallel_3d(shape: ModelShape, setup: Setup, tensor_parallel: int, pipeline_
                 micro_batches: int) -> dict:
     """Memory per GPU on paper with tensor (t) and pipeline (p) parallelism and ZeRO-1 over the rest.
 
-    Model states split over t·p; the data-parallel ranks d = N / (t·p) split the optimizer states (ZeRO-1,
-    Megatron-DeepSpeed's default). Activations: a layer's share is divided by t (with sequence
+    Model states split over t·p: half weights, fp32 gradients ("main grads") and, split again over the
+    data-parallel ranks d = N / (t·p), fp32 master weights and optimizer states: w + 4 + (4 + k)/d bytes per
+    parameter (Megatron-LM's distributed optimizer: 6 + 12/d in bf16). Activations: a layer's share is divided by t (with sequence
     parallelism, Korthikanti et al.), a stage holds L/p layers, and under 1F1B the first stage keeps p
     micro-batches in flight.
     """
@@ -284,7 +285,7 @@ def parallel_3d(shape: ModelShape, setup: Setup, tensor_parallel: int, pipeline_
     d = setup.num_gpus // (t * p)
     psi = shape.num_parameters / (t * p)
     w, k = _half_or_fp32(setup), OPTIMIZER_STATE_BYTES[setup.optimizer]
-    states = w * psi + (w + 4) * psi + (4 + k) * psi / d
+    states = (w + 4) * psi + (4 + k) * psi / d
     activations = activation_bytes(shape, setup) / t / p * min(p, micro_batches)
     return {
         "tensor_parallel": t, "pipeline_parallel": p, "data_parallel": d,
