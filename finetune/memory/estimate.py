@@ -186,10 +186,8 @@ def _deepspeed_states(trainable: int, frozen_bytes: float, setup: Setup):
     if setup.zero_stage == 0:
         # FP16/BF16 optimizer: half weights and gradients, fp32 master weights and fp32 gradients (none of
         # the extra copies in fp32, where the torch optimizer steps on the model's own tensors).
-        params = w * trainable + frozen_bytes
-        grads = (w + (4 if w != 4 else 0)) * trainable
-        optimizer = (k + (4 if w != 4 else 0)) * trainable
-        return params, grads, optimizer, offloaded
+        fp32_copy = 0 if w == 4 else 4
+        return w * trainable + frozen_bytes, (w + fp32_copy) * trainable, (k + fp32_copy) * trainable, offloaded
     params = w * trainable + frozen_bytes
     if setup.zero_stage == 3:
         params /= n
