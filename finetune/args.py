@@ -60,6 +60,34 @@ class DataArguments:
         default=None, metadata={"help": "Local training file (.jsonl, .json, .csv, .parquet); overrides `dataset`."}
     )
     eval_file: str | None = field(default=None, metadata={"help": "Local evaluation file, same formats."})
+    mix_files: list[str] | None = field(
+        default=None, metadata={"help": "Several local training files to mix (each may have its own format)."}
+    )
+    mix_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Sampling weight of each of `mix_files` (normalised; equal when unset). Examples are "
+                          "drawn with these probabilities until one file runs out."},
+    )
+    eval_split_ratio: float = field(
+        default=0.0, metadata={"help": "Hold out this fraction of train for evaluation when no eval split exists."}
+    )
+    dataset_format: Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text"] = field(
+        default="auto",
+        metadata={"help": "auto (from the columns), alpaca, sharegpt, messages, prompt_completion or text."},
+    )
+    overlong_policy: Literal["truncate", "drop", "error"] = field(
+        default="truncate",
+        metadata={"help": "An example longer than max_seq_length: truncate (counted), drop (counted) or error."},
+    )
+    unlabeled_policy: Literal["drop", "error"] = field(
+        default="drop",
+        metadata={"help": "An example with no answer token left after truncation: drop (counted) or error."},
+    )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Padding-free packing: each micro-batch becomes one row with position_ids restarting per "
+                          "example (Transformers' DataCollatorWithFlattening); attention stays within each example."},
+    )
     max_seq_length: int = field(
         default=1024, metadata={"help": "Examples are truncated to this many tokens (prompt and response)."}
     )
@@ -75,10 +103,19 @@ class DataArguments:
     )
 
     def __post_init__(self):
-        for key in ("train_file", "eval_file"):
-            path = getattr(self, key)
+        paths = [("train_file", self.train_file), ("eval_file", self.eval_file)]
+        paths += [("mix_files", path) for path in self.mix_files or []]
+        for key, path in paths:
             if path is not None and not Path(path).is_file():
                 raise RecipeError(f"`{key}: {path}` does not exist or is not a file.")
+        if self.mix_files and self.train_file:
+            raise RecipeError("give either `train_file` or `mix_files`, not both.")
+        if self.mix_weights is not None and (len(self.mix_weights) != len(self.mix_files or [])
+                                             or min(self.mix_weights) <= 0):
+            raise RecipeError(f"`mix_weights` needs one positive weight per file of `mix_files` "
+                              f"({len(self.mix_files or [])}), got {self.mix_weights}.")
+        if not 0 <= self.eval_split_ratio < 1:
+            raise RecipeError(f"`eval_split_ratio` must be in [0, 1), got {self.eval_split_ratio}.")
         if self.max_seq_length <= 0:
             raise RecipeError(f"`max_seq_length` must be positive, got {self.max_seq_length}.")
         if self.generation_eval_samples < 0:

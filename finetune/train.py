@@ -10,13 +10,14 @@ import json
 import os
 from pathlib import Path
 
-from accelerate.utils import DDPCommunicationHookType
-from transformers import DataCollatorForSeq2Seq, Trainer, set_seed
+from accelerate.utils import DDPCommunicationHookType, gather_object
+from transformers import Trainer, set_seed
 
 from finetune.args import Recipe, parse_recipe
 from finetune.configs.lint import lint_fsdp_wrap_classes
-from finetune.data import load_raw_splits, prepare_datasets
-from finetune.data.tokenize import IGNORE_INDEX
+from finetune.data import load_raw_data, prepare_datasets
+from finetune.data.collate import data_collator, prepare_model_for_packing
+from finetune.data.summary import dropped_rows, print_data_summary, write_data_summary
 from finetune.effective import report_and_guard_launch
 from finetune.errors import RecipeError
 from finetune.evaluation import ExactMatchCallback
@@ -36,7 +37,15 @@ def train(recipe: Recipe) -> dict:
     if recipe.lora.use_lora:
         model = apply_lora(model, recipe.lora)
 
-    data = prepare_datasets(load_raw_splits(recipe.data), tokenizer, recipe.data, args)
+    if recipe.data.packing:
+        prepare_model_for_packing(model)
+    data = prepare_datasets(load_raw_data(recipe.data), tokenizer, recipe.data, args)
+    # Which ranks read the tokenized data from the cache rank 0 wrote (main_process_first), rather than tokenizing.
+    from_cache = all(source["train"]["from_cache"] for source in data.summary["sources"])
+    data.summary["train_from_cache_by_rank"] = gather_object([from_cache]) if args.world_size > 1 else [from_cache]
+    if args.process_index == 0:
+        write_data_summary(data.summary, args.output_dir)
+        print_data_summary(data.summary)
     if data.eval is None:
         args.eval_on_start = False  # nothing to evaluate on: no 'before' column
 
@@ -50,7 +59,7 @@ def train(recipe: Recipe) -> dict:
         args=args,
         train_dataset=data.train,
         eval_dataset=data.eval,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX),
+        data_collator=data_collator(tokenizer, recipe.data.packing),
         processing_class=tokenizer,
         callbacks=callbacks,
     )
@@ -74,7 +83,7 @@ def train(recipe: Recipe) -> dict:
         trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None
     )
     summary["train_loss"] = train_output.training_loss
-    summary["dropped_examples"] = data.dropped
+    summary["dropped_examples"] = dropped_rows(data.summary)
     if trainer.is_world_process_zero():
         Path(args.output_dir, "eval_results.json").write_text(json.dumps(summary, indent=2) + "\n")
         print_before_after(summary)

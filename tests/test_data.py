@@ -1,12 +1,16 @@
 import json
+from types import SimpleNamespace
 
+import pandas as pd
 import pytest
+import torch
 from datasets import Dataset, DatasetDict
 
 from finetune import presets
 from finetune.args import DataArguments
-from finetune.data import detect_format, encode_messages, load_raw_splits, to_messages
-from finetune.data.tokenize import IGNORE_INDEX, _tokenize_split
+from finetune.data import detect_format, encode_example, encode_messages, load_raw_data, load_raw_splits, to_messages
+from finetune.data.collate import data_collator, prepare_model_for_packing
+from finetune.data.tokenize import IGNORE_INDEX, _tokenize_split, prepare_datasets
 from finetune.errors import RecipeError
 
 
@@ -15,8 +19,30 @@ def tokenizer():
     return presets.build_tokenizer()
 
 
-def labelled_text(tokenizer, encoded):
-    return tokenizer.decode([t for t, label in zip(encoded["input_ids"], encoded["labels"]) if label != IGNORE_INDEX])
+class OneProcess:
+    """The part of TrainingArguments that prepare_datasets uses, for a single process."""
+
+    seed = 0
+
+    @staticmethod
+    def main_process_first(desc=""):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def labelled_text(tokenizer, input_ids, labels):
+    return tokenizer.decode([t for t, label in zip(input_ids, labels) if label != IGNORE_INDEX])
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def prepare(tokenizer, **data_args):
+    args = DataArguments(**data_args)
+    return prepare_datasets(load_raw_data(args), tokenizer, args, OneProcess())
 
 
 def test_only_the_answer_and_its_end_token_carry_labels(tokenizer):
@@ -25,52 +51,116 @@ def test_only_the_answer_and_its_end_token_carry_labels(tokenizer):
     prompt_length = len(tokenizer("<|user|>reverse\n\nabc<|end|><|assistant|>", add_special_tokens=False)["input_ids"])
     assert encoded["labels"][:prompt_length] == [IGNORE_INDEX] * prompt_length
     assert encoded["labels"][prompt_length:] == encoded["input_ids"][prompt_length:]
-    assert labelled_text(tokenizer, encoded) == "cba<|end|>"
+    assert labelled_text(tokenizer, encoded["input_ids"], encoded["labels"]) == "cba<|end|>"
     assert encoded["attention_mask"] == [1] * len(encoded["input_ids"])
 
 
-def test_every_assistant_turn_is_labelled_in_a_multi_turn_conversation(tokenizer):
-    messages = [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "yo"},
-        {"role": "user", "content": "again"},
-        {"role": "assistant", "content": "ok"},
-    ]
-    encoded = encode_messages(messages, tokenizer, max_seq_length=128)
+MULTI_TURN = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "again"},
+    {"role": "assistant", "content": "ok"},
+]
+
+
+def test_every_assistant_turn_is_labelled_token_by_token_in_a_multi_turn_conversation(tokenizer):
+    encoded = encode_messages(MULTI_TURN, tokenizer, max_seq_length=128)
     tokens = [tokenizer.decode([t]) for t in encoded["input_ids"]]
-    labelled = [tokens[i] for i, label in enumerate(encoded["labels"]) if label != IGNORE_INDEX]
-    assert labelled == ["y", "o", "<|end|>", "o", "k", "<|end|>"]
+    expected = ["<|system|>", *"be brief", "<|end|>", "<|user|>", *"hi", "<|end|>", "<|assistant|>", "y", "o",
+                "<|end|>", "<|user|>", *"again", "<|end|>", "<|assistant|>", "o", "k", "<|end|>"]
+    assert tokens == expected
+    first, second = tokens.index("<|assistant|>") + 1, len(tokens) - 3  # "yo<|end|>" and "ok<|end|>"
+    expected = [first <= i < first + 3 or i >= second for i in range(len(tokens))]
+    assert [label != IGNORE_INDEX for label in encoded["labels"]] == expected
+    assert all(label in (IGNORE_INDEX, token) for label, token in zip(encoded["labels"], encoded["input_ids"]))
 
 
-def test_truncation_that_removes_every_answer_token_drops_the_example(tokenizer):
-    split = Dataset.from_list([
-        {"instruction": "reverse", "input": "abcdefghij", "output": "jihgfedcba"},
-        {"instruction": "add", "input": "", "output": "7"},
-    ])
-    kept, dropped = _tokenize_split(split, tokenizer, max_seq_length=12, dataset_format="alpaca")
-    assert dropped == 1 and len(kept) == 1
-    assert all(len(ids) <= 12 for ids in kept["input_ids"])
+def test_sharegpt_multi_turn_masks_exactly_like_messages(tokenizer):
+    roles = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = {"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in MULTI_TURN]}
+    assert detect_format(sharegpt) == "sharegpt"
+    assert encode_example(sharegpt, "sharegpt", tokenizer) == encode_example({"messages": MULTI_TURN}, "messages",
+                                                                             tokenizer)
+    with pytest.raises(RecipeError, match="`from: bot`"):
+        encode_example({"conversations": [{"from": "bot", "value": "x"}]}, "sharegpt", tokenizer)
 
 
-def test_format_detection_names_the_columns_it_needs():
-    assert detect_format(["instruction", "input", "output", "task"]) == "alpaca"
-    assert detect_format(["messages"]) == "messages"
-    with pytest.raises(RecipeError, match=r"columns \(prompt, text\).*alpaca: instruction, output"):
-        detect_format(["text", "prompt"])
+def test_prompt_completion_learns_the_completion_and_eos(tokenizer):
+    input_ids, labels = encode_example({"prompt": "2+2=", "completion": "4"}, "prompt_completion", tokenizer)
+    assert tokenizer.decode(input_ids) == "2+2=4<|end|>"
+    assert labelled_text(tokenizer, input_ids, labels) == "4<|end|>"
 
 
-def test_local_files_load_through_load_dataset(tmp_path):
-    rows = [{"instruction": "add", "input": "1+2", "output": "3"}] * 4
-    train = tmp_path / "train.jsonl"
-    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    splits = load_raw_splits(DataArguments(train_file=str(train), eval_file=str(train)))
-    assert isinstance(splits, DatasetDict) and len(splits["train"]) == 4 and len(splits["eval"]) == 4
+def test_plain_text_learns_every_token(tokenizer):
+    input_ids, labels = encode_example({"text": "hello"}, "text", tokenizer)
+    assert labels == input_ids and tokenizer.decode(input_ids) == "hello<|end|>"
 
 
-def test_embedded_dataset_has_train_and_eval():
-    splits = load_raw_splits(DataArguments())
-    assert len(splits["train"]) == 6000 and len(splits["eval"]) == 300
+FORMAT_ROWS = {
+    "alpaca": ({"instruction": "reverse", "input": "ab", "output": "ba"}, "ba<|end|>"),
+    "sharegpt": ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}, "yo<|end|>"),
+    "messages": ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+                 "yo<|end|>"),
+    "prompt_completion": ({"prompt": "1+1=", "completion": "2"}, "2<|end|>"),
+    "text": ({"text": "plain words"}, "plain words<|end|>"),
+}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+@pytest.mark.parametrize("dataset_format", sorted(FORMAT_ROWS))
+def test_each_format_from_each_file_type(tmp_path, tokenizer, dataset_format, suffix):
+    row, learned = FORMAT_ROWS[dataset_format]
+    if suffix == ".csv" and dataset_format in ("sharegpt", "messages"):
+        pytest.skip("CSV has no nested columns")
+    path = tmp_path / f"train{suffix}"
+    rows = [row] * 3
+    if suffix == ".jsonl":
+        write_jsonl(path, rows)
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif suffix == ".csv":
+        pd.DataFrame(rows).to_csv(path, index=False)
+    else:
+        pd.DataFrame(rows).to_parquet(path)
+    data = prepare(tokenizer, train_file=str(path), generation_eval_samples=0)
+    assert data.summary["sources"][0]["format"] == dataset_format
+    assert len(data.train) == 3
+    assert labelled_text(tokenizer, data.train[0]["input_ids"], data.train[0]["labels"]) == learned
+
+
+def test_a_directory_written_by_save_to_disk_loads(tmp_path, tokenizer):
+    DatasetDict(train=Dataset.from_list([FORMAT_ROWS["alpaca"][0]] * 4),
+                test=Dataset.from_list([FORMAT_ROWS["alpaca"][0]] * 2)).save_to_disk(tmp_path / "saved")
+    source = load_raw_data(DataArguments(dataset=str(tmp_path / "saved"))).sources[0]
+    assert len(source.train) == 4 and len(source.eval) == 2  # `test` serves as the eval split
+
+
+def test_files_of_different_formats_mix_by_weight(tmp_path, tokenizer):
+    alpaca = write_jsonl(tmp_path / "a.jsonl", [FORMAT_ROWS["alpaca"][0]] * 400)
+    text = write_jsonl(tmp_path / "t.jsonl", [FORMAT_ROWS["text"][0]] * 400)
+    data = prepare(tokenizer, mix_files=[str(alpaca), str(text)], mix_weights=[3, 1], generation_eval_samples=0)
+    assert [s["format"] for s in data.summary["sources"]] == ["alpaca", "text"]
+    assert data.summary["weights"] == [0.75, 0.25]
+    texts = sum(1 for labels in data.train["labels"] if IGNORE_INDEX not in labels)  # text rows learn every token
+    # Drawn 3:1 until the alpaca file runs out: about 400 alpaca rows and 133 text rows.
+    assert len(data.train) - texts == 400 and 100 < texts < 170
+
+
+def test_eval_split_by_ratio(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", [{"instruction": "add", "input": f"{i}+1", "output": str(i + 1)}
+                                                  for i in range(100)])
+    data = prepare(tokenizer, train_file=str(path), eval_split_ratio=0.1, generation_eval_samples=5)
+    assert len(data.train) == 90 and len(data.eval) == 10 and len(data.generation_examples) == 5
+    train_inputs = {tuple(ids) for ids in data.train["input_ids"]}
+    assert not any(tuple(ids) in train_inputs for ids in data.eval["input_ids"])
+
+
+def test_malformed_json_line_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": broken}\n')
+    with pytest.raises(RecipeError, match=r"malformed JSON at .*bad.jsonl:3: Expecting value"):
+        load_raw_data(DataArguments(train_file=str(path)))
 
 
 def test_empty_or_unsupported_files_are_user_errors(tmp_path):
@@ -82,3 +172,110 @@ def test_empty_or_unsupported_files_are_user_errors(tmp_path):
     odd.write_text("x")
     with pytest.raises(RecipeError, match=r"`train_file: .*data.txt` has an unsupported suffix"):
         load_raw_splits(DataArguments(train_file=str(odd)))
+
+
+def test_a_missing_column_is_named(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", [{"instruction": "x", "answer": "y"}])
+    with pytest.raises(RecipeError, match=r"columns \(answer, instruction\).*alpaca: instruction, output"):
+        prepare(tokenizer, train_file=str(path))
+    with pytest.raises(RecipeError, match="`dataset_format: alpaca` needs column\\(s\\) output"):
+        prepare(tokenizer, train_file=str(path), dataset_format="alpaca")
+
+
+def test_an_empty_value_stops_with_the_example_number(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", [FORMAT_ROWS["alpaca"][0], {"instruction": "x", "output": None}])
+    with pytest.raises(RecipeError, match=r"train example 2: a assistant turn has no text \(None\)"):
+        prepare(tokenizer, train_file=str(path))
+
+
+LONG = {"instruction": "reverse", "input": "abcdefghij", "output": "jihgfedcba"}  # 36 tokens
+SHORT = {"instruction": "add", "input": "", "output": "7"}  # 16 tokens
+
+
+def tokenize(tokenizer, rows, **policy):
+    args = SimpleNamespace(**{"max_seq_length": 12, "overlong_policy": "truncate", "unlabeled_policy": "drop",
+                              **policy})
+    return _tokenize_split(Dataset.from_list(rows), "train", tokenizer, args, "alpaca")
+
+
+def test_truncation_that_removes_every_answer_token_drops_the_example_and_counts_it(tokenizer):
+    kept, summary = tokenize(tokenizer, [LONG, SHORT], max_seq_length=20)
+    assert len(kept) == 1 and summary["dropped"] == {"no_answer_tokens": 1} and summary["truncated_rows"] == 0
+    assert summary["length_percentiles"]["max"] == len(encode_example(LONG, "alpaca", tokenizer)[0])
+    with pytest.raises(RecipeError, match="train example 1 has no answer token left .*unlabeled_policy: error"):
+        tokenize(tokenizer, [LONG, SHORT], max_seq_length=20, unlabeled_policy="error")
+
+
+def test_overlong_examples_truncate_drop_or_stop_as_the_recipe_says(tokenizer):
+    long_length = len(encode_example(LONG, "alpaca", tokenizer)[0])
+    kept, summary = tokenize(tokenizer, [LONG, SHORT], max_seq_length=long_length - 2)
+    assert len(kept) == 2 and summary["truncated_rows"] == 1 and summary["dropped"] == {}
+    assert max(len(ids) for ids in kept["input_ids"]) == long_length - 2
+    kept, summary = tokenize(tokenizer, [LONG, SHORT], max_seq_length=long_length - 2, overlong_policy="drop")
+    assert len(kept) == 1 and summary["dropped"] == {"overlong": 1} and summary["tokens"] == len(kept[0]["input_ids"])
+    with pytest.raises(RecipeError, match=f"train example 1 has {long_length} tokens, more than `max_seq_length"):
+        tokenize(tokenizer, [LONG, SHORT], max_seq_length=long_length - 2, overlong_policy="error")
+
+
+def test_nothing_left_after_the_policies_is_an_error_not_a_nan_loss(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", [LONG] * 3)
+    with pytest.raises(RecipeError, match="no training example of .* is left after the data policies"):
+        prepare(tokenizer, train_file=str(path), max_seq_length=12)
+
+
+def test_embedded_dataset_has_train_and_eval():
+    splits = load_raw_splits(DataArguments())
+    assert len(splits["train"]) == 6000 and len(splits["eval"]) == 300
+
+
+def test_mix_arguments_are_checked(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [FORMAT_ROWS["text"][0]])
+    with pytest.raises(RecipeError, match="one positive weight per file"):
+        DataArguments(mix_files=[str(path), str(path)], mix_weights=[1.0])
+    with pytest.raises(RecipeError, match="either `train_file` or `mix_files`"):
+        DataArguments(train_file=str(path), mix_files=[str(path)])
+
+
+def per_example_losses(logits, labels):
+    """Mean next-token loss of each labelled run in `labels` (one row), separated by -100 at boundaries."""
+    return torch.nn.functional.cross_entropy(logits[:-1], labels[1:], ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def test_packed_batch_gives_the_same_per_example_losses_as_unpacked(tokenizer):
+    model = presets.build_model(tokenizer, seed=0).eval()
+    prepare_model_for_packing(model)  # what finetune train does with `packing: true`
+    rows = [FORMAT_ROWS["alpaca"][0], LONG, SHORT, {"instruction": "sort", "input": "cab", "output": "abc"}]
+    features = [encode_messages(to_messages(row, "alpaca"), tokenizer, 64) for row in rows]
+    packed = data_collator(tokenizer, packing=True)([dict(f) for f in features])
+    assert packed["input_ids"].shape == (1, sum(len(f["input_ids"]) for f in features))  # no padding at all
+    assert "attention_mask" not in packed and packed["position_ids"][0, len(features[0]["input_ids"])] == 0
+    padded = data_collator(tokenizer, packing=False)([dict(f) for f in features])
+    with torch.no_grad():
+        packed_logits = model(**packed).logits[0]  # exactly what Trainer passes
+        padded_logits = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
+        packed_total = model(**packed).loss
+        padded_total = model(**padded).loss
+    start = 0
+    for index, feature in enumerate(features):
+        length = len(feature["input_ids"])
+        labels = torch.tensor(feature["labels"])
+        alone = per_example_losses(padded_logits[index, :length], labels)
+        together = per_example_losses(packed_logits[start:start + length], labels)
+        torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+        start += length
+    torch.testing.assert_close(packed_total, padded_total, atol=1e-5, rtol=1e-5)  # token-mean over the same tokens
+
+
+def test_packing_without_prepare_would_mix_examples_so_it_is_required(tokenizer):
+    """The trap prepare_model_for_packing closes: with the config's KV cache on, packed rows cross-attend."""
+    model = presets.build_model(tokenizer, seed=0).eval()
+    features = [encode_messages(to_messages(row, "alpaca"), tokenizer, 64) for row in (LONG, SHORT)]
+    packed = data_collator(tokenizer, packing=True)([dict(f) for f in features])
+    second = len(features[0]["input_ids"])
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([features[1]["input_ids"]])).logits[0]
+        leaky = model(**packed).logits[0, second:]
+        prepare_model_for_packing(model)
+        isolated = model(**packed).logits[0, second:]
+    assert (leaky - alone).abs().max() > 0.01
+    torch.testing.assert_close(isolated, alone, atol=1e-5, rtol=1e-5)

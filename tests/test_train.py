@@ -67,3 +67,7 @@ def test_demo_recipe_learns_on_two_processes_under_deepspeed_zero2(tmp_path):
     assert all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < 0.2 * losses[0]
     assert "Before vs after training" in result.output and "exact match: reverse" in result.output
+    data = json.loads((output_dir / "data_summary.json").read_text())
+    assert data["sources"][0]["train"]["rows_kept"] == 6000 and data["train_rows"] == 6000
+    assert data["train_from_cache_by_rank"][1] is True  # rank 1 read what rank 0 tokenized
+    assert [r["rank"] for r in json.loads((output_dir / "memory_report.json").read_text())["ranks"]] == [0, 1]

@@ -1,19 +1,36 @@
-"""Where the raw examples come from: the embedded synthetic set, local files, or a hub dataset id.
+"""Where the raw examples come from: the embedded synthetic set, local files (JSONL, JSON, CSV, Parquet), a
+directory written by `datasets`' `save_to_disk`, several files mixed with weights, or a hub dataset id.
 
-Everything goes through `datasets.load_dataset`, so a local file and a hub dataset take the same path.
+Files and hub ids go through `datasets.load_dataset`, so a local file and a hub dataset take the same path.
+The eval split is a given file, the source's own validation/test split, or `eval_split_ratio` of train.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from datasets import DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from finetune import presets
 from finetune.errors import RecipeError
 
 # File suffix → the `datasets` builder that reads it.
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass
+class Source:
+    name: str
+    train: Dataset
+    eval: Dataset | None = None
+
+
+@dataclass
+class RawData:
+    sources: list[Source]
+    weights: list[float] | None = None  # sampling probabilities when several sources are mixed
 
 
 def _builder_for(path: str, key: str) -> str:
@@ -25,42 +42,84 @@ def _builder_for(path: str, key: str) -> str:
     return builder
 
 
+def first_bad_json_line(path: str) -> str | None:
+    """`path:line: reason` for the first line of a JSONL file (or the spot in a JSON file) that does not parse."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    if Path(path).suffix.lower() == ".json":
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as error:
+            return f"{path}:{error.lineno}: {error.msg} (column {error.colno})"
+        return None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as error:
+                return f"{path}:{number}: {error.msg} (column {error.colno})"
+    return None
+
+
 def _load(source: str, path: str, **kwargs) -> DatasetDict:
     try:
         return DatasetDict(load_dataset(path, **kwargs))
-    except RecipeError:
-        raise
     except Exception as error:  # datasets raises many types; all mean "this source cannot be read"
         if "corresponds to no data" in str(error):
             raise RecipeError(f"the `train` split of the dataset is empty ({source}).") from None
+        for file in (kwargs.get("data_files") or {}).values():
+            if path == "json" and (bad := first_bad_json_line(file)):
+                raise RecipeError(f"malformed JSON at {bad}; fix or remove that line.") from None
         raise RecipeError(f"cannot load dataset `{source}`: {type(error).__name__}: {error}") from None
 
 
-def load_raw_splits(data_args) -> DatasetDict:
-    """A `DatasetDict` with a `train` split and, when one is available, an `eval` split."""
-    if data_args.train_file is not None:
-        data_files = {"train": data_args.train_file}
-        if data_args.eval_file is not None:
-            data_files["eval"] = data_args.eval_file
-        builders = {_builder_for(path, f"{split}_file") for split, path in data_files.items()}
-        if len(builders) > 1:
-            raise RecipeError("`train_file` and `eval_file` must have the same format (e.g. both .jsonl).")
-        splits = _load(", ".join(data_files.values()), builders.pop(), data_files=data_files)
-    elif data_args.dataset == presets.SYNTHETIC_DATASET:
+def _load_file(path: str, key: str) -> Dataset:
+    return _load(path, _builder_for(path, key), data_files={"train": path})["train"]
+
+
+def _load_named(dataset: str) -> DatasetDict:
+    if dataset == presets.SYNTHETIC_DATASET:
         directory = presets.synthetic_data_dir()
-        data_files = {"train": str(directory / "train.jsonl"), "eval": str(directory / "eval.jsonl")}
-        splits = _load(data_args.dataset, "json", data_files=data_files)
-    elif Path(data_args.dataset).is_file():
-        path = data_args.dataset
-        splits = _load(path, _builder_for(path, "dataset"), data_files={"train": path})
+        files = {"train": str(directory / "train.jsonl"), "eval": str(directory / "eval.jsonl")}
+        return _load(dataset, "json", data_files=files)
+    path = Path(dataset)
+    if path.is_file():
+        return DatasetDict(train=_load_file(dataset, "dataset"))
+    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        loaded = load_from_disk(dataset)  # written by save_to_disk
+        return loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded)
+    return _load(dataset, dataset)  # a local dataset directory or a hub id
+
+
+def load_raw_data(data_args) -> RawData:
+    """Every training source with its eval split (when there is one), and the mixing weights."""
+    if data_args.mix_files:
+        sources = [Source(Path(path).name, _load_file(path, "mix_files")) for path in data_args.mix_files]
+        weights = data_args.mix_weights or [1.0] * len(sources)
+        total = sum(weights)
+        weights = [weight / total for weight in weights]
     else:
-        splits = _load(data_args.dataset, data_args.dataset)  # a local dataset directory or a hub id
-    if "train" not in splits:
-        raise RecipeError(f"dataset `{data_args.dataset}` has no `train` split (found: {', '.join(splits)}).")
-    for name in ("validation", "test"):
-        if "eval" not in splits and name in splits:
-            splits["eval"] = splits.pop(name)
-    for name, split in splits.items():
-        if len(split) == 0:
-            raise RecipeError(f"the `{name}` split of the dataset is empty.")
-    return splits
+        if data_args.train_file is not None:
+            splits = DatasetDict(train=_load_file(data_args.train_file, "train_file"))
+        else:
+            splits = _load_named(data_args.dataset)
+        if "train" not in splits:
+            raise RecipeError(f"dataset `{data_args.dataset}` has no `train` split (found: {', '.join(splits)}).")
+        eval_split = next((splits[name] for name in ("eval", "validation", "test") if name in splits), None)
+        sources, weights = [Source(data_args.train_file or data_args.dataset, splits["train"], eval_split)], None
+    if data_args.eval_file is not None:
+        sources[0].eval = _load_file(data_args.eval_file, "eval_file")
+    for source in sources:
+        if len(source.train) == 0:
+            raise RecipeError(f"the `train` split of {source.name} is empty.")
+        if source.eval is None and data_args.eval_split_ratio > 0:
+            split = source.train.train_test_split(test_size=data_args.eval_split_ratio, seed=0)
+            source.train, source.eval = split["train"], split["test"]
+        if source.eval is not None and len(source.eval) == 0:
+            raise RecipeError(f"the eval split of {source.name} is empty.")
+    return RawData(sources, weights)
+
+
+def load_raw_splits(data_args) -> DatasetDict:
+    """The single source's `train` and, when there is one, `eval` split."""
+    source = load_raw_data(data_args).sources[0]
+    return DatasetDict(train=source.train, **({"eval": source.eval} if source.eval is not None else {}))

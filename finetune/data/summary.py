@@ -1,0 +1,49 @@
+"""The data summary: rows, tokens, length percentiles, truncated and dropped rows per source and split,
+printed by rank 0 at start and written to `output_dir/data_summary.json`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def write_data_summary(summary: dict, output_dir: str) -> Path:
+    path = Path(output_dir, "data_summary.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path
+
+
+def dropped_rows(summary: dict) -> dict[str, int]:
+    """Rows dropped per split, over every source."""
+    totals: dict[str, int] = {}
+    for source in summary["sources"]:
+        for split in ("train", "eval"):
+            if source[split] is not None:
+                totals[split] = totals.get(split, 0) + sum(source[split]["dropped"].values())
+    return totals
+
+
+def print_data_summary(summary: dict) -> None:
+    table = Table(title="Data")
+    for column in ("source", "split", "format", "rows", "kept", "tokens", "length p50/p90/p99/max", "truncated",
+                   "dropped"):
+        table.add_column(column, justify="left" if column in ("source", "split", "format", "dropped") else "right")
+    for source in summary["sources"]:
+        for split in ("train", "eval"):
+            stats = source[split]
+            if stats is None:
+                continue
+            lengths = stats["length_percentiles"]
+            dropped = ", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in stats["dropped"].items())
+            table.add_row(source["name"], split, source["format"], f"{stats['rows']:,}", f"{stats['rows_kept']:,}",
+                          f"{stats['tokens']:,}", f"{lengths['p50']}/{lengths['p90']}/{lengths['p99']}/{lengths['max']}",
+                          f"{stats['truncated_rows']:,}", dropped or "–")
+    console = Console()
+    console.print(table)
+    if summary["weights"]:
+        mix = ", ".join(f"{s['name']} {w:.0%}" for s, w in zip(summary["sources"], summary["weights"]))
+        console.print(f"Mixed: {mix} → {summary['train_rows']:,} training rows.")
