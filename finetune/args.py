@@ -85,8 +85,14 @@ class DataArguments:
     )
     packing: bool = field(
         default=False,
-        metadata={"help": "Padding-free packing: each micro-batch becomes one row with position_ids restarting per "
-                          "example (Transformers' DataCollatorWithFlattening); attention stays within each example."},
+        metadata={"help": "Pack whole examples into rows of up to max_seq_length tokens (best-fit decreasing) with "
+                          "position_ids restarting per example, no padding inside a row; attention stays within "
+                          "each example. per_device_train_batch_size then counts rows."},
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Flatten each micro-batch into one row without padding (Transformers' "
+                          "DataCollatorWithFlattening); per_device_train_batch_size still counts examples."},
     )
     max_seq_length: int = field(
         default=1024, metadata={"help": "Examples are truncated to this many tokens (prompt and response)."}
@@ -114,6 +120,8 @@ class DataArguments:
                                              or min(self.mix_weights) <= 0):
             raise RecipeError(f"`mix_weights` needs one positive weight per file of `mix_files` "
                               f"({len(self.mix_files or [])}), got {self.mix_weights}.")
+        if self.packing and self.padding_free:
+            raise RecipeError("choose `packing` (rows of max_seq_length) or `padding_free` (one row per micro-batch).")
         if not 0 <= self.eval_split_ratio < 1:
             raise RecipeError(f"`eval_split_ratio` must be in [0, 1), got {self.eval_split_ratio}.")
         if self.max_seq_length <= 0:

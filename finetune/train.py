@@ -16,7 +16,7 @@ from transformers import Trainer, set_seed
 from finetune.args import Recipe, parse_recipe
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
-from finetune.data.collate import data_collator, prepare_model_for_packing
+from finetune.data.collate import data_collator, pack_prepared, prepare_model_for_packing
 from finetune.data.summary import dropped_rows, print_data_summary, write_data_summary
 from finetune.effective import report_and_guard_launch
 from finetune.errors import RecipeError
@@ -37,9 +37,11 @@ def train(recipe: Recipe) -> dict:
     if recipe.lora.use_lora:
         model = apply_lora(model, recipe.lora)
 
-    if recipe.data.packing:
-        prepare_model_for_packing(model)
     data = prepare_datasets(load_raw_data(recipe.data), tokenizer, recipe.data, args)
+    if recipe.data.packing or recipe.data.padding_free:
+        prepare_model_for_packing(model)
+    if recipe.data.packing:
+        data = pack_prepared(data, recipe.data.max_seq_length)
     # Which ranks read the tokenized data from the cache rank 0 wrote (main_process_first), rather than tokenizing.
     from_cache = all(source["train"]["from_cache"] for source in data.summary["sources"])
     data.summary["train_from_cache_by_rank"] = gather_object([from_cache]) if args.world_size > 1 else [from_cache]
@@ -59,7 +61,7 @@ def train(recipe: Recipe) -> dict:
         args=args,
         train_dataset=data.train,
         eval_dataset=data.eval,
-        data_collator=data_collator(tokenizer, recipe.data.packing),
+        data_collator=data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free),
         processing_class=tokenizer,
         callbacks=callbacks,
     )

@@ -9,7 +9,7 @@ from datasets import Dataset, DatasetDict
 from finetune import presets
 from finetune.args import DataArguments
 from finetune.data import detect_format, encode_example, encode_messages, load_raw_data, load_raw_splits, to_messages
-from finetune.data.collate import data_collator, prepare_model_for_packing
+from finetune.data.collate import best_fit_decreasing, data_collator, pack_examples, prepare_model_for_packing
 from finetune.data.tokenize import IGNORE_INDEX, _tokenize_split, prepare_datasets
 from finetune.errors import RecipeError
 
@@ -241,36 +241,68 @@ def per_example_losses(logits, labels):
     return torch.nn.functional.cross_entropy(logits[:-1], labels[1:], ignore_index=IGNORE_INDEX, reduction="none")
 
 
-def test_packed_batch_gives_the_same_per_example_losses_as_unpacked(tokenizer):
+def per_example_losses_match(model, packed_batch, features, starts_by_row):
+    """Each example's token losses inside the packed batch equal its losses computed alone."""
+    with torch.no_grad():
+        packed_logits = model(**packed_batch).logits  # exactly what Trainer passes
+        for feature, (row, start) in zip(features, starts_by_row):
+            length = len(feature["input_ids"])
+            labels = torch.tensor(feature["labels"])
+            alone = model(input_ids=torch.tensor([feature["input_ids"]])).logits[0]
+            together = packed_logits[row, start:start + length]
+            torch.testing.assert_close(per_example_losses(together, labels), per_example_losses(alone, labels),
+                                       atol=1e-5, rtol=1e-5)
+
+
+PACK_ROWS = [FORMAT_ROWS["alpaca"][0], LONG, SHORT, {"instruction": "sort", "input": "cab", "output": "abc"},
+             {"instruction": "reverse", "input": "xyzw", "output": "wzyx"}]
+
+
+def test_packed_rows_give_the_same_per_example_losses_as_unpacked(tokenizer):
     model = presets.build_model(tokenizer, seed=0).eval()
     prepare_model_for_packing(model)  # what finetune train does with `packing: true`
-    rows = [FORMAT_ROWS["alpaca"][0], LONG, SHORT, {"instruction": "sort", "input": "cab", "output": "abc"}]
-    features = [encode_messages(to_messages(row, "alpaca"), tokenizer, 64) for row in rows]
-    packed = data_collator(tokenizer, packing=True)([dict(f) for f in features])
-    assert packed["input_ids"].shape == (1, sum(len(f["input_ids"]) for f in features))  # no padding at all
-    assert "attention_mask" not in packed and packed["position_ids"][0, len(features[0]["input_ids"])] == 0
-    padded = data_collator(tokenizer, packing=False)([dict(f) for f in features])
-    with torch.no_grad():
-        packed_logits = model(**packed).logits[0]  # exactly what Trainer passes
-        padded_logits = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
-        packed_total = model(**packed).loss
-        padded_total = model(**padded).loss
-    start = 0
-    for index, feature in enumerate(features):
-        length = len(feature["input_ids"])
-        labels = torch.tensor(feature["labels"])
-        alone = per_example_losses(padded_logits[index, :length], labels)
-        together = per_example_losses(packed_logits[start:start + length], labels)
-        torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
-        start += length
-    torch.testing.assert_close(packed_total, padded_total, atol=1e-5, rtol=1e-5)  # token-mean over the same tokens
+    features = [encode_messages(to_messages(row, "alpaca"), tokenizer, 64) for row in PACK_ROWS]
+    rows = pack_examples(Dataset.from_list(features), max_length=48)
+    lengths = [len(f["input_ids"]) for f in features]
+    assert all(len(ids) <= 48 for ids in rows["input_ids"]) and sum(map(len, rows["input_ids"])) == sum(lengths)
+    assert len(rows) < len(features)  # several examples share a row
+    batch = data_collator(tokenizer, packing=True)([rows[i] for i in range(len(rows))])
+    assert "attention_mask" not in batch
+    # Where each example landed: match it by its tokens within its row.
+    starts = []
+    for feature in features:
+        for row, ids in enumerate(rows["input_ids"]):
+            at = next((i for i in range(len(ids)) if ids[i:i + len(feature["input_ids"])] == feature["input_ids"]
+                       and rows["position_ids"][row][i] == 0), None)
+            if at is not None:
+                starts.append((row, at))
+                break
+    assert len(starts) == len(features)
+    per_example_losses_match(model, batch, features, starts)
+
+
+def test_padding_free_batch_gives_the_same_per_example_losses_as_unpacked(tokenizer):
+    model = presets.build_model(tokenizer, seed=0).eval()
+    prepare_model_for_packing(model)
+    features = [encode_messages(to_messages(row, "alpaca"), tokenizer, 64) for row in PACK_ROWS]
+    batch = data_collator(tokenizer, padding_free=True)([dict(f) for f in features])
+    assert batch["input_ids"].shape == (1, sum(len(f["input_ids"]) for f in features))  # no padding at all
+    offsets = [sum(len(f["input_ids"]) for f in features[:i]) for i in range(len(features))]
+    per_example_losses_match(model, batch, features, [(0, offset) for offset in offsets])
+
+
+def test_best_fit_decreasing_fills_rows():
+    bins = best_fit_decreasing([5, 4, 3, 3, 2, 2, 1], capacity=8)
+    lengths = [5, 4, 3, 3, 2, 2, 1]
+    assert sorted(i for members in bins for i in members) == list(range(7))
+    assert all(sum(lengths[i] for i in members) <= 8 for members in bins) and len(bins) == 3
 
 
 def test_packing_without_prepare_would_mix_examples_so_it_is_required(tokenizer):
     """The trap prepare_model_for_packing closes: with the config's KV cache on, packed rows cross-attend."""
     model = presets.build_model(tokenizer, seed=0).eval()
     features = [encode_messages(to_messages(row, "alpaca"), tokenizer, 64) for row in (LONG, SHORT)]
-    packed = data_collator(tokenizer, packing=True)([dict(f) for f in features])
+    packed = data_collator(tokenizer, padding_free=True)([dict(f) for f in features])
     second = len(features[0]["input_ids"])
     with torch.no_grad():
         alone = model(input_ids=torch.tensor([features[1]["input_ids"]])).logits[0]

@@ -44,6 +44,22 @@ def test_local_model_directory_trains_through_from_pretrained(tmp_path):
     assert set(summary["before"]["exact_match"]) == {"all"}
 
 
+def test_packed_training_learns_and_reports_its_rows(tmp_path):
+    output_dir = tmp_path / "out"
+    result = run(finetune_command(
+        "train", "recipes/demo.yaml", "--packing", "true", "--max_seq_length", "256",
+        "--per_device_train_batch_size", "2", "--max_steps", "60", "--logging_steps", "20",
+        "--max_eval_samples", "50", "--generation_eval_samples", "4", "--output_dir", str(output_dir),
+    ), timeout=300)
+    assert_succeeded(result)
+    _, losses = logged_losses(output_dir)
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    packing = json.loads((output_dir / "data_summary.json").read_text())["packing"]
+    assert packing["train"]["examples"] == 6000 and packing["train"]["fill"] > 0.95
+    assert packing["train"]["rows"] < 6000 * 25 / 256 * 1.1  # about 25 tokens an example, rows of 256
+    assert "Packed train: 6,000 examples →" in result.output
+
+
 @pytest.mark.distributed
 def test_demo_recipe_learns_on_two_processes_under_deepspeed_zero2(tmp_path):
     """The main job exactly as `make demo` runs it on a machine without GPUs."""

@@ -47,3 +47,6 @@ def print_data_summary(summary: dict) -> None:
     if summary["weights"]:
         mix = ", ".join(f"{s['name']} {w:.0%}" for s, w in zip(summary["sources"], summary["weights"]))
         console.print(f"Mixed: {mix} → {summary['train_rows']:,} training rows.")
+    for split, packing in summary.get("packing", {}).items():
+        console.print(f"Packed {split}: {packing['examples']:,} examples → {packing['rows']:,} rows of up to "
+                      f"{packing['row_length']} tokens, {packing['fill']:.1%} filled.")
