@@ -311,3 +311,21 @@ def test_packing_without_prepare_would_mix_examples_so_it_is_required(tokenizer)
         isolated = model(**packed).logits[0, second:]
     assert (leaky - alone).abs().max() > 0.01
     torch.testing.assert_close(isolated, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_group_by_length_batches_examples_of_similar_length(tmp_path, tokenizer):
+    """Trainer's own `train_sampling_strategy: group_by_length` works on the prepared data (lengths from `input_ids`)."""
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    rows = [{"text": "x" * (2 + i % 5 if i % 2 else 58 + i % 5)} for i in range(80)]  # half short, half long
+    data = prepare(tokenizer, train_file=str(write_jsonl(tmp_path / "t.jsonl", rows)), generation_eval_samples=0)
+    args = TrainingArguments(str(tmp_path / "out"), train_sampling_strategy="group_by_length",
+                             per_device_train_batch_size=2, use_cpu=True, report_to=[])
+    trainer = Trainer(model=presets.build_model(tokenizer), args=args, train_dataset=data.train,
+                      data_collator=data_collator(tokenizer))
+    sampler = trainer._get_train_sampler()
+    assert isinstance(sampler, LengthGroupedSampler)
+    lengths = [len(data.train[i]["input_ids"]) for i in sampler]
+    mixed = sum(1 for i in range(0, len(lengths), 2) if abs(lengths[i] - lengths[i + 1]) > 10)
+    assert mixed <= 4, lengths  # random pairing would mix about 20 of the 40 pairs
