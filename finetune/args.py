@@ -140,9 +140,24 @@ class LoraArguments:
         default=None, metadata={"help": "Module names to adapt; all linear layers of the model when unset."}
     )
 
+    use_qlora: bool = field(
+        default=False,
+        metadata={"help": "QLoRA: LoRA adapters on a 4-bit NF4 base (bitsandbytes, CUDA only); implies use_lora. "
+                          "Pair it with `optim: paged_adamw_8bit` to page optimizer states."},
+    )
+
     def __post_init__(self):
         if self.lora_r <= 0:
             raise RecipeError(f"`lora_r` must be positive, got {self.lora_r}.")
+        if self.use_qlora:
+            if not torch.cuda.is_available():
+                raise RecipeError("`use_qlora: true` needs a CUDA GPU (bitsandbytes' 4-bit kernels) and none is "
+                                  "visible; use `use_lora: true` without QLoRA here, or run on a GPU.")
+            import importlib.util
+
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise RecipeError("`use_qlora: true` needs bitsandbytes: pip install 'finetune[qlora]'.")
+            self.use_lora = True
 
 
 @dataclass

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from accelerate.utils import gather_object
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from finetune import presets
 
@@ -23,16 +24,46 @@ def load_tokenizer(model_args):
     return tokenizer
 
 
-def load_model(model_args, tokenizer, seed: int = 0):
-    if model_args.model_name_or_path == presets.TINY_MODEL:
+def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False):
+    if model_args.model_name_or_path == presets.TINY_MODEL and not qlora:
         dtype = None if model_args.torch_dtype == "auto" else DTYPES[model_args.torch_dtype]
         return presets.build_model(tokenizer, seed=seed, dtype=dtype)
+    if qlora:
+        return _load_4bit(model_args, tokenizer, seed)
     return AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
         dtype=DTYPES[model_args.torch_dtype],
         attn_implementation=model_args.attn_implementation,
         trust_remote_code=model_args.trust_remote_code,
     )
+
+
+def _load_4bit(model_args, tokenizer, seed: int):
+    """The QLoRA base: NF4 weights with double quantization and bf16 compute (Dettmers et al. 2023), on this
+    process's GPU, prepared for k-bit training by peft (norms in fp32, input gradients on)."""
+    import os
+    import tempfile
+
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    source = model_args.model_name_or_path
+    with tempfile.TemporaryDirectory() as directory:
+        if source == presets.TINY_MODEL:  # quantization happens in from_pretrained: save the preset first
+            presets.build_model(tokenizer, seed=seed).save_pretrained(directory)
+            source = directory
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+            ),
+            dtype=torch.bfloat16,
+            device_map={"": int(os.environ.get("LOCAL_RANK", "0"))},
+            attn_implementation=model_args.attn_implementation,
+            trust_remote_code=model_args.trust_remote_code,
+        )
+    return prepare_model_for_kbit_training(model)
 
 
 def apply_lora(model, lora_args):
@@ -47,3 +78,29 @@ def apply_lora(model, lora_args):
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def frozen_weights_digest(model) -> dict[str, float]:
+    """A float64 sum per frozen parameter of what this rank holds (its ZeRO-3 partition or the whole tensor)."""
+    digest = {}
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            local = getattr(parameter, "ds_tensor", parameter)
+            digest[name] = float(local.detach().double().sum()) if local.numel() else 0.0
+    return digest
+
+
+class FrozenWeightsCallback(TrainerCallback):
+    """Checks, on every rank, that training changed no frozen (base) weight: LoRA trains adapters only."""
+
+    def __init__(self):
+        self.before: dict[str, float] | None = None
+        self.unchanged: bool | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.before = frozen_weights_digest(model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        mine = frozen_weights_digest(model) == self.before and bool(self.before)
+        ranks = gather_object([mine]) if args.world_size > 1 else [mine]
+        self.unchanged = all(ranks)

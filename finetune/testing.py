@@ -60,11 +60,12 @@ DEMO_SHORT_RUN = ["--max_steps", "3", "--logging_steps", "1", "--eval_on_start",
                   "--generation_eval_samples", "6"]
 
 
-def launch_demo(config_file: str, output_dir, *extra: str, deepspeed_json: str | None = None, timeout: float = 600):
+def launch_demo(config_file: str, output_dir, *extra: str, deepspeed_json: str | None = None, timeout: float = 600,
+                env: dict | None = None):
     """A short 2-process run of recipes/demo.yaml under an Accelerate config, optionally with another DeepSpeed JSON."""
     command = accelerate_launch_command(config_file, "train", "recipes/demo.yaml", "--output_dir", str(output_dir),
                                         *DEMO_SHORT_RUN, *extra)
     if deepspeed_json is not None:
         at = command.index("--main_process_port")
         command[at:at] = ["--deepspeed_config_file", deepspeed_json]
-    return run(command, timeout=timeout)
+    return run(command, timeout=timeout, env=env)

@@ -22,7 +22,7 @@ from finetune.effective import report_and_guard_launch
 from finetune.errors import RecipeError
 from finetune.evaluation import ExactMatchCallback
 from finetune.memory import MemoryReportCallback
-from finetune.models import apply_lora, load_model, load_tokenizer
+from finetune.models import FrozenWeightsCallback, apply_lora, load_model, load_tokenizer
 from finetune.report import print_before_after, summarize_evaluations
 from finetune.scaling import print_batch_plan, write_batch_plan
 
@@ -33,7 +33,7 @@ def train(recipe: Recipe) -> dict:
     set_seed(args.seed)
 
     tokenizer = load_tokenizer(recipe.model)
-    model = load_model(recipe.model, tokenizer, seed=args.seed)
+    model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora)
     if recipe.lora.use_lora:
         model = apply_lora(model, recipe.lora)
 
@@ -56,6 +56,9 @@ def train(recipe: Recipe) -> dict:
     callbacks = [exact_match]
     if args.memory_report:
         callbacks.append(MemoryReportCallback(sequence_length=recipe.data.max_seq_length))
+    frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
+    if frozen_check is not None:
+        callbacks.append(frozen_check)
     trainer = Trainer(
         model=model,
         args=args,
@@ -86,6 +89,8 @@ def train(recipe: Recipe) -> dict:
     )
     summary["train_loss"] = train_output.training_loss
     summary["dropped_examples"] = dropped_rows(data.summary)
+    if frozen_check is not None:
+        summary["frozen_weights_unchanged"] = frozen_check.unchanged
     if trainer.is_world_process_zero():
         Path(args.output_dir, "eval_results.json").write_text(json.dumps(summary, indent=2) + "\n")
         print_before_after(summary)
