@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from finetune.commands.configs import configs_command_parser
+from finetune.commands.export import export_command_parser
 from finetune.commands.plan import plan_command_parser
 from finetune.commands.report import report_command_parser
 from finetune.commands.train import train_command_parser
@@ -15,7 +16,8 @@ from finetune.errors import RecipeError, report_user_error
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs across GPUs.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for add in (train_command_parser, configs_command_parser, plan_command_parser, report_command_parser):
+    for add in (train_command_parser, configs_command_parser, plan_command_parser, report_command_parser,
+                export_command_parser):
         add(subparsers)
     return parser
 

@@ -27,7 +27,9 @@ def load_tokenizer(model_args):
 def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False):
     if model_args.model_name_or_path == presets.TINY_MODEL and not qlora:
         dtype = None if model_args.torch_dtype == "auto" else DTYPES[model_args.torch_dtype]
-        return presets.build_model(tokenizer, seed=seed, dtype=dtype)
+        model = presets.build_model(tokenizer, seed=seed, dtype=dtype)
+        model.config.name_or_path = model.name_or_path = presets.TINY_MODEL  # peft records it as the adapter's base
+        return model
     if qlora:
         return _load_4bit(model_args, tokenizer, seed)
     return AutoModelForCausalLM.from_pretrained(

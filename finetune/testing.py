@@ -69,3 +69,14 @@ def launch_demo(config_file: str, output_dir, *extra: str, deepspeed_json: str |
         at = command.index("--main_process_port")
         command[at:at] = ["--deepspeed_config_file", deepspeed_json]
     return run(command, timeout=timeout, env=env)
+
+
+# Short LoRA runs of the demo recipe under each strategy that trains on CPU; a planted HF_TOKEN must land nowhere.
+LORA_DEMO_RUN = ["--use_lora", "true", "--lora_r", "8", "--learning_rate", "1e-2", "--max_steps", "30",
+                 "--logging_steps", "10"]
+LORA_STRATEGIES = {
+    "ddp": ("accelerate_configs/cpu_ddp.yaml", None),
+    "zero2": ("accelerate_configs/cpu_deepspeed_zero2.yaml", None),
+    "zero3": ("accelerate_configs/cpu_deepspeed_zero2.yaml", "deepspeed_configs/zero3.json"),
+}
+PLANTED_TOKEN = "hf_notarealtokenbutonlyfortests"

@@ -12,6 +12,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One 2-process demo run per CPU-runnable DeepSpeed config (fp32, the CPU default), plus two in bf16 mixed
 # precision, shared by the strategy and memory tests so the start-up cost is paid once per config.
 BF16_RUNS = ["zero2", "zero3"]
+# The fp32 ZeRO-3 run also leaves a checkpoint (ZeRO shards) for the export tests.
+EXTRA_ARGS = {"zero3": ("--save_strategy", "steps", "--save_steps", "3")}
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +24,7 @@ def deepspeed_runs(tmp_path_factory):
     for name, extra in [*((n, ()) for n in CPU_RUNNABLE_DEEPSPEED), *((n, ("--bf16", "true")) for n in BF16_RUNS)]:
         key = f"{name}_bf16" if extra else name
         output_dir = tmp_path_factory.mktemp(key)
-        result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, *extra,
+        result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, *extra, *EXTRA_ARGS.get(key, ()),
                              deepspeed_json=f"deepspeed_configs/{name}.json")
         assert_succeeded(result)
         state = json.loads((output_dir / "trainer_state.json").read_text())
@@ -43,3 +45,19 @@ def ddp_run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("ddp")
     assert_succeeded(launch_demo("accelerate_configs/cpu_ddp.yaml", output_dir, "--ddp_comm_hook", "fp16"))
     return output_dir
+
+
+@pytest.fixture(scope="session")
+def lora_runs(tmp_path_factory):
+    """Short 2-process LoRA runs of the demo recipe under DDP, ZeRO-2 and ZeRO-3; their output_dirs."""
+    from finetune.testing import LORA_DEMO_RUN, LORA_STRATEGIES, PLANTED_TOKEN, assert_succeeded, launch_demo
+
+    runs = {}
+    for name, (config, deepspeed_json) in LORA_STRATEGIES.items():
+        output_dir = tmp_path_factory.mktemp(f"lora_{name}")
+        result = launch_demo(config, output_dir, *LORA_DEMO_RUN, deepspeed_json=deepspeed_json,
+                             env={"HF_TOKEN": PLANTED_TOKEN})
+        assert_succeeded(result)
+        assert PLANTED_TOKEN not in result.output
+        runs[name] = output_dir
+    return runs

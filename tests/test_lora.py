@@ -10,16 +10,8 @@ from safetensors.torch import load_file
 
 from finetune.args import parse_recipe
 from finetune.cli import main
-from finetune.testing import assert_succeeded, launch_demo
 
-SECRET = "hf_notarealtokenbutonlyfortests"
-LORA_RUN = ["--use_lora", "true", "--lora_r", "8", "--learning_rate", "1e-2", "--max_steps", "30",
-            "--logging_steps", "10"]
-STRATEGIES = {
-    "ddp": ("accelerate_configs/cpu_ddp.yaml", None),
-    "zero2": ("accelerate_configs/cpu_deepspeed_zero2.yaml", None),
-    "zero3": ("accelerate_configs/cpu_deepspeed_zero2.yaml", "deepspeed_configs/zero3.json"),
-}
+from finetune.testing import LORA_STRATEGIES, PLANTED_TOKEN
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -35,20 +27,8 @@ def test_remote_code_is_off_unless_the_recipe_turns_it_on():
     assert parse_recipe("recipes/demo.yaml", ["--trust_remote_code", "true"]).model.trust_remote_code is True
 
 
-@pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory):
-    runs = {}
-    for name, (config, deepspeed_json) in STRATEGIES.items():
-        output_dir = tmp_path_factory.mktemp(f"lora_{name}")
-        result = launch_demo(config, output_dir, *LORA_RUN, deepspeed_json=deepspeed_json, env={"HF_TOKEN": SECRET})
-        assert_succeeded(result)
-        assert SECRET not in result.output
-        runs[name] = output_dir
-    return runs
-
-
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("name", sorted(LORA_STRATEGIES))
 def test_lora_trains_only_its_adapters_under_each_strategy(lora_runs, name):
     output_dir = lora_runs[name]
     state = json.loads((output_dir / "trainer_state.json").read_text())
@@ -68,4 +48,4 @@ def test_lora_trains_only_its_adapters_under_each_strategy(lora_runs, name):
 def test_a_token_in_the_environment_lands_in_no_file(lora_runs):
     files = [path for output_dir in lora_runs.values() for path in output_dir.rglob("*") if path.is_file()]
     assert len(files) > 30  # adapters, tokenizer, trainer state, training_args.bin, reports
-    assert not [path for path in files if SECRET.encode() in path.read_bytes()]
+    assert not [path for path in files if PLANTED_TOKEN.encode() in path.read_bytes()]

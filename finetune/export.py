@@ -1,0 +1,92 @@
+"""Export a run or checkpoint to a plain Hugging Face model directory in safetensors.
+
+- A full model saved by Trainer (`model.safetensors`, ZeRO-3 weights gathered at save) is reloaded and saved.
+- A DeepSpeed checkpoint that holds only ZeRO shards (`global_step*/`) is consolidated with DeepSpeed's own
+  `get_fp32_state_dict_from_zero_checkpoint` into the model its `config.json` describes.
+- A LoRA adapter (`adapter_config.json`) is merged into its base (`--merge-lora`) or saved as a standalone
+  adapter. The base is `--base-model`, else the adapter's `base_model_name_or_path`; the `tiny` preset is
+  rebuilt from `--seed` (the recipe's seed).
+Weights are only ever read from safetensors or through DeepSpeed's and Transformers' own loaders.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from finetune import presets
+from finetune.errors import RecipeError
+from finetune.models import DTYPES
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _base_model(name: str | None, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    if not name:
+        raise RecipeError("the adapter does not name its base model: pass --base-model (a directory, hub id or tiny).")
+    if name == presets.TINY_MODEL:
+        return presets.build_model(presets.build_tokenizer(), seed=seed)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES["auto"])
+
+
+def _zero_shards(directory: Path) -> bool:
+    return any(path.is_dir() and path.name.startswith("global_step") for path in directory.iterdir())
+
+
+def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed: int):
+    """`(model, is_adapter)` for `source`."""
+    from transformers import AutoModelForCausalLM
+
+    if not source.is_dir():
+        raise RecipeError(f"{source} is not a directory: give a run's output_dir or one of its checkpoint-N folders.")
+    if (source / "adapter_config.json").is_file():
+        import json
+
+        from peft import PeftModel
+
+        config = json.loads((source / "adapter_config.json").read_text())
+        base = _base_model(base_model or config.get("base_model_name_or_path"), seed)
+        model = PeftModel.from_pretrained(base, source)
+        return (model.merge_and_unload(), False) if merge_lora else (model, True)
+    if merge_lora:
+        raise RecipeError(f"--merge-lora: {source} holds no LoRA adapter (no adapter_config.json).")
+    if (source / "model.safetensors").is_file() or (source / "model.safetensors.index.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(source), False
+    if (source / "config.json").is_file() and _zero_shards(source):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from transformers import AutoConfig
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(source))
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {name for name in missing if name.endswith("lm_head.weight") and model.config.tie_word_embeddings}
+        if set(missing) - tied or unexpected:
+            raise RecipeError(f"the ZeRO shards in {source} do not match its config.json "
+                              f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}).")
+        model.tie_weights()
+        return model, False
+    if (source / "pytorch_model.bin").is_file():
+        raise RecipeError(f"{source} has only pickled weights (pytorch_model.bin); they are not loaded, for safety. "
+                          "Convert them where you trust the file, e.g. with safetensors' convert script.")
+    raise RecipeError(f"{source} holds no model: expected model.safetensors, ZeRO shards (global_step*/) with "
+                      "config.json, or a LoRA adapter (adapter_config.json).")
+
+
+def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dtype: str | None = None,
+           base_model: str | None = None, seed: int = 0) -> Path:
+    source, out_dir = Path(source), Path(out_dir)
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise RecipeError(f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)}.")
+    model, is_adapter = load_for_export(source, merge_lora, base_model, seed)
+    if dtype is not None:
+        model = model.to(EXPORT_DTYPES[dtype])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            (out_dir / name).write_bytes((source / name).read_bytes())
+    return out_dir

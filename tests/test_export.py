@@ -1,0 +1,66 @@
+"""`finetune export`: ZeRO-3 shards consolidated and a LoRA adapter merged, both loading with `from_pretrained`
+and giving the trained model's logits; pickled weights are refused; help and error paths."""
+
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from finetune import presets
+from finetune.cli import main
+
+INPUT = torch.tensor([[10, 20, 30, 40, 50, 60, 70]])
+
+
+def logits(model):
+    with torch.no_grad():
+        return model.eval()(input_ids=INPUT).logits
+
+
+@pytest.mark.distributed
+def test_zero3_shards_export_to_the_same_model_deepspeed_gathered(deepspeed_runs, tmp_path):
+    output_dir = deepspeed_runs["zero3"]["output_dir"]
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(output_dir / "checkpoint-3", checkpoint)
+    (checkpoint / "model.safetensors").unlink()  # leave only the ZeRO shards
+    assert any(path.name.startswith("global_step") for path in checkpoint.iterdir())
+    assert main(["export", str(checkpoint), str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    trained = AutoModelForCausalLM.from_pretrained(output_dir)  # gathered by DeepSpeed at step 3
+    torch.testing.assert_close(logits(exported), logits(trained), atol=1e-5, rtol=1e-5)
+    assert (tmp_path / "exported" / "model.safetensors").is_file()
+
+
+@pytest.mark.distributed
+def test_merged_lora_loads_and_gives_the_adapted_models_logits(lora_runs, tmp_path):
+    from peft import PeftModel
+
+    adapter_dir = lora_runs["zero3"]
+    assert main(["export", str(adapter_dir), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    adapted = PeftModel.from_pretrained(presets.build_model(presets.build_tokenizer(), seed=0), adapter_dir)
+    torch.testing.assert_close(logits(merged), logits(adapted), atol=1e-5, rtol=1e-5)
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+    assert main(["export", str(adapter_dir), str(tmp_path / "adapter"), "--dtype", "bf16"]) == 0
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()  # kept standalone
+
+
+def test_pickled_weights_are_refused_not_loaded(tmp_path, capsys):
+    source = tmp_path / "run"
+    source.mkdir()
+    presets.build_model_config(presets.build_tokenizer()).save_pretrained(source)
+    (source / "pytorch_model.bin").write_bytes(b"\x80\x04not a model, and never unpickled")
+    assert main(["export", str(source), str(tmp_path / "out")]) == 2
+    assert "only pickled weights (pytorch_model.bin); they are not loaded" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_help_and_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--help"])
+    assert exit_info.value.code == 0 and "--merge-lora" in capsys.readouterr().out
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "holds no model" in capsys.readouterr().err
+    assert main(["export", str(tmp_path), str(tmp_path / "out"), "--merge-lora"]) == 2
+    assert "holds no LoRA adapter" in capsys.readouterr().err
