@@ -16,6 +16,7 @@ from transformers import Trainer, set_seed
 from finetune.args import Recipe, parse_recipe
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
+from finetune.data.tokenize import PreparedData
 from finetune.data.collate import data_collator, pack_prepared, prepare_model_for_packing
 from finetune.data.summary import dropped_rows, print_data_summary, write_data_summary
 from finetune.effective import report_and_guard_launch
@@ -37,28 +38,15 @@ def train(recipe: Recipe) -> dict:
     if recipe.lora.use_lora:
         model = apply_lora(model, recipe.lora)
 
-    data = prepare_datasets(load_raw_data(recipe.data), tokenizer, recipe.data, args)
-    if recipe.data.packing or recipe.data.padding_free:
-        prepare_model_for_packing(model)
-    if recipe.data.packing:
-        data = pack_prepared(data, recipe.data.max_seq_length)
-    # Which ranks read the tokenized data from the cache rank 0 wrote (main_process_first), rather than tokenizing.
-    from_cache = all(source["train"]["from_cache"] for source in data.summary["sources"])
-    data.summary["train_from_cache_by_rank"] = gather_object([from_cache]) if args.world_size > 1 else [from_cache]
-    if args.process_index == 0:
-        write_data_summary(data.summary, args.output_dir)
-        print_data_summary(data.summary)
+    data = prepare_data(recipe, tokenizer, model)
     if data.eval is None:
         args.eval_on_start = False  # nothing to evaluate on: no 'before' column
 
     check_fsdp_wrap_classes(model)
     exact_match = ExactMatchCallback(tokenizer, data.generation_examples, recipe.data.generation_max_new_tokens)
-    callbacks = [exact_match]
-    if args.memory_report:
-        callbacks.append(MemoryReportCallback(sequence_length=recipe.data.max_seq_length))
     frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
-    if frozen_check is not None:
-        callbacks.append(frozen_check)
+    memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
+    callbacks = [callback for callback in (exact_match, memory_report, frozen_check) if callback is not None]
     trainer = Trainer(
         model=model,
         args=args,
@@ -98,6 +86,23 @@ def train(recipe: Recipe) -> dict:
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     return summary
+
+
+def prepare_data(recipe: Recipe, tokenizer, model) -> PreparedData:
+    """Tokenized (and, if asked, packed) data; rank 0 prints and writes `data_summary.json`."""
+    args = recipe.training
+    data = prepare_datasets(load_raw_data(recipe.data), tokenizer, recipe.data, args)
+    if recipe.data.packing or recipe.data.padding_free:
+        prepare_model_for_packing(model)
+    if recipe.data.packing:
+        data = pack_prepared(data, recipe.data.max_seq_length)
+    # Which ranks read the tokenized data from the cache rank 0 wrote (main_process_first) instead of tokenizing.
+    from_cache = all(source["train"]["from_cache"] for source in data.summary["sources"])
+    data.summary["train_from_cache_by_rank"] = gather_object([from_cache]) if args.world_size > 1 else [from_cache]
+    if args.process_index == 0:
+        write_data_summary(data.summary, args.output_dir)
+        print_data_summary(data.summary)
+    return data
 
 
 def apply_ddp_comm_hook(trainer) -> None:
