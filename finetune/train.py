@@ -12,6 +12,7 @@ from pathlib import Path
 
 from accelerate.utils import DDPCommunicationHookType, gather_object
 from transformers import Trainer, set_seed
+from transformers.trainer_utils import get_last_checkpoint
 
 from finetune.args import Recipe, parse_recipe
 from finetune.configs.lint import lint_fsdp_wrap_classes
@@ -64,7 +65,7 @@ def train(recipe: Recipe) -> dict:
         print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
     report_and_guard_launch(trainer, recipe.sources)  # effective_config.json; stops on a fallback
 
-    train_output = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    train_output = trainer.train(resume_from_checkpoint=checkpoint_to_resume(args))
     if data.eval is not None:
         trainer.evaluate()
     trainer.save_model()
@@ -103,6 +104,19 @@ def prepare_data(recipe: Recipe, tokenizer, model) -> PreparedData:
         write_data_summary(data.summary, args.output_dir)
         print_data_summary(data.summary)
     return data
+
+
+def checkpoint_to_resume(args) -> str | None:
+    """`resume_from_checkpoint: auto` resumes from the newest checkpoint in output_dir, or starts fresh."""
+    wanted = args.resume_from_checkpoint
+    if wanted in (None, "", "false", "False"):
+        return None
+    if wanted == "auto":
+        last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        if last is not None and args.process_index == 0:
+            print(f"resuming from {last}")
+        return last
+    return wanted  # an existing directory: checked with the recipe
 
 
 def apply_ddp_comm_hook(trainer) -> None:

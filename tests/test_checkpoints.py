@@ -1,0 +1,47 @@
+"""Resume: a run stopped at a checkpoint and resumed with `resume_from_checkpoint: auto` logs the same losses as
+the uninterrupted run, under DDP, ZeRO-2 and ZeRO-3 on 2 CPU processes; a missing checkpoint path is an error."""
+
+import json
+import shutil
+
+import pytest
+
+from finetune.args import parse_recipe
+from finetune.errors import RecipeError
+from finetune.testing import assert_succeeded, launch_demo
+
+STRATEGIES = {
+    "ddp": ("accelerate_configs/cpu_ddp.yaml", None),
+    "zero2": ("accelerate_configs/cpu_deepspeed_zero2.yaml", None),
+    "zero3": ("accelerate_configs/cpu_deepspeed_zero2.yaml", "deepspeed_configs/zero3.json"),
+}
+RUN = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",
+       "--warmup_steps", "2"]
+
+
+def losses(output_dir) -> dict[int, float]:
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
+    config, deepspeed_json = STRATEGIES[name]
+    whole = tmp_path / "whole"
+    assert_succeeded(launch_demo(config, whole, *RUN, deepspeed_json=deepspeed_json))
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(whole / "checkpoint-3", resumed / "checkpoint-3")  # as if the run had stopped after step 3
+    result = launch_demo(config, resumed, *RUN, "--resume_from_checkpoint", "auto", deepspeed_json=deepspeed_json)
+    assert_succeeded(result)
+    assert f"resuming from {resumed / 'checkpoint-3'}" in result.output
+    expected, got = losses(whole), losses(resumed)
+    assert sorted(expected) == sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):  # same model, optimizer, schedule, RNG and data position
+        assert got[step] == pytest.approx(expected[step], abs=1e-4), (step, expected, got)
+
+
+def test_an_explicit_checkpoint_that_does_not_exist_is_an_error(tmp_path):
+    with pytest.raises(RecipeError, match="is not a checkpoint directory; give one, or auto"):
+        parse_recipe("recipes/demo.yaml", ["--resume_from_checkpoint", str(tmp_path / "checkpoint-9")])
