@@ -328,8 +328,10 @@ def preflight_launch(training_inputs: dict[str, Any]) -> None:
         if problems:
             raise RecipeError(" ".join(problems))
     resume = training_inputs.get("resume_from_checkpoint")
-    if resume not in (None, "", "auto", "false", "False") and not Path(resume).is_dir():
-        raise RecipeError(f"`resume_from_checkpoint: {resume}` is not a checkpoint directory; give one, or auto.")
+    if resume not in (None, "", "auto", "false", "False"):
+        from finetune.checkpoints import check_explicit_checkpoint
+
+        check_explicit_checkpoint(resume)
     if training_inputs.get("ddp_comm_hook") == "bf16" and not torch.cuda.is_available():
         raise RecipeError("`ddp_comm_hook: bf16` needs CUDA GPUs with NCCL; use fp16 (works over gloo) or no.")
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

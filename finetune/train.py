@@ -12,9 +12,9 @@ from pathlib import Path
 
 from accelerate.utils import DDPCommunicationHookType, gather_object
 from transformers import Trainer, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 from finetune.args import Recipe, parse_recipe
+from finetune.checkpoints import CompleteCheckpointCallback, newest_complete_checkpoint
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
 from finetune.data.tokenize import PreparedData
@@ -48,6 +48,7 @@ def train(recipe: Recipe) -> dict:
     frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
     memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
     callbacks = [callback for callback in (exact_match, memory_report, frozen_check) if callback is not None]
+    callbacks.append(CompleteCheckpointCallback())
     trainer = Trainer(
         model=model,
         args=args,
@@ -112,10 +113,13 @@ def checkpoint_to_resume(args) -> str | None:
     if wanted in (None, "", "false", "False"):
         return None
     if wanted == "auto":
-        last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
-        if last is not None and args.process_index == 0:
-            print(f"resuming from {last}")
-        return last
+        last, skipped = newest_complete_checkpoint(args.output_dir)
+        if args.process_index == 0:
+            for folder in skipped:
+                print(f"warning: skipping {folder}: incomplete (its save was interrupted)")
+            if last is not None:
+                print(f"resuming from {last}")
+        return None if last is None else str(last)
     return wanted  # an existing directory: checked with the recipe
 
 

@@ -1,5 +1,6 @@
 """Resume: a run stopped at a checkpoint and resumed with `resume_from_checkpoint: auto` logs the same losses as
-the uninterrupted run, under DDP, ZeRO-2 and ZeRO-3 on 2 CPU processes; a missing checkpoint path is an error."""
+the uninterrupted run, under DDP, ZeRO-2 and ZeRO-3 on 2 CPU processes; `auto` skips a half-written checkpoint
+and names it; an explicit path to a missing or half-written checkpoint stops with the recipe."""
 
 import json
 import shutil
@@ -7,6 +8,7 @@ import shutil
 import pytest
 
 from finetune.args import parse_recipe
+from finetune.checkpoints import COMPLETE_MARKER
 from finetune.errors import RecipeError
 from finetune.testing import assert_succeeded, launch_demo
 
@@ -32,9 +34,17 @@ def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
     assert_succeeded(launch_demo(config, whole, *RUN, deepspeed_json=deepspeed_json))
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    shutil.copytree(whole / "checkpoint-3", resumed / "checkpoint-3")  # as if the run had stopped after step 3
+    assert (whole / "checkpoint-3" / COMPLETE_MARKER).is_file() and (whole / "checkpoint-6" / COMPLETE_MARKER).is_file()
+    shutil.copytree(whole / "checkpoint-3", resumed / "checkpoint-3")  # as if the run had stopped after step 3...
+    half_written = resumed / "checkpoint-6"  # ...while saving step 6: files there, but not all of them
+    shutil.copytree(whole / "checkpoint-6", half_written)
+    (half_written / COMPLETE_MARKER).unlink()
+    (half_written / "trainer_state.json").unlink()
+    with pytest.raises(RecipeError, match="checkpoint-6` is incomplete"):
+        parse_recipe("recipes/demo.yaml", ["--resume_from_checkpoint", str(half_written)])
     result = launch_demo(config, resumed, *RUN, "--resume_from_checkpoint", "auto", deepspeed_json=deepspeed_json)
     assert_succeeded(result)
+    assert f"warning: skipping {half_written}: incomplete" in result.output
     assert f"resuming from {resumed / 'checkpoint-3'}" in result.output
     expected, got = losses(whole), losses(resumed)
     assert sorted(expected) == sorted(got) == [1, 2, 3, 4, 5, 6]
