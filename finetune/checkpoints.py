@@ -22,15 +22,42 @@ COMPLETE_MARKER = "finetune_complete.json"
 CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
+# Keys whose change between a run and its resumption is expected, not worth a warning.
+RESUME_KEYS_IGNORED = {"resume_from_checkpoint", "output_dir"}
+
+
+def recipe_values(recipe) -> dict[str, str]:
+    """The value of every key the user set (recipe file, command line or batch plan), as text."""
+    values = {}
+    for section in (recipe.model, recipe.data, recipe.lora, recipe.training):
+        for key in recipe.sources:
+            if hasattr(section, key) and key not in RESUME_KEYS_IGNORED:
+                values[key] = str(getattr(section, key))
+    return values
+
+
 class CompleteCheckpointCallback(TrainerCallback):
-    """Marks a checkpoint complete once every rank has saved its part of it."""
+    """Marks a checkpoint complete once every rank has saved its part of it, with the recipe it was trained by."""
+
+    def __init__(self, recipe_values: dict[str, str] | None = None):
+        self.recipe_values = recipe_values or {}
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         PartialState().wait_for_everyone()
         if state.is_world_process_zero and folder.is_dir():
-            marker = {"step": state.global_step, "world_size": args.world_size}
-            (folder / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+            marker = {"step": state.global_step, "world_size": args.world_size, "recipe": self.recipe_values}
+            (folder / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def recipe_changes(checkpoint: Path, now: dict[str, str]) -> list[str]:
+    """`key: then → now` for every recipe key that differs from the one the checkpoint was trained with."""
+    marker = checkpoint / COMPLETE_MARKER
+    if not marker.is_file():
+        return []
+    then = json.loads(marker.read_text()).get("recipe", {})
+    return [f"{key}: {then.get(key, 'default')} → {now.get(key, 'default')}"
+            for key in sorted(set(then) | set(now)) if then.get(key) != now.get(key)]
 
 
 def checkpoints_newest_first(output_dir: str | Path) -> list[Path]:

@@ -14,7 +14,9 @@ from accelerate.utils import DDPCommunicationHookType, gather_object
 from transformers import Trainer, set_seed
 
 from finetune.args import Recipe, parse_recipe
-from finetune.checkpoints import CompleteCheckpointCallback, newest_complete_checkpoint
+from finetune.checkpoints import (
+    CompleteCheckpointCallback, newest_complete_checkpoint, recipe_changes, recipe_values,
+)
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
 from finetune.data.tokenize import PreparedData
@@ -48,7 +50,7 @@ def train(recipe: Recipe) -> dict:
     frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
     memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
     callbacks = [callback for callback in (exact_match, memory_report, frozen_check) if callback is not None]
-    callbacks.append(CompleteCheckpointCallback())
+    callbacks.append(CompleteCheckpointCallback(recipe_values(recipe)))
     trainer = Trainer(
         model=model,
         args=args,
@@ -66,7 +68,7 @@ def train(recipe: Recipe) -> dict:
         print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
     report_and_guard_launch(trainer, recipe.sources)  # effective_config.json; stops on a fallback
 
-    train_output = trainer.train(resume_from_checkpoint=checkpoint_to_resume(args))
+    train_output = trainer.train(resume_from_checkpoint=checkpoint_to_resume(recipe))
     if data.eval is not None:
         trainer.evaluate()
     trainer.save_model()
@@ -107,20 +109,25 @@ def prepare_data(recipe: Recipe, tokenizer, model) -> PreparedData:
     return data
 
 
-def checkpoint_to_resume(args) -> str | None:
-    """`resume_from_checkpoint: auto` resumes from the newest checkpoint in output_dir, or starts fresh."""
-    wanted = args.resume_from_checkpoint
+def checkpoint_to_resume(recipe: Recipe) -> str | None:
+    """`resume_from_checkpoint: auto` resumes from the newest complete checkpoint in output_dir, or starts fresh;
+    rank 0 names skipped half-written checkpoints and recipe keys that changed since the checkpoint."""
+    args = recipe.training
+    wanted, skipped = args.resume_from_checkpoint, []
     if wanted in (None, "", "false", "False"):
         return None
     if wanted == "auto":
         last, skipped = newest_complete_checkpoint(args.output_dir)
-        if args.process_index == 0:
-            for folder in skipped:
-                print(f"warning: skipping {folder}: incomplete (its save was interrupted)")
-            if last is not None:
-                print(f"resuming from {last}")
-        return None if last is None else str(last)
-    return wanted  # an existing directory: checked with the recipe
+        wanted = None if last is None else str(last)
+    if args.process_index == 0:
+        for folder in skipped:
+            print(f"warning: skipping {folder}: incomplete (its save was interrupted)")
+        if wanted is not None:
+            print(f"resuming from {wanted}")
+            changes = recipe_changes(Path(wanted), recipe_values(recipe))
+            if changes:
+                print(f"warning: the recipe differs from the one {wanted} was trained with: {'; '.join(changes)}")
+    return wanted
 
 
 def apply_ddp_comm_hook(trainer) -> None:

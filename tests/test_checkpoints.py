@@ -1,6 +1,7 @@
 """Resume: a run stopped at a checkpoint and resumed with `resume_from_checkpoint: auto` logs the same losses as
 the uninterrupted run, under DDP, ZeRO-2 and ZeRO-3 on 2 CPU processes; `auto` skips a half-written checkpoint
-and names it; an explicit path to a missing or half-written checkpoint stops with the recipe."""
+and names it, and warns about recipe keys that changed; an explicit path to a missing or half-written
+checkpoint stops with the recipe."""
 
 import json
 import shutil
@@ -42,8 +43,11 @@ def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
     (half_written / "trainer_state.json").unlink()
     with pytest.raises(RecipeError, match="checkpoint-6` is incomplete"):
         parse_recipe("recipes/demo.yaml", ["--resume_from_checkpoint", str(half_written)])
-    result = launch_demo(config, resumed, *RUN, "--resume_from_checkpoint", "auto", deepspeed_json=deepspeed_json)
+    result = launch_demo(config, resumed, *RUN, "--resume_from_checkpoint", "auto", "--generation_eval_samples", "5",
+                         deepspeed_json=deepspeed_json)  # a changed key that leaves the losses alone
     assert_succeeded(result)
+    assert "warning: the recipe differs from the one" in result.output
+    assert "generation_eval_samples: 6 → 5" in result.output
     assert f"warning: skipping {half_written}: incomplete" in result.output
     assert f"resuming from {resumed / 'checkpoint-3'}" in result.output
     expected, got = losses(whole), losses(resumed)
