@@ -85,3 +85,30 @@ def check_explicit_checkpoint(path: str) -> None:
     if not (folder / "trainer_state.json").is_file() and not (folder / COMPLETE_MARKER).is_file():
         raise RecipeError(f"`resume_from_checkpoint: {path}` is incomplete (no trainer_state.json): its save was "
                           "interrupted. Resume from an earlier checkpoint, or use auto to pick the newest complete one.")
+
+
+# Globals Trainer's and DeepSpeed's own checkpoint files reference besides tensors (numpy RNG state, DeepSpeed's
+# ZeRO stage enum and loss scaler). Anything else in a pickle could run code when loaded.
+SAFE_GLOBALS = {"numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
+                "numpy._core.multiarray._reconstruct"}
+SAFE_GLOBAL_PREFIXES = ("numpy.dtypes.", "deepspeed.runtime.zero.config.", "deepspeed.runtime.fp16.loss_scaler.")
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def check_checkpoint_files(folder: str | Path) -> None:
+    """Refuses a checkpoint whose pickled files reference anything but tensors and the known state classes, read
+    without unpickling (`torch.serialization.get_unsafe_globals_in_checkpoint`): DeepSpeed loads its own files
+    with `weights_only=False`, so this is the check that keeps a planted payload from running."""
+    import torch
+
+    for path in sorted(Path(folder).rglob("*")):
+        if path.suffix not in PICKLE_SUFFIXES or path.name == "training_args.bin":  # never loaded to resume
+            continue
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        except Exception as error:  # not a torch zip file at all
+            raise RecipeError(f"{path} is not a readable checkpoint file ({error}); refusing to resume from it.") from None
+        unsafe = [name for name in names if name not in SAFE_GLOBALS and not name.startswith(SAFE_GLOBAL_PREFIXES)]
+        if unsafe:
+            raise RecipeError(f"{path} references {', '.join(unsafe[:3])}, which is not checkpoint state; refusing "
+                              "to load it (a pickled file can run code). Resume from a checkpoint you trust.")

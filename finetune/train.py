@@ -15,7 +15,7 @@ from transformers import Trainer, set_seed
 
 from finetune.args import Recipe, parse_recipe
 from finetune.checkpoints import (
-    CompleteCheckpointCallback, newest_complete_checkpoint, recipe_changes, recipe_values,
+    CompleteCheckpointCallback, check_checkpoint_files, newest_complete_checkpoint, recipe_changes, recipe_values,
 )
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
@@ -119,6 +119,8 @@ def checkpoint_to_resume(recipe: Recipe) -> str | None:
     if wanted == "auto":
         last, skipped = newest_complete_checkpoint(args.output_dir)
         wanted = None if last is None else str(last)
+    if wanted is not None:
+        check_checkpoint_files(wanted)  # on every rank, before anything is unpickled
     if args.process_index == 0:
         for folder in skipped:
             print(f"warning: skipping {folder}: incomplete (its save was interrupted)")

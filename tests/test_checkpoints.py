@@ -59,3 +59,29 @@ def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
 def test_an_explicit_checkpoint_that_does_not_exist_is_an_error(tmp_path):
     with pytest.raises(RecipeError, match="is not a checkpoint directory; give one, or auto"):
         parse_recipe("recipes/demo.yaml", ["--resume_from_checkpoint", str(tmp_path / "checkpoint-9")])
+
+
+class Payload:
+    """Unpickling this would create a file: the proof that a checkpoint load ran code."""
+
+    def __init__(self, proof):
+        self.proof = str(proof)
+
+    def __reduce__(self):
+        return (open, (self.proof, "w"))
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_file_carrying_a_pickle_payload_is_refused_not_executed(tmp_path):
+    import torch
+
+    config, _ = STRATEGIES["ddp"]
+    run_dir = tmp_path / "run"
+    assert_succeeded(launch_demo(config, run_dir, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2"))
+    checkpoint = run_dir / "checkpoint-2"
+    proof = tmp_path / "payload-ran"
+    torch.save({"rng": Payload(proof)}, checkpoint / "rng_state_1.pth")
+    result = launch_demo(config, run_dir, "--max_steps", "4", "--resume_from_checkpoint", str(checkpoint))
+    assert result.returncode != 0 and not proof.exists()
+    assert result.output.count(f"finetune: error: {checkpoint / 'rng_state_1.pth'} references io.open, which is "
+                               "not checkpoint state; refusing to load it") == 1
