@@ -90,7 +90,7 @@ def check_explicit_checkpoint(path: str) -> None:
 # Globals Trainer's and DeepSpeed's own checkpoint files reference besides tensors (numpy RNG state, DeepSpeed's
 # ZeRO stage enum and loss scaler). Anything else in a pickle could run code when loaded.
 SAFE_GLOBALS = {"numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
-                "numpy._core.multiarray._reconstruct"}
+                "numpy._core.multiarray._reconstruct", "deepspeed.utils.tensor_fragment.fragment_address"}
 SAFE_GLOBAL_PREFIXES = ("numpy.dtypes.", "deepspeed.runtime.zero.config.", "deepspeed.runtime.fp16.loss_scaler.")
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
 

@@ -6,7 +6,8 @@
 - A LoRA adapter (`adapter_config.json`) is merged into its base (`--merge-lora`) or saved as a standalone
   adapter. The base is `--base-model`, else the adapter's `base_model_name_or_path`; the `tiny` preset is
   rebuilt from `--seed` (the recipe's seed).
-Weights are only ever read from safetensors or through DeepSpeed's and Transformers' own loaders.
+Weights are read from safetensors, or from ZeRO shards only after `check_checkpoint_files` found nothing but
+tensors and known state in them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from finetune import presets
+from finetune.checkpoints import check_checkpoint_files
 from finetune.errors import RecipeError
 from finetune.models import DTYPES
 
@@ -60,6 +62,7 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         from transformers import AutoConfig
 
+        check_checkpoint_files(source)  # DeepSpeed unpickles its shards in full
         state = get_fp32_state_dict_from_zero_checkpoint(str(source))
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
         missing, unexpected = model.load_state_dict(state, strict=False)

@@ -54,6 +54,21 @@ def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
     assert sorted(expected) == sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in (4, 5, 6):  # same model, optimizer, schedule, RNG and data position
         assert got[step] == pytest.approx(expected[step], abs=1e-4), (step, expected, got)
+    if name == "ddp":
+        refuses_a_planted_payload(config, whole, tmp_path)
+
+
+def refuses_a_planted_payload(config, run_dir, tmp_path):
+    """A checkpoint file carrying a pickle payload is refused, not executed."""
+    import torch
+
+    checkpoint = run_dir / "checkpoint-3"
+    proof = tmp_path / "payload-ran"
+    torch.save({"rng": Payload(proof)}, checkpoint / "rng_state_1.pth")
+    result = launch_demo(config, run_dir, *RUN, "--resume_from_checkpoint", str(checkpoint))
+    assert result.returncode != 0 and not proof.exists()
+    assert result.output.count(f"finetune: error: {checkpoint / 'rng_state_1.pth'} references io.open, which is "
+                               "not checkpoint state; refusing to load it") == 1
 
 
 def test_an_explicit_checkpoint_that_does_not_exist_is_an_error(tmp_path):
@@ -69,19 +84,3 @@ class Payload:
 
     def __reduce__(self):
         return (open, (self.proof, "w"))
-
-
-@pytest.mark.distributed
-def test_a_checkpoint_file_carrying_a_pickle_payload_is_refused_not_executed(tmp_path):
-    import torch
-
-    config, _ = STRATEGIES["ddp"]
-    run_dir = tmp_path / "run"
-    assert_succeeded(launch_demo(config, run_dir, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2"))
-    checkpoint = run_dir / "checkpoint-2"
-    proof = tmp_path / "payload-ran"
-    torch.save({"rng": Payload(proof)}, checkpoint / "rng_state_1.pth")
-    result = launch_demo(config, run_dir, "--max_steps", "4", "--resume_from_checkpoint", str(checkpoint))
-    assert result.returncode != 0 and not proof.exists()
-    assert result.output.count(f"finetune: error: {checkpoint / 'rng_state_1.pth'} references io.open, which is "
-                               "not checkpoint state; refusing to load it") == 1
