@@ -71,12 +71,13 @@ def launch_demo(config_file: str, output_dir, *extra: str, deepspeed_json: str |
     return run(command, timeout=timeout, env=env)
 
 
-# Short LoRA runs of the demo recipe under each strategy that trains on CPU; a planted HF_TOKEN must land nowhere.
-LORA_DEMO_RUN = ["--use_lora", "true", "--lora_r", "8", "--learning_rate", "1e-2", "--max_steps", "30",
-                 "--logging_steps", "10"]
-LORA_STRATEGIES = {
+# The Accelerate config (and DeepSpeed JSON swapped in) that runs each strategy on 2 CPU processes.
+CPU_LAUNCHES = {
     "ddp": ("accelerate_configs/cpu_ddp.yaml", None),
     "zero2": ("accelerate_configs/cpu_deepspeed_zero2.yaml", None),
     "zero3": ("accelerate_configs/cpu_deepspeed_zero2.yaml", "deepspeed_configs/zero3.json"),
 }
+# Short LoRA runs of the demo recipe under each of CPU_LAUNCHES; a planted HF_TOKEN must land nowhere.
+LORA_DEMO_RUN = ["--use_lora", "true", "--lora_r", "8", "--learning_rate", "1e-2", "--max_steps", "30",
+                 "--logging_steps", "10"]
 PLANTED_TOKEN = "hf_notarealtokenbutonlyfortests"

@@ -50,10 +50,10 @@ def ddp_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def lora_runs(tmp_path_factory):
     """Short 2-process LoRA runs of the demo recipe under DDP, ZeRO-2 and ZeRO-3; their output_dirs."""
-    from finetune.testing import LORA_DEMO_RUN, LORA_STRATEGIES, PLANTED_TOKEN, assert_succeeded, launch_demo
+    from finetune.testing import CPU_LAUNCHES, LORA_DEMO_RUN, PLANTED_TOKEN, assert_succeeded, launch_demo
 
     runs = {}
-    for name, (config, deepspeed_json) in LORA_STRATEGIES.items():
+    for name, (config, deepspeed_json) in CPU_LAUNCHES.items():
         output_dir = tmp_path_factory.mktemp(f"lora_{name}")
         result = launch_demo(config, output_dir, *LORA_DEMO_RUN, deepspeed_json=deepspeed_json,
                              env={"HF_TOKEN": PLANTED_TOKEN})

@@ -11,13 +11,8 @@ import pytest
 from finetune.args import parse_recipe
 from finetune.checkpoints import COMPLETE_MARKER
 from finetune.errors import RecipeError
-from finetune.testing import assert_succeeded, launch_demo
+from finetune.testing import CPU_LAUNCHES, assert_succeeded, launch_demo
 
-STRATEGIES = {
-    "ddp": ("accelerate_configs/cpu_ddp.yaml", None),
-    "zero2": ("accelerate_configs/cpu_deepspeed_zero2.yaml", None),
-    "zero3": ("accelerate_configs/cpu_deepspeed_zero2.yaml", "deepspeed_configs/zero3.json"),
-}
 RUN = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",
        "--warmup_steps", "2"]
 
@@ -28,9 +23,9 @@ def losses(output_dir) -> dict[int, float]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("name", sorted(CPU_LAUNCHES))
 def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
-    config, deepspeed_json = STRATEGIES[name]
+    config, deepspeed_json = CPU_LAUNCHES[name]
     whole = tmp_path / "whole"
     assert_succeeded(launch_demo(config, whole, *RUN, deepspeed_json=deepspeed_json))
     resumed = tmp_path / "resumed"

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from finetune.args import parse_recipe
 from finetune.cli import main
 
-from finetune.testing import LORA_STRATEGIES, PLANTED_TOKEN
+from finetune.testing import CPU_LAUNCHES, PLANTED_TOKEN
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -28,7 +28,7 @@ def test_remote_code_is_off_unless_the_recipe_turns_it_on():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", sorted(LORA_STRATEGIES))
+@pytest.mark.parametrize("name", sorted(CPU_LAUNCHES))
 def test_lora_trains_only_its_adapters_under_each_strategy(lora_runs, name):
     output_dir = lora_runs[name]
     state = json.loads((output_dir / "trainer_state.json").read_text())
