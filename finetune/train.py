@@ -15,7 +15,8 @@ from transformers import Trainer, set_seed
 
 from finetune.args import Recipe, parse_recipe
 from finetune.checkpoints import (
-    CompleteCheckpointCallback, check_checkpoint_files, newest_complete_checkpoint, recipe_changes, recipe_values,
+    CompleteCheckpointCallback, check_checkpoint_files, checkpoint_layout, newest_complete_checkpoint, prepare_resume,
+    recipe_changes, recipe_values,
 )
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
@@ -50,7 +51,7 @@ def train(recipe: Recipe) -> dict:
     frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
     memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
     callbacks = [callback for callback in (exact_match, memory_report, frozen_check) if callback is not None]
-    callbacks.append(CompleteCheckpointCallback(recipe_values(recipe)))
+    save_total_limit, args.save_total_limit = args.save_total_limit, None  # rotated by CompleteCheckpointCallback
     trainer = Trainer(
         model=model,
         args=args,
@@ -61,6 +62,7 @@ def train(recipe: Recipe) -> dict:
         callbacks=callbacks,
     )
 
+    trainer.add_callback(CompleteCheckpointCallback(recipe_values(recipe), checkpoint_layout(trainer), save_total_limit))
     apply_ddp_comm_hook(trainer)
     if args.loss_normalization == "micro_batch_mean":
         trainer.model_accepts_loss_kwargs = False  # Trainer then averages per micro-batch, the classic way
@@ -68,7 +70,10 @@ def train(recipe: Recipe) -> dict:
         print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
     report_and_guard_launch(trainer, recipe.sources)  # effective_config.json; stops on a fallback
 
-    train_output = trainer.train(resume_from_checkpoint=checkpoint_to_resume(recipe))
+    resume = checkpoint_to_resume(recipe)
+    if resume is not None:
+        prepare_resume(trainer, resume)  # stops, or converts a checkpoint saved with another layout
+    train_output = trainer.train(resume_from_checkpoint=resume)
     if data.eval is not None:
         trainer.evaluate()
     trainer.save_model()

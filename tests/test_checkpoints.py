@@ -79,3 +79,80 @@ class Payload:
 
     def __reduce__(self):
         return (open, (self.proof, "w"))
+
+
+def make_checkpoints(output_dir, complete_steps, incomplete_steps=(), layout=None):
+    for step in [*complete_steps, *incomplete_steps]:
+        folder = output_dir / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text("{}")
+        if step in complete_steps:
+            (folder / COMPLETE_MARKER).write_text(json.dumps({"step": step, **(layout or {})}))
+
+
+def surviving(output_dir):
+    return sorted(int(folder.name.split("-")[1]) for folder in output_dir.iterdir())
+
+
+def test_rotation_keeps_the_newest_complete_and_the_best_checkpoint_and_ignores_half_written_ones(tmp_path):
+    from transformers.trainer_utils import rotate_checkpoints
+
+    from finetune.checkpoints import rotate_complete_checkpoints
+
+    # Steps 2-8 complete; 10 was being saved when a rank died. Trainer's own rotation counts the half-written
+    # folder as the newest checkpoint and deletes the last complete one:
+    trainers = tmp_path / "trainer"
+    make_checkpoints(trainers, [2, 4, 6, 8], [10])
+    rotate_checkpoints(str(trainers), save_total_limit=1)
+    assert surviving(trainers) == [10]  # nothing left to resume from
+    ours = tmp_path / "ours"
+    make_checkpoints(ours, [2, 4, 6, 8], [10])
+    deleted = rotate_complete_checkpoints(ours, save_total_limit=1)
+    assert surviving(ours) == [8, 10] and sorted(folder.name for folder in deleted) == ["checkpoint-2", "checkpoint-4",
+                                                                                        "checkpoint-6"]
+    best = tmp_path / "best"
+    make_checkpoints(best, [2, 4, 6, 8], [10])
+    rotate_complete_checkpoints(best, save_total_limit=2, best=str(best / "checkpoint-4"))
+    assert surviving(best) == [4, 6, 8, 10]
+    rotate_complete_checkpoints(best, save_total_limit=None)
+    assert surviving(best) == [4, 6, 8, 10]
+
+
+ZERO2_ON_2 = {"world_size": 2, "zero_stage": 2, "sequences_per_step": 32, "round_robin_gradients": False}
+
+
+@pytest.mark.parametrize(("saved", "now", "outcome"), [
+    (ZERO2_ON_2, ZERO2_ON_2, False),
+    ({**ZERO2_ON_2, "zero_stage": None}, {**ZERO2_ON_2, "world_size": 1, "zero_stage": None}, False),
+    (ZERO2_ON_2, {**ZERO2_ON_2, "world_size": 1}, True),
+    ({**ZERO2_ON_2, "zero_stage": 3}, {**ZERO2_ON_2, "zero_stage": 3, "world_size": 4}, True),
+    (ZERO2_ON_2, {**ZERO2_ON_2, "sequences_per_step": 16}, "trained with 32 sequences a step and this run takes 16: "
+                                                           "Trainer would resume at another place in the data. Set "
+                                                           "`global_batch_size: 32`"),
+    ({**ZERO2_ON_2, "zero_stage": None}, ZERO2_ON_2, "saved by DDP or one process on 2 rank.s. and this run is "
+                                                     "DeepSpeed ZeRO-2 on 2 rank.s.: the optimizer states of the two "
+                                                     "do not convert. Resume under DDP"),
+    (ZERO2_ON_2, {**ZERO2_ON_2, "zero_stage": 3}, "saved by DeepSpeed ZeRO-2 on 2 rank.s. and this run is DeepSpeed "
+                                                  "ZeRO-3 on 2 rank.s.: the optimizer states of the two do not convert"),
+    ({**ZERO2_ON_2, "zero_stage": 0}, {**ZERO2_ON_2, "zero_stage": 0, "world_size": 1}, "cover ZeRO-1/2/3 only"),
+    ({**ZERO2_ON_2, "round_robin_gradients": True}, {**ZERO2_ON_2, "world_size": 1}, "round_robin_gradients: true"),
+])
+def test_a_checkpoint_from_another_launch_continues_converts_or_stops_with_what_to_do(tmp_path, saved, now, outcome):
+    from finetune.checkpoints import resume_needs_universal
+
+    make_checkpoints(tmp_path, [2], layout=saved)
+    checkpoint = tmp_path / "checkpoint-2"
+    if isinstance(outcome, bool):
+        assert resume_needs_universal(checkpoint, now) is outcome
+    else:
+        with pytest.raises(RecipeError, match=outcome) as error:
+            resume_needs_universal(checkpoint, now)
+        if "optimizer states" in outcome:
+            assert f"finetune export {checkpoint} WEIGHTS_DIR` then `model_name_or_path: WEIGHTS_DIR`" in str(error.value)
+
+
+def test_a_checkpoint_without_a_recorded_layout_is_resumed_as_saved(tmp_path):
+    from finetune.checkpoints import resume_needs_universal
+
+    make_checkpoints(tmp_path, [2])
+    assert resume_needs_universal(tmp_path / "checkpoint-2", ZERO2_ON_2) is False

@@ -44,8 +44,10 @@ def deepspeed_config(
     if stage >= 1:
         zero.update(overlap_comm=overlap_comm, contiguous_gradients=True)
     if stage == 2:
+        # No round_robin_gradients: it reorders the flat partitions, and DeepSpeed's ds_to_universal then puts
+        # the wrong values in most parameters (measured), so the checkpoint could not change world size.
         zero.update(reduce_bucket_size=2e8, allgather_bucket_size=2e8, allgather_partitions=True,
-                    reduce_scatter=True, round_robin_gradients=True)
+                    reduce_scatter=True)
     if stage == 3:
         zero.update(
             reduce_bucket_size="auto",
