@@ -204,6 +204,19 @@ class FinetuneTrainingArguments(TrainingArguments):
         metadata={"help": "Measure each rank's parameters, gradients, optimizer states and peak memory next to the "
                           "estimator's prediction; writes memory_report.json/.md/.png to output_dir."},
     )
+    throughput_report: bool = field(
+        default=True,
+        metadata={"help": "Log non-pad tokens/s, step time, model TFLOP/s and MFU with the training logs; writes "
+                          "throughput.json to output_dir."},
+    )
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={"help": "Peak TFLOP/s of one device for MFU (default: looked up for known GPUs; none on CPU)."},
+    )
+    include_num_input_tokens_seen: Literal["all", "non_padding", "no"] = field(
+        default="non_padding",
+        metadata={"help": "Trainer's count of input tokens (all, non_padding or no); the throughput report needs it."},
+    )
 
 
 RECIPE_SECTIONS = (ModelArguments, DataArguments, LoraArguments, FinetuneTrainingArguments)

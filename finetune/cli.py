@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from finetune.commands.bench import bench_command_parser
 from finetune.commands.configs import configs_command_parser
 from finetune.commands.export import export_command_parser
 from finetune.commands.plan import plan_command_parser
@@ -17,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs across GPUs.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add in (train_command_parser, configs_command_parser, plan_command_parser, report_command_parser,
-                export_command_parser):
+                export_command_parser, bench_command_parser):
         add(subparsers)
     return parser
 

@@ -30,6 +30,7 @@ from finetune.memory import MemoryReportCallback
 from finetune.models import FrozenWeightsCallback, apply_lora, load_model, load_tokenizer
 from finetune.report import print_before_after, summarize_evaluations
 from finetune.scaling import print_batch_plan, write_batch_plan
+from finetune.throughput import ThroughputCallback
 
 
 def train(recipe: Recipe) -> dict:
@@ -50,7 +51,8 @@ def train(recipe: Recipe) -> dict:
     exact_match = ExactMatchCallback(tokenizer, data.generation_examples, recipe.data.generation_max_new_tokens)
     frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
     memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
-    callbacks = [callback for callback in (exact_match, memory_report, frozen_check) if callback is not None]
+    throughput = ThroughputCallback(peak_tflops=args.peak_tflops) if args.throughput_report else None
+    callbacks = [callback for callback in (exact_match, memory_report, throughput, frozen_check) if callback is not None]
     save_total_limit, args.save_total_limit = args.save_total_limit, None  # rotated by CompleteCheckpointCallback
     trainer = Trainer(
         model=model,

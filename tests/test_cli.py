@@ -60,3 +60,11 @@ def test_configs_help_lists_its_actions(capsys):
 def test_configs_lint_of_a_missing_file_fails(tmp_path, capsys):
     assert main(["configs", "lint", str(tmp_path / "nope.json")]) == 1
     assert f"{tmp_path / 'nope.json'}: no such file." in capsys.readouterr().out
+
+
+def test_bench_help_and_an_unknown_variant(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "plain Trainer baseline" in capsys.readouterr().out
+    assert main(["bench", "--cpu", "--variants", "finetune", "zero5"]) == 2
+    assert "finetune: error: unknown variant(s) zero5; choose from plain_trainer, finetune" in capsys.readouterr().err

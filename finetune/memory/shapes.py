@@ -19,6 +19,9 @@ KNOWN_SHAPES = {
     "meta-llama/Meta-Llama-3-8B": dict(
         model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "meta-llama/Llama-3.2-1B": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
     "meta-llama/Meta-Llama-3-70B": dict(
         model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
@@ -34,6 +37,7 @@ KNOWN_SHAPES = {
 }
 # Short names people type: "llama-3-8b", "qwen2.5-7b", "mistral-7b".
 ALIASES = {
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
     "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
     "llama-3-70b": "meta-llama/Meta-Llama-3-70B",
     "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",

@@ -1,0 +1,185 @@
+"""Runs the benchmark variants one after another on the same model, data and sequence length, each in its own
+process(es), and reads every result the same way: non-pad tokens seen ÷ Trainer's `train_runtime`.
+
+On CPU one process stands for one GPU: single-process runs get one thread, as torchrun gives each rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from finetune.testing import accelerate_launch_command, finetune_command, run
+
+# accelerate config (and DeepSpeed JSON) of each multi-process variant; CPU runs use the CPU launchers.
+LAUNCHES = {
+    "ddp": ("ddp.yaml", None),
+    "zero0": ("deepspeed_zero2.yaml", "zero0.json"),
+    "zero1": ("deepspeed_zero1.yaml", None),
+    "zero2": ("deepspeed_zero2.yaml", None),
+    "zero3": ("deepspeed_zero3.yaml", None),
+    "zero2_offload": ("deepspeed_zero2_offload.yaml", None),
+    "zero3_offload": ("deepspeed_zero3_offload.yaml", None),
+}
+CPU_LAUNCHES = {"ddp": ("cpu_ddp.yaml", None), **{name: ("cpu_deepspeed_zero2.yaml", f"{name}.json")
+                                                  for name in LAUNCHES if name != "ddp"}}
+
+
+@dataclass
+class Variant:
+    name: str
+    what: str
+    processes: int = 1
+    launch: str | None = None  # a key of LAUNCHES
+    extra: list[str] = field(default_factory=list)
+    plain: bool = False
+    needs_cuda: str | None = None  # why it cannot run without CUDA
+    repeats: int = 1  # the median run is kept: the baseline and the callback-overhead pair are compared closely
+
+
+def variants(processes: int) -> list[Variant]:
+    """The plain baseline, the toolkit's defaults (with and without its callbacks), packing, fused kernels, then
+    every strategy on `processes` processes."""
+    single = [
+        Variant("plain_trainer", "plain Hugging Face Trainer, padded batches (the baseline)", plain=True, repeats=3),
+        Variant("finetune", "finetune train defaults", repeats=3),
+        Variant("finetune_no_callbacks", "same, memory and throughput reports off (callback overhead)",
+                extra=["--memory_report", "false", "--throughput_report", "false"], repeats=3),
+        Variant("packing", "finetune train, packed rows", extra=["--packing", "true"]),
+        Variant("liger", "finetune train, packed rows, Liger fused kernels",
+                extra=["--packing", "true", "--use_liger_kernel", "true"], needs_cuda="Liger kernels are Triton (CUDA)"),
+    ]
+    strategies = [Variant(name, f"{name} on {processes} processes", processes=processes, launch=name)
+                  for name in LAUNCHES]
+    return single + strategies
+
+
+def long_tailed_file(path: Path, examples: int, max_length: int, seed: int = 0) -> Path:
+    """Instruction-like lengths (log-normal, median ~55 tokens, long tail): an echo task in lowercase letters."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(mean=4.0, sigma=0.8, size=examples), 8, max_length - 8).astype(int)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    with path.open("w") as out:
+        for length in lengths:
+            text = "".join(rng.choice(letters, size=int(length) // 2))
+            out.write(json.dumps({"instruction": "echo", "input": text, "output": text}) + "\n")
+    return path
+
+
+def random_init_model_dir(name: str, directory: Path) -> str:
+    """`tiny`, or a random-init model of a known shape (e.g. llama-3.2-1b) saved with the tiny tokenizer."""
+    if name == "tiny":
+        return name
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune import presets
+    from finetune.memory.shapes import resolve_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(resolve_config(name), dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    presets.build_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+@dataclass
+class Settings:
+    model: str
+    train_file: Path
+    max_seq_length: int
+    micro_batch: int
+    steps: int
+    bf16: bool
+    cuda: bool
+
+
+def command(variant: Variant, settings: Settings, output_dir: Path) -> list[str]:
+    if variant.plain:
+        return [sys.executable, "-m", "finetune.bench.plain_trainer", "--model_dir", settings.model,
+                "--train_file", str(settings.train_file), "--output_dir", str(output_dir),
+                "--max_seq_length", str(settings.max_seq_length), "--per_device_train_batch_size",
+                str(settings.micro_batch), "--max_steps", str(settings.steps), *(["--bf16"] if settings.bf16 else [])]
+    args = ["train", "recipes/demo.yaml", "--model_name_or_path", settings.model, "--train_file",
+            str(settings.train_file), "--output_dir", str(output_dir), "--max_seq_length", str(settings.max_seq_length),
+            "--per_device_train_batch_size", str(settings.micro_batch), "--gradient_accumulation_steps", "1",
+            "--max_steps", str(settings.steps), "--learning_rate", "2e-4", "--warmup_steps", "0",
+            "--logging_steps", "10", "--save_strategy", "no", "--eval_strategy", "no", "--eval_on_start", "false",
+            "--generation_eval_samples", "0", "--bf16", str(settings.bf16).lower(), *variant.extra]
+    if variant.launch is None:
+        return finetune_command(*args)
+    config, deepspeed_json = (LAUNCHES if settings.cuda else CPU_LAUNCHES)[variant.launch]
+    launch = accelerate_launch_command(f"accelerate_configs/{config}", *args, num_processes=variant.processes)
+    if deepspeed_json is not None:
+        at = launch.index("--main_process_port")
+        launch[at:at] = ["--deepspeed_config_file", f"deepspeed_configs/{deepspeed_json}"]
+    return launch
+
+
+def read_result(output_dir: Path) -> dict:
+    """Useful tokens/s from Trainer's own count and runtime; peak memory and MFU where the run measured them."""
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    final = next(entry for entry in reversed(history) if "train_runtime" in entry and "train_loss" in entry)
+    result = {"tokens": final["num_input_tokens_seen"], "train_runtime": final["train_runtime"],
+              "tokens_per_second": final["num_input_tokens_seen"] / final["train_runtime"],
+              "train_loss": final["train_loss"], "peak_bytes": None, "mfu": None}
+    if (output_dir / "peak_memory.json").is_file():
+        result["peak_bytes"] = json.loads((output_dir / "peak_memory.json").read_text())["peak_bytes"]
+    if (output_dir / "memory_report.json").is_file():
+        ranks = json.loads((output_dir / "memory_report.json").read_text())["ranks"]
+        result["peak_bytes"] = max((rank["measured"] or {}).get("peak_bytes", 0) for rank in ranks)
+    if (output_dir / "throughput.json").is_file():
+        result["mfu"] = json.loads((output_dir / "throughput.json").read_text()).get("mfu")
+    return result
+
+
+def run_once(variant: Variant, settings: Settings, output_dir: Path, timeout: float = 900) -> dict:
+    """One run of the variant: its result, or why it failed."""
+    env = {} if settings.cuda or variant.processes > 1 else {"OMP_NUM_THREADS": "1"}
+    started = time.perf_counter()
+    result = run(command(variant, settings, output_dir), timeout=timeout, env=env)
+    if result.returncode != 0:
+        errors = [line for line in result.output.splitlines() if "error" in line.lower()]
+        return {"failed": (errors or result.output.splitlines() or ["no output"])[-1][:300]}
+    return {**read_result(output_dir), "wall_seconds": round(time.perf_counter() - started, 1)}
+
+
+def run_variants(chosen: list[Variant], settings: Settings, scratch: Path, report=print) -> dict[str, dict]:
+    """Runs every variant once, then the repeats in rounds, so variants compared over repeats alternate and share
+    the machine's drift; keeps each variant's median run by tokens/s."""
+    runs: dict[str, list[dict]] = {variant.name: [] for variant in chosen}
+    skipped = {variant.name: f"{variant.needs_cuda}; no CUDA here" for variant in chosen
+               if variant.needs_cuda and not settings.cuda}
+    for round_ in range(max(variant.repeats for variant in chosen)):
+        for variant in chosen:
+            if variant.name in skipped or round_ >= variant.repeats or any("failed" in r for r in runs[variant.name]):
+                continue
+            report(f"running {variant.name} ({round_ + 1}/{variant.repeats}): {variant.what}")
+            runs[variant.name].append(run_once(variant, settings, scratch / variant.name / str(round_)))
+    rows = {}
+    for variant in chosen:
+        base = {"what": variant.what, "processes": variant.processes}
+        done = runs[variant.name]
+        if variant.name in skipped or any("failed" in r for r in done):
+            rows[variant.name] = {**base, **({"skipped": skipped[variant.name]} if variant.name in skipped
+                                             else next(r for r in done if "failed" in r))}
+            continue
+        done.sort(key=lambda measured: measured["tokens_per_second"])
+        rows[variant.name] = {**base, **done[len(done) // 2], "repeats": [round(r["tokens_per_second"], 1) for r in done]}
+    return rows
+
+
+def device_label(cuda: bool) -> str:
+    if cuda:
+        import torch
+
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    return f"cpu-{os.cpu_count()}-cores-{platform.machine()}"

@@ -1,0 +1,68 @@
+"""The baseline: a causal-LM fine-tune written the way the Transformers docs show it, with no toolkit feature.
+Tokenize prompt and answer as one text, pad each batch with DataCollatorForLanguageModeling, train with Trainer.
+
+    python -m finetune.bench.plain_trainer --model_dir DIR|tiny --train_file F --output_dir OUT [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from datasets import load_dataset
+from transformers import (
+    AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_dir", required=True, help="a save_pretrained directory, or tiny")
+    parser.add_argument("--train_file", required=True)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--max_seq_length", type=int, default=256)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=16)
+    parser.add_argument("--max_steps", type=int, default=30)
+    parser.add_argument("--learning_rate", type=float, default=2e-4)
+    parser.add_argument("--bf16", action="store_true")
+    args = parser.parse_args()
+
+    if args.model_dir == "tiny":  # the embedded default has no directory: it is built in code
+        from finetune import presets
+
+        tokenizer = presets.build_tokenizer()
+        model = presets.build_model(tokenizer)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16 if args.bf16 else None)
+
+    def tokenize(batch):
+        texts = [f"{instruction}\n{text}\n{output}{tokenizer.eos_token}"
+                 for instruction, text, output in zip(batch["instruction"], batch["input"], batch["output"])]
+        return tokenizer(texts, truncation=True, max_length=args.max_seq_length)
+
+    raw = load_dataset("json", data_files=args.train_file, split="train")
+    train = raw.map(tokenize, batched=True, remove_columns=raw.column_names)
+    training_args = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=args.per_device_train_batch_size,
+        max_steps=args.max_steps, learning_rate=args.learning_rate, bf16=args.bf16, logging_steps=10,
+        save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
+        include_num_input_tokens_seen="non_padding",  # measurement only: the bench reads tokens/s from it
+    )
+    trainer = Trainer(model=model, args=training_args, train_dataset=train,
+                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    trainer.train()
+    trainer.save_state()
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path(args.output_dir, "peak_memory.json").write_text(json.dumps({"peak_bytes": peak}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""`finetune bench`: the plain Trainer baseline and the toolkit's variants (defaults, packing, fused kernels,
+DDP and every ZeRO stage) side by side on one model, data and sequence length; prints useful tokens/s with
+ratios to the baseline, 1 → N process scaling and the callbacks' overhead, and writes
+benchmarks/results/<device>.json."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+GiB = 1024**3
+# CPU mode finishes in a few minutes on 2 cores; GPU mode is a random-init Llama-3.2-1B shape at 2048 in bf16.
+MODES = {
+    "cpu": {"model": "tiny", "max_seq_length": 256, "micro_batch": 16, "steps": 30, "examples": 2000},
+    "gpu": {"model": "llama-3.2-1b", "max_seq_length": 2048, "micro_batch": 4, "steps": 40, "examples": 4000},
+}
+
+
+def bench_command_parser(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="compare the toolkit's variants and strategies with plain Trainer",
+                                   description=__doc__)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--cpu", action="store_true", help="CPU mode (the default without CUDA)")
+    mode.add_argument("--gpu", action="store_true", help="GPU mode (the default with CUDA)")
+    parser.add_argument("--variants", nargs="+", help="run only these (default: all)")
+    parser.add_argument("--processes", type=int, default=2, help="processes for the strategy variants")
+    parser.add_argument("--model", help="tiny, or a known shape built with random weights (e.g. llama-3.2-1b)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per variant")
+    parser.add_argument("--max-seq-length", type=int)
+    parser.add_argument("--micro-batch", type=int)
+    parser.add_argument("--repeats", type=int, help="runs of every variant (default: 3 for the baseline and the "
+                        "callback-overhead pair, 1 for the rest); the median is kept")
+    parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
+    parser.set_defaults(func=bench_command)
+
+
+def bench_command(args) -> int:
+    import torch
+
+    from finetune.bench.harness import (
+        Settings, device_label, long_tailed_file, random_init_model_dir, run_variants, variants,
+    )
+    from finetune.errors import RecipeError
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    if args.gpu and not torch.cuda.is_available():
+        raise RecipeError("--gpu needs CUDA and none is visible; run with --cpu.")
+    defaults = MODES["gpu" if cuda else "cpu"]
+    chosen = variants(args.processes)
+    known = [variant.name for variant in chosen]
+    unknown = sorted(set(args.variants or []) - set(known))
+    if unknown:
+        raise RecipeError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(known)}.")
+    if args.variants:
+        chosen = [variant for variant in chosen if variant.name in args.variants]
+    for variant in chosen if args.repeats else []:
+        variant.repeats = args.repeats
+    with tempfile.TemporaryDirectory(prefix="finetune-bench-") as scratch:
+        scratch = Path(scratch)
+        max_seq_length = args.max_seq_length or defaults["max_seq_length"]
+        settings = Settings(
+            model=random_init_model_dir(args.model or defaults["model"], scratch / "model"),
+            train_file=long_tailed_file(scratch / "train.jsonl", defaults["examples"], max_seq_length),
+            max_seq_length=max_seq_length, micro_batch=args.micro_batch or defaults["micro_batch"],
+            steps=args.steps or defaults["steps"], bf16=cuda, cuda=cuda)
+        rows = run_variants(chosen, settings, scratch, report=lambda line: print(line, flush=True))
+    record = {"date": datetime.date.today().isoformat(), "device": device_label(cuda),
+              "command": " ".join(["finetune bench", *sys.argv[2:]]),
+              "settings": {"model": args.model or defaults["model"], "max_seq_length": settings.max_seq_length,
+                           "micro_batch": settings.micro_batch, "steps": settings.steps, "bf16": settings.bf16},
+              "variants": rows, **comparisons(rows, args.processes)}
+    print_table(record)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / f"{record['device']}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+def rate(rows: dict, name: str) -> float | None:
+    return rows.get(name, {}).get("tokens_per_second")
+
+
+def comparisons(rows: dict, processes: int) -> dict:
+    """Ratios to the baseline, 1 → N process scaling of the defaults under DDP, and the callbacks' cost."""
+    baseline = rate(rows, "plain_trainer")
+    for row in rows.values():
+        row["vs_baseline"] = row["tokens_per_second"] / baseline if baseline and "tokens_per_second" in row else None
+    result = {}
+    one, many = rate(rows, "finetune"), rate(rows, "ddp")
+    if one and many:
+        result["scaling"] = {"processes": processes, "speedup": many / one, "efficiency": many / one / processes}
+    with_callbacks, without = rate(rows, "finetune"), rate(rows, "finetune_no_callbacks")
+    if with_callbacks and without:
+        result["callback_overhead"] = without / with_callbacks - 1  # extra time per token the callbacks cost
+    return result
+
+
+def print_table(record: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"finetune bench on {record['device']} ({record['settings']['model']}, "
+                        f"sequence {record['settings']['max_seq_length']})")
+    for column in ("variant", "useful tokens/s", "× baseline", "peak memory", "train loss", "MFU"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for name, row in record["variants"].items():
+        if "tokens_per_second" not in row:
+            table.add_row(name, row.get("skipped") or f"failed: {row.get('failed')}", "", "", "", "")
+            continue
+        table.add_row(name, f"{row['tokens_per_second']:,.0f}",
+                      f"{row['vs_baseline']:.2f}" if row["vs_baseline"] else "–",
+                      f"{row['peak_bytes'] / GiB:.2f} GiB" if row["peak_bytes"] else "–",
+                      f"{row['train_loss']:.3f}", f"{row['mfu']:.1%}" if row["mfu"] else "–")
+    console = Console(width=120)
+    console.print(table)
+    if "scaling" in record:
+        scaling = record["scaling"]
+        console.print(f"scaling 1 → {scaling['processes']} processes (DDP, same micro-batch each): "
+                      f"{scaling['speedup']:.2f}× speedup, {scaling['efficiency']:.0%} efficiency")
+    if "callback_overhead" in record:
+        runs = record["variants"]["finetune"]["repeats"] + record["variants"]["finetune_no_callbacks"]["repeats"]
+        console.print(f"toolkit callbacks: {record['callback_overhead']:+.1%} time per token (finetune vs "
+                      f"finetune_no_callbacks; their runs spread {min(runs):,.0f}–{max(runs):,.0f} tokens/s, so a "
+                      "few percent is within noise: benchmarks/callback_overhead.py times the callbacks directly)")

@@ -1,0 +1,145 @@
+"""Training throughput as it happens: useful (non-pad) tokens a second, sequences a second, step time, model FLOP/s
+and MFU, added to Trainer's logs and summarised in `output_dir/throughput.json`.
+
+Tokens are Trainer's own count (`include_num_input_tokens_seen: non_padding`, gathered over ranks). FLOPs per token
+follow nanoGPT's `estimate_mfu` (PaLM appendix B): 6 per matmul parameter, 4 for a frozen one (no weight gradient),
+plus 12·L·H·Q·T for attention; recomputation under gradient checkpointing is not counted (that is HFU, not MFU).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+# Dense bf16 peaks in TFLOP/s (T4: fp16), matched against torch.cuda.get_device_name(); most specific name first.
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "T4": 65.0}
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def peak_tflops_of(name: str) -> float | None:
+    """The dense bf16 peak of a known accelerator, or None (a CPU, an unknown GPU: pass `peak_tflops`)."""
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+@dataclass(frozen=True)
+class FlopsModel:
+    """Training FLOPs per token of a decoder: 6·trainable + 4·frozen matmul parameters + 12·L·H·Q·T."""
+
+    trainable_matmul_parameters: int
+    frozen_matmul_parameters: int
+    layers: int
+    heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model) -> FlopsModel:
+        """Counts the model's parameters (ZeRO-3 partitions by their full size); the input embedding is a lookup,
+        not a matmul, unless the output head shares it."""
+        config = model.config
+        embedding = model.get_input_embeddings().weight
+        tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embedding
+        trainable = frozen = 0
+        for parameter in model.parameters():  # parameters() yields a tied weight once
+            if parameter is embedding and not tied:
+                continue
+            size = getattr(parameter, "ds_numel", parameter.numel())
+            if parameter.requires_grad:
+                trainable += size
+            else:
+                frozen += size
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(trainable, frozen, config.num_hidden_layers, heads, head_dim)
+
+    def per_token(self, sequence_length: float) -> float:
+        matmuls = 6 * self.trainable_matmul_parameters + 4 * self.frozen_matmul_parameters
+        return matmuls + 12 * self.layers * self.heads * self.head_dim * sequence_length
+
+
+@dataclass
+class Window:
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    sequences: int = 0
+
+    def add(self, seconds: float, tokens: int, sequences: int) -> None:
+        self.steps, self.seconds = self.steps + 1, self.seconds + seconds
+        self.tokens, self.sequences = self.tokens + tokens, self.sequences + sequences
+
+
+class ThroughputCallback(TrainerCallback):
+    """Times each optimizer step (data loading included; evaluation and saving left out), skips the first
+    `warmup_steps`, and adds `throughput/*` to every training log; rank 0 writes `throughput.json` at the end.
+
+    `peak_tflops` overrides the accelerator table (per device); without a peak, MFU is left out."""
+
+    def __init__(self, peak_tflops: float | None = None, warmup_steps: int = 1):
+        self.peak_tflops = peak_tflops
+        self.warmup_steps = warmup_steps
+        self.flops: FlopsModel | None = None
+        self.window, self.total = Window(), Window()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.flops = FlopsModel.of(model)
+        self.device = device_name()
+        self.peak = self.peak_tflops or peak_tflops_of(self.device)
+        self.sequences_per_step = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+        self.first_step = state.global_step
+        self.tokens_seen = state.num_input_tokens_seen
+        self.clock = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        seconds, self.clock = now - self.clock, now
+        tokens, self.tokens_seen = state.num_input_tokens_seen - self.tokens_seen, state.num_input_tokens_seen
+        if state.global_step - self.first_step > self.warmup_steps:
+            self.window.add(seconds, tokens, self.sequences_per_step)
+            self.total.add(seconds, tokens, self.sequences_per_step)
+
+    def restart_clock(self, *args, **kwargs):
+        self.clock = time.perf_counter()
+
+    on_evaluate = on_save = on_predict = restart_clock
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs or not self.window.steps:
+            return
+        measured = {f"throughput/{key}": value for key, value in self.summary(self.window, args).items()
+                    if key in ("tokens_per_second", "step_seconds", "tflops_per_device", "mfu") and value is not None}
+        logs.update(measured)
+        if state.log_history:
+            state.log_history[-1].update(measured)
+        self.window = Window()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.flops is not None:
+            record = {**self.summary(self.total, args), "device": self.device, "world_size": args.world_size,
+                      "warmup_steps_skipped": self.warmup_steps, "flops_model": asdict(self.flops)}
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            Path(args.output_dir, "throughput.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def summary(self, window: Window, args) -> dict:
+        """Rates over `window`; tokens are non-pad tokens over all ranks (None if Trainer does not count them)."""
+        counted = args.include_num_input_tokens_seen != "no" and window.tokens > 0
+        result = {"steps": window.steps, "seconds": round(window.seconds, 4),
+                  "step_seconds": window.seconds / window.steps if window.steps else None,
+                  "sequences_per_second": window.sequences / window.seconds if window.seconds else None,
+                  "tokens": window.tokens if counted else None, "tokens_per_second": None,
+                  "tflops_per_device": None, "mfu": None, "peak_tflops": self.peak}
+        if counted and window.seconds:
+            mean_row = window.tokens / window.sequences  # attention spans a row's real tokens
+            result["tokens_per_second"] = window.tokens / window.seconds
+            result["flops_per_token"] = self.flops.per_token(mean_row)
+            result["tflops_per_device"] = result["tokens_per_second"] * result["flops_per_token"] / args.world_size / 1e12
+            if self.peak:
+                result["mfu"] = result["tflops_per_device"] / self.peak
+        return result
