@@ -36,7 +36,7 @@ def main() -> None:
         model = presets.build_model(tokenizer)
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16 if args.bf16 else None)
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto")  # as saved, like finetune train
 
     def tokenize(batch):
         texts = [f"{instruction}\n{text}\n{output}{tokenizer.eos_token}"
