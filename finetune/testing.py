@@ -39,12 +39,14 @@ def finetune_command(*args: str) -> list[str]:
 
 
 def accelerate_launch_command(config_file: str, *args: str, num_processes: int | None = None,
-                              program: tuple[str, ...] = ("-m", "finetune")) -> list[str]:
-    """`accelerate launch --config_file CONFIG [--num_processes N] --main_process_port PORT -m finetune ARGS`
-    (or another `program`: a script path)."""
+                              deepspeed_json: str | None = None, program: tuple[str, ...] = ("-m", "finetune")) -> list[str]:
+    """`accelerate launch --config_file CONFIG [--num_processes N] [--deepspeed_config_file JSON] --main_process_port
+    PORT -m finetune ARGS` (or another `program`: a script path)."""
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
+    if deepspeed_json is not None:
+        command += ["--deepspeed_config_file", deepspeed_json]
     return [*command, "--main_process_port", str(free_port()), *program, *args]
 
 
@@ -67,10 +69,8 @@ def launch_demo(config_file: str, output_dir, *extra: str, deepspeed_json: str |
     """A short 2-process run of recipes/demo.yaml under an Accelerate config, optionally with another DeepSpeed JSON,
     another process count or another program in place of `python -m finetune`."""
     command = accelerate_launch_command(config_file, "train", "recipes/demo.yaml", "--output_dir", str(output_dir),
-                                        *DEMO_SHORT_RUN, *extra, num_processes=num_processes, program=program)
-    if deepspeed_json is not None:
-        at = command.index("--main_process_port")
-        command[at:at] = ["--deepspeed_config_file", deepspeed_json]
+                                        *DEMO_SHORT_RUN, *extra, num_processes=num_processes,
+                                        deepspeed_json=deepspeed_json, program=program)
     return run(command, timeout=timeout, env=env)
 
 

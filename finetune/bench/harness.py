@@ -117,11 +117,8 @@ def command(variant: Variant, settings: Settings, output_dir: Path) -> list[str]
     if variant.launch is None:
         return finetune_command(*args)
     config, deepspeed_json = (LAUNCHES if settings.cuda else CPU_LAUNCHES)[variant.launch]
-    launch = accelerate_launch_command(f"accelerate_configs/{config}", *args, num_processes=variant.processes)
-    if deepspeed_json is not None:
-        at = launch.index("--main_process_port")
-        launch[at:at] = ["--deepspeed_config_file", f"deepspeed_configs/{deepspeed_json}"]
-    return launch
+    return accelerate_launch_command(f"accelerate_configs/{config}", *args, num_processes=variant.processes,
+                                     deepspeed_json=deepspeed_json and f"deepspeed_configs/{deepspeed_json}")
 
 
 def read_result(output_dir: Path) -> dict:
