@@ -41,14 +41,16 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False):
 
 
 def _load_4bit(model_args, tokenizer, seed: int):
-    """The QLoRA base: NF4 weights with double quantization and bf16 compute (Dettmers et al. 2023), on this
-    process's GPU, prepared for k-bit training by peft (norms in fp32, input gradients on)."""
+    """The QLoRA base: NF4 weights with double quantization and bf16 compute (Dettmers et al. 2023), or fp16
+    compute with `torch_dtype: float16` (GPUs without bf16, such as the T4), on this process's GPU, prepared for
+    k-bit training by peft (norms in fp32, input gradients on)."""
     import os
     import tempfile
 
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
+    compute_dtype = torch.float16 if model_args.torch_dtype == "float16" else torch.bfloat16
     source = model_args.model_name_or_path
     with tempfile.TemporaryDirectory() as directory:
         if source == presets.TINY_MODEL:  # quantization happens in from_pretrained: save the preset first
@@ -58,9 +60,9 @@ def _load_4bit(model_args, tokenizer, seed: int):
             source,
             quantization_config=BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16,
+                bnb_4bit_compute_dtype=compute_dtype,
             ),
-            dtype=torch.bfloat16,
+            dtype=compute_dtype,
             device_map={"": int(os.environ.get("LOCAL_RANK", "0"))},
             attn_implementation=model_args.attn_implementation,
             trust_remote_code=model_args.trust_remote_code,

@@ -121,6 +121,26 @@ def make_plan(request: PlanRequest) -> dict:
     return plan
 
 
+def decision_path(plan: dict) -> list[str]:
+    """The decision tree as walked for this plan: each strategy tried in order, with its predicted GiB per GPU
+    against the usable memory, up to the first that fits."""
+    usable = HEADROOM * plan["gpu_memory_gib"] * GiB
+    lines = []
+    for row in plan["strategies"]:
+        total = row["estimate"].total_bytes
+        if row["fits"]:
+            lines.append(f"{row['name']}: {_size(total)} ≤ {_size(usable)} usable → recommended")
+            return lines
+        reason = f"{_size(total)} > {_size(usable)} usable" if total > usable else "host RAM short for offload"
+        lines.append(f"{row['name']}: {reason} → next")
+    lines.append("nothing fits: more or larger GPUs, LoRA/QLoRA, gradient checkpointing or shorter sequences")
+    return lines
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / GiB:,.1f} GiB" if num_bytes >= GiB else f"{num_bytes / 1024**2:,.1f} MiB"
+
+
 def largest_micro_batch(request: PlanRequest, shape, candidate: Candidate) -> int:
     """The largest power-of-two micro-batch (up to the per-GPU share of the global batch) that still fits."""
     limit = min(request.max_micro_batch_size, max(1, request.global_batch_size // request.gpus))

@@ -74,14 +74,12 @@ def markdown_table(records: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a bare Figure, not pyplot: drawing a report must not change the backend of a notebook or script
+        from matplotlib.figure import Figure
     except ImportError:
         return False
-    figure, axis = plt.subplots(figsize=(4.0 + 1.6 * len(records), 4.2))
+    figure = Figure(figsize=(4.0 + 1.6 * len(records), 4.2))
+    axis = figure.subplots()
     colors = ("#4C72B0", "#DD8452", "#55A868")
     labels, positions = [], []
     for index, record in enumerate(records):
@@ -106,5 +104,4 @@ def plot(records: list[dict], path: Path) -> bool:
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)
     return True

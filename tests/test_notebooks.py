@@ -1,0 +1,54 @@
+"""The notebooks: stored without outputs, switchable to the tiny default by one parameter, and executed here on CPU
+(papermill, as CI and Colab users run them) so they cannot rot."""
+
+import json
+
+import nbformat
+import papermill
+import pytest
+
+from finetune.testing import PROJECT_ROOT
+
+NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
+TRAINING_NOTEBOOKS = {"01_full_finetune.ipynb": ["."], "02_lora_qlora_t4.ipynb": ["lora"]}
+
+
+def code_cells(notebook):
+    return [cell for cell in notebook.cells if cell.cell_type == "code"]
+
+
+def test_the_three_notebooks_are_shipped():
+    assert [path.name for path in NOTEBOOKS] == ["01_full_finetune.ipynb", "02_lora_qlora_t4.ipynb",
+                                                 "03_memory_planning.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_is_stored_stripped_with_an_install_cell_and_a_tiny_switch(path):
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    cells = code_cells(notebook)
+    assert all(cell.outputs == [] and cell.execution_count is None for cell in cells), "outputs must be stripped"
+    assert "pip" in cells[0].source and "FINETUNE_SOURCE" in cells[0].source  # Colab's install cell comes first
+    parameters = [cell for cell in cells if "parameters" in cell.metadata.get("tags", [])]
+    assert len(parameters) == 1 and "TINY = False" in parameters[0].source
+    source = "\n".join(cell.source for cell in cells)
+    assert "from finetune" in source and "Trainer(" not in source  # the package trains; no copied training loop
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_runs_on_the_tiny_default_and_draws_its_plots(path, tmp_path):
+    declared = papermill.inspect_notebook(str(path))
+    parameters = {"TINY": True, "OUTPUT_DIR": str(tmp_path / "outputs")}
+    executed = papermill.execute_notebook(
+        str(path), str(tmp_path / path.name), parameters={k: v for k, v in parameters.items() if k in declared},
+        cwd=str(path.parent), kernel_name="python3", progress_bar=False,
+    )
+    for cell in code_cells(executed):
+        kinds = {key for output in cell.outputs for key in output.get("data", {})}
+        if "plot_" in cell.source or "Image(" in cell.source:
+            assert "image/png" in kinds, f"no plot from:\n{cell.source}"
+    tables = [cell for cell in code_cells(executed) if cell.source.rstrip().endswith("results")]
+    assert tables and "<table" in tables[-1].outputs[0]["data"]["text/html"], "no results table at the end"
+    for run in TRAINING_NOTEBOOKS.get(path.name, []):
+        summary = json.loads((tmp_path / "outputs" / run / "eval_results.json").read_text())
+        assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.5
