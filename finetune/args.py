@@ -213,6 +213,11 @@ class FinetuneTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Peak TFLOP/s of one device for MFU (default: looked up for known GPUs; none on CPU)."},
     )
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={"help": "Trainer's default (true) logs a NaN/inf step loss as the running average, hiding it; here it "
+                          "is logged as it is, and a non-finite loss or grad_norm stops the run with what to change."},
+    )
     include_num_input_tokens_seen: Literal["all", "non_padding", "no"] = field(
         default="non_padding",
         metadata={"help": "Trainer's count of input tokens (all, non_padding or no); the throughput report needs it."},

@@ -30,3 +30,7 @@ def report_user_error(error: Exception) -> int:
     if launched_rank() == 0:
         print(f"finetune: error: {error}", file=sys.stderr, flush=True)
     return 2
+
+
+class TrainingDiverged(RecipeError):
+    """The loss or gradient norm became NaN or infinite: the learning rate, the precision or the data need changing."""

@@ -23,6 +23,7 @@ from finetune.data import load_raw_data, prepare_datasets
 from finetune.data.tokenize import PreparedData
 from finetune.data.collate import data_collator, pack_prepared, prepare_model_for_packing
 from finetune.data.summary import dropped_rows, print_data_summary, write_data_summary
+from finetune.divergence import NonFiniteLossCallback
 from finetune.effective import report_and_guard_launch
 from finetune.errors import RecipeError
 from finetune.evaluation import ExactMatchCallback
@@ -52,7 +53,9 @@ def train(recipe: Recipe) -> dict:
     frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
     memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
     throughput = ThroughputCallback(peak_tflops=args.peak_tflops) if args.throughput_report else None
-    callbacks = [callback for callback in (exact_match, memory_report, throughput, frozen_check) if callback is not None]
+    divergence = NonFiniteLossCallback(fp16=args.fp16)
+    callbacks = [callback for callback in (exact_match, memory_report, throughput, frozen_check, divergence)
+                 if callback is not None]
     save_total_limit, args.save_total_limit = args.save_total_limit, None  # rotated by CompleteCheckpointCallback
     trainer = Trainer(
         model=model,

@@ -1,4 +1,5 @@
-"""`finetune configs write|check`: the shipped DeepSpeed and Accelerate configs, generated from finetune/configs/."""
+"""`finetune configs write|check|lint`: the shipped DeepSpeed and Accelerate configs (and docs/recipes.md), generated
+from finetune/configs/ and the recipe dataclasses."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from finetune.configs.lint import lint_file
 def configs_command_parser(subparsers) -> None:
     parser = subparsers.add_parser("configs", help="write or check the generated launch configs")
     actions = parser.add_subparsers(dest="action", required=True)
-    write = actions.add_parser("write", help="write the shipped config set")
+    write = actions.add_parser("write", help="write the shipped config set and docs/recipes.md")
     write.add_argument("--out", type=Path, default=Path("."), help="root to write under (default: here)")
     check = actions.add_parser("check", help="exit non-zero with a diff if a shipped file differs from the generator")
     check.add_argument("--root", type=Path, default=Path("."), help="project root holding the shipped configs")

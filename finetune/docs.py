@@ -1,0 +1,101 @@
+"""Generated documentation: `docs/recipes.md`, every recipe key with its default and help, written from the recipe
+dataclasses by `finetune configs write` and checked by `finetune configs check` like the configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from transformers import TrainingArguments
+
+from finetune.args import DataArguments, FinetuneTrainingArguments, LoraArguments, ModelArguments
+
+RECIPE_REFERENCE = "docs/recipes.md"
+# Trainer's keys a fine-tuning recipe sets most often, shown with Trainer's defaults; all others keep them too.
+COMMON_TRAINER_KEYS = (
+    "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "num_train_epochs", "max_steps",
+    "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "optim", "bf16", "fp16",
+    "gradient_checkpointing", "per_device_eval_batch_size", "eval_strategy", "eval_steps", "logging_steps",
+    "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "load_best_model_at_end", "seed",
+    "data_seed", "full_determinism", "deepspeed", "ddp_timeout", "dataloader_num_workers",
+    "train_sampling_strategy", "report_to", "torch_compile", "use_liger_kernel",
+)
+SECTIONS = (
+    ("Model", ModelArguments, "What to load: the embedded tiny default, a local directory or a hub id."),
+    ("Data", DataArguments, "Formats, mixes, packing and what happens to rows that do not fit."),
+    ("LoRA and QLoRA", LoraArguments, "Adapters (peft) instead of all weights; QLoRA on a 4-bit base."),
+)
+
+
+def _default(value) -> str:
+    if value is None or value is dataclasses.MISSING:
+        return "unset"
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("%%", "%").replace("|", "\\|")  # help texts escape % for argparse
+
+
+def _row(field: dataclasses.Field, default: str | None = None, help: str | None = None) -> str:
+    value = default if default is not None else _default(
+        field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default)
+    return f"| `{field.name}` | `{value}` | {_cell(help or field.metadata.get('help', ''))} |"
+
+
+def _table(rows: list[str]) -> list[str]:
+    return ["| key | default | what it does |", "| --- | --- | --- |", *rows, ""]
+
+
+def toolkit_training_fields() -> list[dataclasses.Field]:
+    """The training keys the toolkit adds to `TrainingArguments` or gives another default."""
+    trainer = {field.name: field for field in dataclasses.fields(TrainingArguments)}
+    ours = []
+    for field in dataclasses.fields(FinetuneTrainingArguments):
+        base = trainer.get(field.name)
+        if base is None or _default(base.default) != _default(field.default):
+            ours.append(field)
+    return ours
+
+
+def recipe_reference() -> str:
+    lines = [
+        "# Recipe reference",
+        "",
+        "Generated from the recipe dataclasses in `finetune/args.py` by `finetune configs write`; `finetune configs",
+        "check` fails when this file differs. A recipe is a flat YAML mapping of these keys; `--key value` after the",
+        "recipe on the command line wins over the file, and an unknown key stops the run with the closest known one.",
+        "",
+        "```yaml",
+        "model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct",
+        "train_file: data/train.jsonl",
+        "max_seq_length: 2048",
+        "use_lora: true",
+        "global_batch_size: 64",
+        "learning_rate: 2.0e-4",
+        "bf16: true",
+        "output_dir: outputs/qwen-lora",
+        "```",
+        "",
+    ]
+    for title, section, about in SECTIONS:
+        lines += [f"## {title}", "", about, ""]
+        lines += _table([_row(field) for field in dataclasses.fields(section) if field.init])
+    lines += ["## Training: the toolkit's keys and defaults", "",
+              "Keys added to Hugging Face `TrainingArguments`, or given another default for fine-tuning.", ""]
+    rows = [_row(field) for field in toolkit_training_fields()]
+    use_cpu = next(field for field in dataclasses.fields(TrainingArguments) if field.name == "use_cpu")
+    rows.append(_row(use_cpu, default="true when no GPU is visible",
+                     help="Train on the CPU. Defaulted by the toolkit: without it, Trainer on a machine without a GPU "
+                          "quietly trains one process per rank under a multi-process launch."))
+    lines += _table(rows)
+    trainer = {field.name: field for field in dataclasses.fields(TrainingArguments)}
+    lines += ["## Training: Trainer's keys most recipes set", "",
+              "Every other `TrainingArguments` key is accepted too, with Trainer's name, meaning and default;",
+              "`finetune train --help-keys` lists all of them for the installed Transformers.", ""]
+    lines += _table([_row(trainer[name]) for name in COMMON_TRAINER_KEYS])
+    return "\n".join(lines).rstrip() + "\n"
