@@ -64,6 +64,9 @@ class PlanRequest:
     base_batch_size: int | None = None
     lr_scaling: str = "sqrt"
     recipe: str = "RECIPE.yaml"
+    nodes: int = 1
+    inter_node_gbps: float = 100.0  # network bandwidth of one node, Gb/s per direction
+    tflops_per_gpu: float = 400.0  # achieved, not peak: about 40% MFU on an H100
 
 
 def candidates_for(gpus: int) -> tuple[Candidate, ...]:
@@ -77,6 +80,7 @@ def _setup(request: PlanRequest, candidate: Candidate, micro_batch_size: int) ->
         **candidate.options, num_gpus=request.gpus, precision=request.precision, optimizer=request.optimizer,
         lora_rank=request.lora_rank, qlora=request.qlora, micro_batch_size=micro_batch_size,
         sequence_length=request.sequence_length, gradient_checkpointing=request.gradient_checkpointing,
+        gpus_per_node=request.gpus // request.nodes if request.nodes > 1 else None,
     )
 
 
@@ -90,6 +94,9 @@ def fits(request: PlanRequest, result: MemoryEstimate) -> bool:
 def make_plan(request: PlanRequest) -> dict:
     if request.gpus < 1 or request.gpu_memory_gib <= 0:
         raise RecipeError("`--gpus` must be at least 1 and `--gpu-memory` positive (GiB per GPU).")
+    if request.nodes < 1 or request.gpus % request.nodes:
+        raise RecipeError(f"`--gpus {request.gpus}` counts the GPUs of all nodes: it must be a multiple of "
+                          f"`--nodes {request.nodes}`.")
     shape = model_shape(request.model)
     rows = []
     for candidate in candidates_for(request.gpus):
@@ -108,7 +115,10 @@ def make_plan(request: PlanRequest) -> dict:
         "batch_plan": None,
         "launch_command": None,
         "parallel_3d": None,
+        "inter_node": None,
     }
+    if request.nodes > 1:
+        plan["inter_node"] = inter_node_traffic(request, shape)
     if recommended is None:
         plan["parallel_3d"] = smallest_3d_fit(request, shape)
         return plan
@@ -119,6 +129,38 @@ def make_plan(request: PlanRequest) -> dict:
     if not any(row["fits"] and "offload" not in row["name"] for row in rows):
         plan["parallel_3d"] = smallest_3d_fit(request, shape)
     return plan
+
+
+# Values crossing the network per step, in units of Ψ half-precision values, for each node's link: a collective over
+# K nodes moves (K - 1)/K of the data through every node's link. All-reduce = reduce-scatter + all-gather (2Ψ);
+# ZeRO-3 / FSDP full shard: all-gather in forward and in backward + reduce-scatter (3Ψ); ZeRO++ (Wang et al. 2023):
+# int8 forward all-gather (0.5), backward all-gather inside the node (hpZ, 0), int4 reduce-scatter (0.25); FSDP
+# hybrid shard: parameters gathered inside the node, only the gradient all-reduce crosses nodes (2Ψ).
+INTER_NODE_VOLUME = (
+    ("DDP / ZeRO-1 / ZeRO-2", 2.0, "accelerate_configs/multinode_deepspeed_zero2.yaml"),
+    ("ZeRO-3", 3.0, None),
+    ("ZeRO-3 + ZeRO++", 0.75, "accelerate_configs/multinode_deepspeed_zero3_zeropp.yaml"),
+    ("FSDP full shard", 3.0, "accelerate_configs/multinode_fsdp_full_shard.yaml"),
+    ("FSDP hybrid shard", 2.0, "accelerate_configs/multinode_fsdp_hybrid_shard.yaml"),
+)
+
+
+def inter_node_traffic(request: PlanRequest, shape) -> dict:
+    """Seconds per step each strategy spends moving data between nodes, next to the step's compute (6 FLOPs per
+    parameter and token at `tflops_per_gpu`): where the network takes longer than the compute it cannot be hidden
+    behind it, and ZeRO++ or FSDP hybrid sharding pay off."""
+    trainable = estimate(shape, _setup(request, CANDIDATES[0], 1)).trainable_parameters
+    fraction = (request.nodes - 1) / request.nodes
+    link_bytes_per_second = request.inter_node_gbps * 1e9 / 8
+    tokens = request.global_batch_size * request.sequence_length
+    compute = 6 * shape.num_parameters * tokens / (request.gpus * request.tflops_per_gpu * 1e12)
+    rows = []
+    for name, volume, config in INTER_NODE_VOLUME:
+        moved = volume * trainable * 2 * fraction  # bf16 values through one node's link
+        rows.append({"name": name, "config": config, "bytes_per_node": moved,
+                     "seconds": moved / link_bytes_per_second, "hidden": moved / link_bytes_per_second <= compute})
+    return {"nodes": request.nodes, "gpus_per_node": request.gpus // request.nodes,
+            "inter_node_gbps": request.inter_node_gbps, "compute_seconds": compute, "strategies": rows}
 
 
 def decision_path(plan: dict) -> list[str]:

@@ -75,6 +75,11 @@ def train(recipe: Recipe) -> dict:
         print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
     report_and_guard_launch(trainer, recipe.sources)  # effective_config.json; stops on a fallback
 
+    if args.save_on_each_node and trainer.is_deepspeed_enabled and \
+            trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise RecipeError("`save_on_each_node: true` with ZeRO-3: DeepSpeed gathers the partitioned weights on global "
+                          "rank 0 only; save to a filesystem shared by the nodes, or use ZeRO-2, or `finetune export` "
+                          "on node 0.")
     resume = checkpoint_to_resume(recipe)
     if resume is not None:
         prepare_resume(trainer, resume)  # stops, or converts a checkpoint saved with another layout
@@ -82,6 +87,7 @@ def train(recipe: Recipe) -> dict:
     if data.eval is not None:
         trainer.evaluate()
     trainer.save_model()
+    save_weights_on_this_node(trainer)
     trainer.save_state()
 
     summary = summarize_evaluations(trainer.state.log_history, exact_match.history)
@@ -100,6 +106,24 @@ def train(recipe: Recipe) -> dict:
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     return summary
+
+
+def save_weights_on_this_node(trainer) -> None:
+    """`save_on_each_node` is for nodes without a shared filesystem, but Transformers' `save_pretrained` writes weights
+    on global rank 0 only: the other nodes would get a tokenizer and no model. Their local main process writes the
+    weights too (whole on every rank under DDP and ZeRO-0/1/2), through the same `save_pretrained`."""
+    args = trainer.args
+    if not (args.save_on_each_node and args.should_save and args.process_index != 0):
+        return
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    # The state dict Trainer.save_model gives save_pretrained on rank 0, so that every node writes the same file.
+    state_dict = trainer.accelerator.get_state_dict(trainer.deepspeed) if trainer.is_deepspeed_enabled else None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.should_save_on_this_rank = lambda is_main_process: is_main_process  # this instance, this call only
+    try:
+        model.save_pretrained(args.output_dir, state_dict=state_dict, is_main_process=True)
+    finally:
+        del base.should_save_on_this_rank
 
 
 def prepare_data(recipe: Recipe, tokenizer, model) -> PreparedData:

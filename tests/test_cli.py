@@ -68,3 +68,11 @@ def test_bench_help_and_an_unknown_variant(capsys):
     assert "plain Trainer baseline" in capsys.readouterr().out
     assert main(["bench", "--cpu", "--variants", "finetune", "zero5"]) == 2
     assert "finetune: error: unknown variant(s) zero5; choose from plain_trainer, finetune" in capsys.readouterr().err
+
+
+def test_rendezvous_help_and_a_node_rank_outside_the_job(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["rendezvous", "--help"])
+    assert exit.value.code == 0 and "--main-addr" in capsys.readouterr().out
+    assert main(["rendezvous", "--nnodes", "2", "--node-rank", "5", "--main-addr", "127.0.0.1", "--main-port", "1"]) == 2
+    assert "node rank 5 is not in 0..1" in capsys.readouterr().err

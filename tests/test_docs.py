@@ -6,6 +6,7 @@ import os
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 from functools import partial
 from pathlib import Path
@@ -23,7 +24,8 @@ from finetune.testing import DEMO_SHORT_RUN, PROJECT_ROOT, accelerate_launch_com
 
 DOCUMENTS = sorted(path.relative_to(PROJECT_ROOT) for path in PROJECT_ROOT.glob("**/*.md")
                    if not {".venv", "outputs", ".git", ".pytest_cache"} & set(path.relative_to(PROJECT_ROOT).parts))
-PROGRAMS = ("finetune", "accelerate", "python", "make", "torchrun")
+PROGRAMS = ("finetune", "accelerate", "python", "make", "torchrun", "sbatch")
+SCRIPT = re.compile(r"^scripts/\S+\.(sh|sbatch)$")
 SHELL_BLOCK = re.compile(r"^[ \t]*```(?:bash|sh|shell)\n(.*?)^[ \t]*```", re.S | re.M)
 ANY_BLOCK = re.compile(r"^[ \t]*```.*?^[ \t]*```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+)`")
@@ -34,6 +36,8 @@ RUN_ELSEWHERE = {
     ("make", "test"): ".ci/run",
     ("make", "install"): "Makefile (a prerequisite of make test)",
     ("finetune", "bench"): "tests/test_bench.py",
+    ("finetune", "rendezvous"): "tests/test_multinode.py",
+    ("sbatch", "scripts/slurm/finetune.sbatch"): "tests/test_multinode.py::test_slurm_template_starts_one_launcher_per_node_with_its_rank",
 }
 # The CPU, 2-process twin of each GPU launch config: an Accelerate config and the DeepSpeed JSON swapped in.
 CPU_TWINS = {
@@ -54,7 +58,8 @@ def documented_commands() -> list[tuple[str, str]]:
                     found.append((str(document), command))
         for span in INLINE.findall(ANY_BLOCK.sub("", text)):
             command = span.removeprefix("on each node: ")
-            if command.split()[0] in PROGRAMS or ENVIRONMENT.match(command):
+            first = command.split()[0]
+            if first in PROGRAMS or SCRIPT.match(first) or ENVIRONMENT.match(command):
                 found.append((str(document), command))
     return sorted(set(found))
 
@@ -130,6 +135,13 @@ def test_documented_command_is_exercised(document, command, places, monkeypatch,
             assert "test_demo_recipe_learns_on_two_processes_under_deepspeed_zero2" in (
                 PROJECT_ROOT / "tests/test_train.py").read_text()
             assert "-m finetune train recipes/demo.yaml" in (PROJECT_ROOT / "scripts/demo.sh").read_text()
+    elif program == "sbatch":  # SLURM's options, then the template, then what it passes to the launch script
+        position = next(index for index, word in enumerate(rest) if word.startswith("scripts/"))
+        template = (PROJECT_ROOT / rest[position]).read_text()
+        assert all(f"#SBATCH {option.split('=')[0]}=" in template for option in rest[:position]), command
+        parse_recipe(rest[position + 1], rest[position + 2:])
+    elif SCRIPT.match(program):
+        check_script(argv, places)
     elif program == "finetune":
         check_finetune(rest, elsewhere, places, capsys)
     elif program == "accelerate" and rest[:1] == ["launch"] and len(rest) > 1:
@@ -156,6 +168,34 @@ def check_finetune(argv: list[str], elsewhere: str | None, places: dict, capsys)
     assert status == expected, output.out[-3000:] + output.err[-3000:]
     if expected == 2:  # docs/troubleshooting.md forces a divergence on purpose
         assert "training diverged at step" in output.err
+
+
+def check_script(argv: list[str], places: dict) -> None:
+    """A launch script, run with FINETUNE_DRY_RUN=1: it accepts the documented options and prints the commands it
+    would run, and each of those is checked like a documented command."""
+    script = PROJECT_ROOT / argv[0]
+    assert script.is_file() and os.access(script, os.X_OK), f"{argv[0]} is missing or not executable"
+    if argv[0].endswith(".sbatch"):
+        return  # rendered for 2 nodes under a stand-in srun by tests/test_multinode.py
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "FINETUNE_DRY_RUN": "1"}
+    arguments = argv[1:] or ["--help"]
+    result = subprocess.run([str(script), *arguments], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    for line in result.stdout.splitlines() if argv[1:] else []:
+        words_ = shlex.split(line)
+        if words_[:2] == ["accelerate", "launch"]:
+            check_launch(words_[2:], places)
+        elif words_[:2] == ["finetune", "rendezvous"]:
+            build_parser().parse_args(words_[1:])
+        elif words_[:1] == ["deepspeed"]:
+            module = words_.index("--module")
+            assert words_[module + 1:module + 3] == ["finetune", "train"]
+            train = words_[module + 3:]
+            at = train.index("--deepspeed")
+            assert lint_file(PROJECT_ROOT / train[at + 1]) == []
+            # Without the JSON: TrainingArguments(deepspeed=ZeRO-3 JSON) would switch on zero.Init for the process.
+            parse_recipe(train[0], train[1:at] + train[at + 2:])
 
 
 def split_launch(argv: list[str]) -> tuple[list[str], list[str]]:

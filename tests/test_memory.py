@@ -272,3 +272,22 @@ def test_3d_parallelism_on_paper_divides_states_and_activations():
     assert result["pipeline_bubble_fraction"] == pytest.approx(1 / 9)
     with pytest.raises(RecipeError, match="cannot be split"):
         parallel_3d(shape, setup, tensor_parallel=3, pipeline_parallel=2, micro_batches=8)
+
+
+def test_plan_across_nodes_says_when_zeropp_and_hybrid_sharding_pay_off(capsys):
+    slow = make_plan(PlanRequest("llama-3-8b", gpus=16, gpu_memory_gib=80, nodes=2, inter_node_gbps=100))
+    traffic = {row["name"]: row for row in slow["inter_node"]["strategies"]}
+    psi = slow["trainable_parameters"]
+    assert traffic["ZeRO-3"]["bytes_per_node"] == pytest.approx(3 * psi * 2 / 2)  # 3Ψ bf16 values, half cross
+    assert traffic["ZeRO-3 + ZeRO++"]["bytes_per_node"] == pytest.approx(traffic["ZeRO-3"]["bytes_per_node"] / 4)
+    assert traffic["FSDP hybrid shard"]["bytes_per_node"] == traffic["DDP / ZeRO-1 / ZeRO-2"]["bytes_per_node"]
+    assert not traffic["ZeRO-3"]["hidden"] and traffic["ZeRO-3"]["seconds"] > slow["inter_node"]["compute_seconds"]
+    fast = make_plan(PlanRequest("llama-3-8b", gpus=16, gpu_memory_gib=80, nodes=2, inter_node_gbps=3200))
+    assert all(row["hidden"] for row in fast["inter_node"]["strategies"])
+    assert make_plan(PlanRequest("llama-3-8b", gpus=2, gpu_memory_gib=80))["inter_node"] is None
+
+    assert main(["plan", "--model", "llama-3-8b", "--gpus", "16", "--nodes", "2", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "Across 2 nodes × 8 GPUs at 100 Gb/s per node" in out and "ZeRO++" in out and "pay off" in out
+    assert main(["plan", "--model", "tiny", "--gpus", "3", "--nodes", "2", "--gpu-memory", "80"]) == 2
+    assert "must be a multiple of `--nodes 2`" in capsys.readouterr().err

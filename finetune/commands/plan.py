@@ -32,6 +32,11 @@ def plan_command_parser(subparsers) -> None:
     parser.add_argument("--base-batch-size", type=int, help="batch the learning rate was tuned at")
     parser.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="sqrt")
     parser.add_argument("--recipe", default="RECIPE.yaml", help="recipe path to put in the launch command")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the --gpus are spread over (default 1)")
+    parser.add_argument("--inter-node-gbps", type=float, default=100.0,
+                        help="network bandwidth of one node in Gb/s, for the cross-node traffic (default 100)")
+    parser.add_argument("--tflops-per-gpu", type=float, default=400.0,
+                        help="achieved TFLOP/s per GPU, for the step's compute time (default 400: ~40%% MFU, H100)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=plan_command)
 
@@ -45,7 +50,8 @@ def plan_command(args) -> int:
         sequence_length=args.seq_len, gradient_checkpointing=args.gradient_checkpointing,
         global_batch_size=args.global_batch_size, max_micro_batch_size=args.max_micro_batch_size,
         learning_rate=args.learning_rate, base_batch_size=args.base_batch_size, lr_scaling=args.lr_scaling,
-        recipe=args.recipe,
+        recipe=args.recipe, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
+        tflops_per_gpu=args.tflops_per_gpu,
     )
     plan = make_plan(request)
     if args.json:
@@ -109,9 +115,34 @@ def print_plan(plan: dict) -> None:
             f"On paper, without offload: tensor parallel {three_d['tensor_parallel']} × pipeline parallel "
             f"{three_d['pipeline_parallel']} would need {_gib(three_d['total_bytes'])} GiB per GPU (pipeline bubble "
             f"{three_d['pipeline_bubble_fraction']:.0%}); that needs a 3D-parallel engine such as Megatron-LM.")
+    if plan["inter_node"]:
+        print_inter_node(console, plan["inter_node"])
     console.print("Estimates: model states as DeepSpeed/Trainer allocate them; activations per Korthikanti et al. "
                   "2022; buffers = communication buckets and gathered layers. See docs/memory.md.")
 
 
 def _index(plan: dict, name: str) -> int:
     return next(i for i, row in enumerate(plan["strategies"]) if row["name"] == name)
+
+
+def print_inter_node(console, traffic: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"Across {traffic['nodes']} nodes × {traffic['gpus_per_node']} GPUs at "
+                        f"{traffic['inter_node_gbps']:g} Gb/s per node — per optimizer step")
+    for column in ("strategy", "GB through each node's link", "network s", "compute s", "hidden by compute"):
+        table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
+    for row in traffic["strategies"]:
+        table.add_row(row["name"], f"{row['bytes_per_node'] / 1e9:,.1f}", f"{row['seconds']:,.2f}",
+                      f"{traffic['compute_seconds']:,.2f}", "yes" if row["hidden"] else "no")
+    console.print(table)
+    by_name = {row["name"]: row for row in traffic["strategies"]}
+    if by_name["ZeRO-3"]["hidden"]:
+        console.print("Cross-node traffic hides behind compute even for ZeRO-3 / FSDP full shard: ZeRO++ and hybrid "
+                      "sharding would not pay off here.")
+    else:
+        console.print(f"ZeRO-3 / FSDP full shard would wait on the network ({by_name['ZeRO-3']['seconds']:.2f} s "
+                      f"vs {traffic['compute_seconds']:.2f} s of compute): ZeRO++ "
+                      f"({by_name['ZeRO-3 + ZeRO++']['seconds']:.2f} s, multinode_deepspeed_zero3_zeropp.yaml) or FSDP "
+                      f"hybrid shard ({by_name['FSDP hybrid shard']['seconds']:.2f} s, "
+                      f"multinode_fsdp_hybrid_shard.yaml) pay off where the model fits their memory.", soft_wrap=True)

@@ -55,6 +55,9 @@ def accelerate_config(
         config.update(main_process_ip=MAIN_PROCESS_IP_PLACEHOLDER, main_process_port=main_process_port)
     if strategy == "deepspeed":
         config["deepspeed_config"] = {"deepspeed_config_file": deepspeed_config_file, "zero3_init_flag": False}
+        # One launcher per node (like torchrun; what SLURM's srun and scripts/launch_multinode.sh start). Without
+        # it Accelerate hands a multi-node DeepSpeed run to pdsh from node 0 (scripts/launch_deepspeed.sh does that).
+        config["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     else:
         config["mixed_precision"] = "no" if use_cpu else mixed_precision
     if strategy == "fsdp":
