@@ -345,6 +345,11 @@ def preflight_launch(training_inputs: dict[str, Any]) -> None:
         problems = lint_deepspeed(config, world_size, source=config_file or "DeepSpeed config")
         if problems:
             raise RecipeError(" ".join(problems))
+        save_on_each_node = str(training_inputs.get("save_on_each_node")).lower() == "true"
+        if save_on_each_node and config.get("zero_optimization", {}).get("stage") == 3:
+            raise RecipeError("`save_on_each_node: true` with ZeRO-3: DeepSpeed gathers the partitioned weights on "
+                              "global rank 0 only; save to a filesystem shared by the nodes, or use ZeRO-2, or "
+                              "`finetune export` on node 0.")
     resume = training_inputs.get("resume_from_checkpoint")
     if resume not in (None, "", "auto", "false", "False"):
         from finetune.checkpoints import check_explicit_checkpoint

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+import time
 
 
 class RecipeError(ValueError):
@@ -25,10 +26,19 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
+# How long a rank other than 0 waits before reporting an error itself. When every rank hits the same error, rank 0
+# reports it and exits at once, and the launcher stops the others meanwhile: the error is printed once. Exiting at
+# once instead, a rank could make the launcher kill rank 0 before it printed anything.
+OTHER_RANKS_WAIT_SECONDS = 5.0
+
+
 def report_user_error(error: Exception) -> int:
-    """Prints the error once (on rank 0 of a launched job) and returns the exit status."""
-    if launched_rank() == 0:
-        print(f"finetune: error: {error}", file=sys.stderr, flush=True)
+    """Prints the error once (by rank 0 of a launched job; by another rank only if rank 0 did not stop it first, as
+    when the error is that rank's alone) and returns the exit status."""
+    rank = launched_rank()
+    if rank != 0:
+        time.sleep(OTHER_RANKS_WAIT_SECONDS)
+    print(f"finetune: error: {'' if rank == 0 else f'(rank {rank}) '}{error}", file=sys.stderr, flush=True)
     return 2
 
 

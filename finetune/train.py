@@ -75,11 +75,6 @@ def train(recipe: Recipe) -> dict:
         print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
     report_and_guard_launch(trainer, recipe.sources)  # effective_config.json; stops on a fallback
 
-    if args.save_on_each_node and trainer.is_deepspeed_enabled and \
-            trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
-        raise RecipeError("`save_on_each_node: true` with ZeRO-3: DeepSpeed gathers the partitioned weights on global "
-                          "rank 0 only; save to a filesystem shared by the nodes, or use ZeRO-2, or `finetune export` "
-                          "on node 0.")
     resume = checkpoint_to_resume(recipe)
     if resume is not None:
         prepare_resume(trainer, resume)  # stops, or converts a checkpoint saved with another layout

@@ -220,11 +220,12 @@ def test_two_nodes_across_a_virtual_network_end_with_identical_weights(two_hosts
     assert_identical_weights(tmp_path)
 
 
-@pytest.mark.distributed
-def test_save_on_each_node_is_refused_under_zero3_where_only_node_0_gets_the_weights(tmp_path):
-    from finetune.testing import launch_demo
+def test_save_on_each_node_is_refused_under_zero3_before_any_process_group(monkeypatch):
+    """Under ZeRO-3 only global rank 0 gets the gathered weights: refused while parsing, from the launcher's JSON."""
+    from finetune.args import parse_recipe
 
-    result = launch_demo(CPU_CONFIG, tmp_path, "--save_on_each_node", "true",
-                         deepspeed_json="deepspeed_configs/zero3.json")
-    assert result.returncode != 0
-    assert "`save_on_each_node: true` with ZeRO-3" in result.output and "shared by the nodes" in result.output
+    monkeypatch.chdir(PROJECT_ROOT)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "deepspeed_configs/zero3.json")
+    with pytest.raises(RecipeError, match=r"`save_on_each_node: true` with ZeRO-3.*shared by the nodes"):
+        parse_recipe("recipes/demo.yaml", ["--save_on_each_node", "true"])
