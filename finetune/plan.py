@@ -131,17 +131,18 @@ def make_plan(request: PlanRequest) -> dict:
     return plan
 
 
-# Values crossing the network per step, in units of Ψ half-precision values, for each node's link: a collective over
-# K nodes moves (K - 1)/K of the data through every node's link. All-reduce = reduce-scatter + all-gather (2Ψ);
-# ZeRO-3 / FSDP full shard: all-gather in forward and in backward + reduce-scatter (3Ψ); ZeRO++ (Wang et al. 2023):
-# int8 forward all-gather (0.5), backward all-gather inside the node (hpZ, 0), int4 reduce-scatter (0.25); FSDP
-# hybrid shard: parameters gathered inside the node, only the gradient all-reduce crosses nodes (2Ψ).
+# Values crossing the network per step, in half-precision values, for each node's link: a collective over K nodes
+# moves (K - 1)/K of the data through every node's link. Per strategy: (× all parameters, × trained parameters).
+# Gradients are all-reduced (reduce-scatter + all-gather: 2 per trained parameter); ZeRO-3 / FSDP full shard gather
+# every parameter in forward and in backward (2) and reduce-scatter the gradients (1); ZeRO++ (Wang et al. 2023):
+# int8 forward gather (0.5), backward gather inside the node (hpZ: 0), int4 gradients (0.25); FSDP hybrid shard
+# gathers parameters inside the node, so only the gradient all-reduce crosses nodes.
 INTER_NODE_VOLUME = (
-    ("DDP / ZeRO-1 / ZeRO-2", 2.0, "accelerate_configs/multinode_deepspeed_zero2.yaml"),
-    ("ZeRO-3", 3.0, None),
-    ("ZeRO-3 + ZeRO++", 0.75, "accelerate_configs/multinode_deepspeed_zero3_zeropp.yaml"),
-    ("FSDP full shard", 3.0, "accelerate_configs/multinode_fsdp_full_shard.yaml"),
-    ("FSDP hybrid shard", 2.0, "accelerate_configs/multinode_fsdp_hybrid_shard.yaml"),
+    ("DDP / ZeRO-1 / ZeRO-2", (0.0, 2.0), "accelerate_configs/multinode_deepspeed_zero2.yaml"),
+    ("ZeRO-3", (2.0, 1.0), None),
+    ("ZeRO-3 + ZeRO++", (0.5, 0.25), "accelerate_configs/multinode_deepspeed_zero3_zeropp.yaml"),
+    ("FSDP full shard", (2.0, 1.0), "accelerate_configs/multinode_fsdp_full_shard.yaml"),
+    ("FSDP hybrid shard", (0.0, 2.0), "accelerate_configs/multinode_fsdp_hybrid_shard.yaml"),
 )
 
 
@@ -155,8 +156,9 @@ def inter_node_traffic(request: PlanRequest, shape) -> dict:
     tokens = request.global_batch_size * request.sequence_length
     compute = 6 * shape.num_parameters * tokens / (request.gpus * request.tflops_per_gpu * 1e12)
     rows = []
-    for name, volume, config in INTER_NODE_VOLUME:
-        moved = volume * trainable * 2 * fraction  # bf16 values through one node's link
+    for name, (per_parameter, per_trained), config in INTER_NODE_VOLUME:
+        values = per_parameter * shape.num_parameters + per_trained * trainable
+        moved = values * 2 * fraction  # bf16 bytes through one node's link
         rows.append({"name": name, "config": config, "bytes_per_node": moved,
                      "seconds": moved / link_bytes_per_second, "hidden": moved / link_bytes_per_second <= compute})
     return {"nodes": request.nodes, "gpus_per_node": request.gpus // request.nodes,

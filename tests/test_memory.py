@@ -291,3 +291,11 @@ def test_plan_across_nodes_says_when_zeropp_and_hybrid_sharding_pay_off(capsys):
     assert "Across 2 nodes × 8 GPUs at 100 Gb/s per node" in out and "ZeRO++" in out and "pay off" in out
     assert main(["plan", "--model", "tiny", "--gpus", "3", "--nodes", "2", "--gpu-memory", "80"]) == 2
     assert "must be a multiple of `--nodes 2`" in capsys.readouterr().err
+
+
+def test_plan_across_nodes_under_lora_still_gathers_the_frozen_base_under_zero3():
+    lora = make_plan(PlanRequest("llama-3-8b", gpus=16, gpu_memory_gib=80, nodes=2, lora_rank=16))
+    traffic = {row["name"]: row for row in lora["inter_node"]["strategies"]}
+    base, trained = lora["num_parameters"], lora["trainable_parameters"]
+    assert traffic["DDP / ZeRO-1 / ZeRO-2"]["bytes_per_node"] == pytest.approx(2 * trained * 2 / 2)
+    assert traffic["ZeRO-3"]["bytes_per_node"] == pytest.approx((2 * base + trained) * 2 / 2)
