@@ -118,7 +118,7 @@ def make_plan(request: PlanRequest) -> dict:
         "inter_node": None,
     }
     if request.nodes > 1:
-        plan["inter_node"] = inter_node_traffic(request, shape)
+        plan["inter_node"] = inter_node_traffic(request, shape, plan["trainable_parameters"])
     if recommended is None:
         plan["parallel_3d"] = smallest_3d_fit(request, shape)
         return plan
@@ -146,11 +146,10 @@ INTER_NODE_VOLUME = (
 )
 
 
-def inter_node_traffic(request: PlanRequest, shape) -> dict:
+def inter_node_traffic(request: PlanRequest, shape, trainable: int) -> dict:
     """Seconds per step each strategy spends moving data between nodes, next to the step's compute (6 FLOPs per
     parameter and token at `tflops_per_gpu`): where the network takes longer than the compute it cannot be hidden
     behind it, and ZeRO++ or FSDP hybrid sharding pay off."""
-    trainable = estimate(shape, _setup(request, CANDIDATES[0], 1)).trainable_parameters
     fraction = (request.nodes - 1) / request.nodes
     link_bytes_per_second = request.inter_node_gbps * 1e9 / 8
     tokens = request.global_batch_size * request.sequence_length

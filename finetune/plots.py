@@ -8,6 +8,7 @@ from pathlib import Path
 
 from finetune.errors import RecipeError
 from finetune.memory.estimate import GiB
+from finetune.memory.report import REPORT_JSON, load_memory_report
 from finetune.plan import HEADROOM
 
 # The parts of a prediction stacked in a memory bar, bottom to top.
@@ -121,9 +122,8 @@ def run_results(output_dir) -> dict:
         throughput = json.loads(throughput_path.read_text())
         row["tokens/s"] = throughput["tokens_per_second"]
         row["MFU"] = throughput["mfu"]
-    memory_path = Path(output_dir) / "memory_report.json"
-    if memory_path.is_file():
-        rank0 = json.loads(memory_path.read_text())["ranks"][0]
+    if (Path(output_dir) / REPORT_JSON).is_file():
+        rank0 = load_memory_report(output_dir)[0]
         measured, predicted = rank0["measured"] or {}, rank0["predicted"] or {}
         states = ("params_bytes", "grads_bytes", "optimizer_bytes")
         row["model states GiB (measured)"] = sum(measured.get(key, 0) for key in states) / GiB
