@@ -11,6 +11,7 @@ demo: $(STAMP)
 	VENV=$(VENV) scripts/demo.sh
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q
 
 install: $(STAMP)

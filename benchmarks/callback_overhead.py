@@ -1,6 +1,6 @@
 """Cost of the toolkit's per-step work in `finetune train`: the same Trainer run on the tiny model with and without
-it (MemoryReportCallback, ThroughputCallback, CompleteCheckpointCallback and Trainer's non-pad token count the
-throughput report reads), interleaved, printed side by side as milliseconds per step and their ratio.
+it (FinetuneTrainer in place of Trainer, MemoryReportCallback, ThroughputCallback and Trainer's non-pad token count
+the throughput report reads), interleaved, printed side by side as milliseconds per step and their ratio.
 
     python benchmarks/callback_overhead.py [--steps 200] [--repeats 5]
 
@@ -18,12 +18,13 @@ import tempfile
 import time
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from finetune import presets
-from finetune.checkpoints import CompleteCheckpointCallback
+from finetune.args import FinetuneTrainingArguments
 from finetune.memory import MemoryReportCallback
 from finetune.throughput import ThroughputCallback
+from finetune.trainer import FinetuneTrainer
 
 
 class Stopwatch:
@@ -51,14 +52,14 @@ def seconds_per_step(steps: int, with_toolkit: bool, stopwatch: Stopwatch | None
     generator = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
             for ids in torch.randint(0, 250, (steps * 8, 64), generator=generator)]
-    callbacks = [MemoryReportCallback(sequence_length=64), ThroughputCallback(),
-                 CompleteCheckpointCallback({}, {"world_size": 1, "zero_stage": None, "sequences_per_step": 8})]
+    callbacks = [MemoryReportCallback(sequence_length=64), ThroughputCallback()]
     with tempfile.TemporaryDirectory() as output_dir:
-        args = TrainingArguments(output_dir, per_device_train_batch_size=8, max_steps=steps, report_to=[],
-                                 save_strategy="no", logging_steps=50, disable_tqdm=True,
-                                 use_cpu=not torch.cuda.is_available(),
-                                 include_num_input_tokens_seen="non_padding" if with_toolkit else "no")
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks if with_toolkit else [])
+        args = FinetuneTrainingArguments(output_dir, per_device_train_batch_size=8, max_steps=steps, report_to=[],
+                                         eval_on_start=False, save_strategy="no", logging_steps=50, disable_tqdm=True,
+                                         use_cpu=not torch.cuda.is_available(),
+                                         include_num_input_tokens_seen="non_padding" if with_toolkit else "no")
+        trainer_type = FinetuneTrainer if with_toolkit else Trainer
+        trainer = trainer_type(model=model, args=args, train_dataset=data, callbacks=callbacks if with_toolkit else [])
         if stopwatch is not None:
             for callback in callbacks:
                 for name in ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_save", "on_evaluate"):

@@ -16,28 +16,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-STRATEGIES = {
-    "single": None,
-    "zero0": {"stage": 0},
-    "zero1": {"stage": 1},
-    "zero2": {"stage": 2},
-    "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
-    "zero3": {"stage": 3},
-    "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
-}
+from finetune.strategies import SHIPPED
+
+# One process without DeepSpeed, and every shipped DeepSpeed config that runs without NVMe or CUDA-only kernels.
+STRATEGIES = ["single", *(row.name for row in SHIPPED if row.kind == "deepspeed" and row.cpu)]
 
 
 def worker(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from finetune.configs import deepspeed_config
     from finetune.memory import MemoryReportCallback
     from finetune.memory.shapes import resolve_config
+    from finetune.strategies import SHIPPED_BY_NAME
 
     cuda = torch.cuda.is_available()
-    options = STRATEGIES[args.strategy]
-    deepspeed = None if options is None else deepspeed_config(**options)
+    deepspeed = SHIPPED_BY_NAME[args.strategy].deepspeed_json()
     config = resolve_config(args.model)
     model = AutoModelForCausalLM.from_config(config)
     tokens = torch.randint(0, min(config.vocab_size, 30000), (args.steps * args.micro_batch * 4, args.seq_len),
@@ -53,7 +47,7 @@ def worker(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen2.5-0.5b"])
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=4)

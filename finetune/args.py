@@ -1,26 +1,20 @@
-"""Recipe sections as dataclasses, and the parser that maps a YAML recipe plus `--key value` overrides onto them.
+"""The recipe's sections as dataclasses, each field documented where it is declared.
 
-The YAML is flat, as with TRL: model, data, LoRA and `TrainingArguments` keys side by side. Every Trainer
-flag keeps its name and meaning; unknown keys and bad values stop with a `RecipeError` before any
-process group is started.
+A recipe is flat YAML, as with TRL: model, data, LoRA and `TrainingArguments` keys side by side, every Trainer flag
+under its own name. `finetune.recipe` parses a file and `--key value` overrides onto these sections.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-import yaml
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import TrainingArguments
 
 from finetune import presets
-from finetune.errors import RecipeError, did_you_mean
-from finetune.scaling import BatchPlan, plan_from_recipe
+from finetune.errors import RecipeError
 
 
 @dataclass
@@ -173,10 +167,12 @@ class FinetuneTrainingArguments(TrainingArguments):
     global_batch_size: int | None = field(
         default=None,
         metadata={"help": "Sequences per optimizer step over all processes; micro-batch and accumulation are "
-                          "planned for whatever world size is launched (per_device_train_batch_size caps the micro-batch)."},
+                          "planned for whatever world size is launched (per_device_train_batch_size caps the "
+                          "micro-batch)."},
     )
     max_micro_batch_size: int | None = field(
-        default=None, metadata={"help": "Largest micro-batch that fits in memory (default: per_device_train_batch_size)."}
+        default=None,
+        metadata={"help": "Largest micro-batch that fits in memory (default: per_device_train_batch_size)."},
     )
     lr_scaling: Literal["none", "linear", "sqrt"] = field(
         default="none", metadata={"help": "Scale base_learning_rate from base_batch_size to the global batch."}
@@ -215,8 +211,9 @@ class FinetuneTrainingArguments(TrainingArguments):
     )
     logging_nan_inf_filter: bool = field(
         default=False,
-        metadata={"help": "Trainer's default (true) logs a NaN/inf step loss as the running average, hiding it; here it "
-                          "is logged as it is, and a non-finite loss or grad_norm stops the run with what to change."},
+        metadata={"help": "Trainer's default (true) logs a NaN/inf step loss as the running average, hiding it; "
+                          "here it is logged as it is, and a non-finite loss or grad_norm stops the run with what to "
+                          "change."},
     )
     include_num_input_tokens_seen: Literal["all", "non_padding", "no"] = field(
         default="non_padding",
@@ -224,155 +221,5 @@ class FinetuneTrainingArguments(TrainingArguments):
     )
 
 
+# In the order they are built: the training section last, since constructing it starts the process group.
 RECIPE_SECTIONS = (ModelArguments, DataArguments, LoraArguments, FinetuneTrainingArguments)
-
-
-@dataclass
-class Recipe:
-    """A parsed recipe: one instance per section, in the order the sections are built."""
-
-    model: ModelArguments
-    data: DataArguments
-    lora: LoraArguments
-    training: FinetuneTrainingArguments
-    # Where each key given by the user came from: "recipe <path>", "command line" or "batch plan".
-    sources: dict[str, str] = field(default_factory=dict)
-    batch_plan: BatchPlan | None = None
-
-
-class RecipeParser(HfArgumentParser):
-    """`HfArgumentParser` that raises `RecipeError` instead of printing usage and exiting."""
-
-    def __init__(self):
-        super().__init__(RECIPE_SECTIONS, prog="finetune train", allow_abbrev=False)
-
-        # Without an accelerator, Trainer must be told `use_cpu`: otherwise a launcher's DeepSpeed or
-        # multi-process config silently trains as ONE process per rank (world size 1).
-        self.set_defaults(use_cpu=not torch.accelerator.is_available())
-
-    def error(self, message):
-        raise RecipeError(message)
-
-    def known_keys(self) -> set[str]:
-        return {action.dest for action in self._actions if action.dest != "help"}
-
-
-def load_recipe_file(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe file `{path}` does not exist.")
-    try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as error:
-        raise RecipeError(f"recipe `{path}` is not valid YAML: {error}") from None
-    if not isinstance(values, dict):
-        raise RecipeError(f"recipe `{path}` must be a mapping of keys to values, got {type(values).__name__}.")
-    return values
-
-
-def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
-    """YAML values become the parser's defaults, then `overrides` (`--key value` strings) win over them.
-
-    Scalars from YAML are passed as strings so that argparse converts and checks them exactly as it
-    would on the command line: `learning_rate: abc` fails the same way `--learning_rate abc` does.
-    Sections are built in order and the launch configs are linted before `TrainingArguments`, whose
-    construction starts the process group.
-    """
-    parser = RecipeParser()
-    values = load_recipe_file(recipe_path) if recipe_path is not None else {}
-    overrides = list(overrides or [])
-    known = parser.known_keys()
-    source = f"recipe `{recipe_path}`" if recipe_path is not None else "the recipe"
-    for key in values:
-        if key not in known:
-            raise RecipeError(f"unknown key `{key}` in {source}{did_you_mean(key, known)}.")
-    parser.set_defaults(**{key: _as_argparse_default(value) for key, value in values.items()})
-    namespace, remaining = parser.parse_known_args(args=overrides)
-    if remaining:
-        name = remaining[0].lstrip("-").replace("-", "_")
-        raise RecipeError(f"unknown option `{remaining[0]}`{did_you_mean(name, known)}.")
-    sources = {key: f"recipe {recipe_path}" for key in values}
-    sources.update({_option_name(token): "command line" for token in overrides if token.startswith("--")})
-    sections = []
-    for section_type in RECIPE_SECTIONS:
-        names = {f.name for f in dataclasses.fields(section_type) if f.init}
-        inputs = {name: value for name, value in vars(namespace).items() if name in names}
-        if section_type is FinetuneTrainingArguments:
-            preflight_launch(inputs)
-            batch_plan = plan_from_recipe(inputs, sections[1].max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
-            _apply_batch_plan(batch_plan, inputs, sources)
-        try:
-            sections.append(section_type(**inputs))
-        except RecipeError:
-            raise
-        except (ValueError, TypeError) as error:  # TrainingArguments' own checks
-            raise RecipeError(_name_the_culprit(str(error), values, overrides)) from None
-    return Recipe(*sections, sources=sources, batch_plan=batch_plan)
-
-
-def _apply_batch_plan(plan: BatchPlan, training_inputs: dict[str, Any], sources: dict[str, str]) -> None:
-    """Writes the planned values into the training section, noting where each changed value came from."""
-    planned = {
-        "per_device_train_batch_size": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-        "learning_rate": plan.learning_rate,
-    }
-    if plan.warmup_steps is not None:
-        planned["warmup_steps"] = plan.warmup_steps
-    for key, value in planned.items():
-        if training_inputs.get(key) != value:
-            training_inputs[key] = value
-            sources[key] = "batch plan (global_batch_size, lr_scaling, warmup_tokens)"
-
-
-def _option_name(token: str) -> str:
-    return token[2:].split("=", 1)[0].replace("-", "_")
-
-
-def preflight_launch(training_inputs: dict[str, Any]) -> None:
-    """Lints the DeepSpeed JSON this process will use and the process count against visible GPUs."""
-    from finetune.configs.lint import lint_deepspeed
-    from finetune.strategy import launch_deepspeed_config
-
-    world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    try:
-        config_file, config = launch_deepspeed_config(training_inputs.get("deepspeed"))
-    except FileNotFoundError as error:
-        raise RecipeError(f"DeepSpeed config `{error.filename}` does not exist (relative to {Path.cwd()}).") from None
-    except json.JSONDecodeError as error:
-        raise RecipeError(f"the DeepSpeed config is not valid JSON: {error}") from None
-    if config is not None:
-        problems = lint_deepspeed(config, world_size, source=config_file or "DeepSpeed config")
-        if problems:
-            raise RecipeError(" ".join(problems))
-        save_on_each_node = str(training_inputs.get("save_on_each_node")).lower() == "true"
-        if save_on_each_node and config.get("zero_optimization", {}).get("stage") == 3:
-            raise RecipeError("`save_on_each_node: true` with ZeRO-3: DeepSpeed gathers the partitioned weights on "
-                              "global rank 0 only; save to a filesystem shared by the nodes, or use ZeRO-2, or "
-                              "`finetune export` on node 0.")
-    resume = training_inputs.get("resume_from_checkpoint")
-    if resume not in (None, "", "auto", "false", "False"):
-        from finetune.checkpoints import check_explicit_checkpoint
-
-        check_explicit_checkpoint(resume)
-    if training_inputs.get("ddp_comm_hook") == "bf16" and not torch.cuda.is_available():
-        raise RecipeError("`ddp_comm_hook: bf16` needs CUDA GPUs with NCCL; use fp16 (works over gloo) or no.")
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    use_cpu = str(training_inputs.get("use_cpu")).lower() == "true"
-    if not use_cpu and torch.cuda.is_available() and local_processes > torch.cuda.device_count():
-        raise RecipeError(f"{local_processes} processes per machine but {torch.cuda.device_count()} visible GPU(s); "
-                          "launch with --num_processes equal to the GPU count or fix CUDA_VISIBLE_DEVICES.")
-
-
-def _name_the_culprit(message: str, values: dict[str, Any], overrides: list[str]) -> str:
-    """Prefixes `key: value` to a Trainer error that quotes the value but not the key."""
-    given = dict(values)
-    given.update({key.lstrip("-"): value for key, value in zip(overrides, overrides[1:]) if key.startswith("--")})
-    culprits = [f"`{key}: {value}`" for key, value in given.items() if str(value) and str(value) in message]
-    return f"{', '.join(culprits)}: {message}" if len(culprits) == 1 else message
-
-
-def _as_argparse_default(value: Any) -> Any:
-    if isinstance(value, (bool, int, float, str)):
-        return str(value)
-    return value

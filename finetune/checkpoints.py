@@ -15,14 +15,14 @@ import re
 import shutil
 from pathlib import Path
 
-from accelerate import PartialState
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune.errors import RecipeError
 from finetune.memory.ledger import optimizer_chain
+from finetune.outputs import CHECKPOINT_COMPLETE as COMPLETE_MARKER
+from finetune.strategies import Strategy, running_strategy
 
-COMPLETE_MARKER = "finetune_complete.json"
 CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
@@ -37,45 +37,31 @@ def recipe_values(recipe) -> dict[str, str]:
     """The value of every key the user set (recipe file or command line), as text; values the batch plan derived
     for the launch (micro-batch and accumulation fit to the process count) are marked PLANNED."""
     values = {}
-    for section in (recipe.model, recipe.data, recipe.lora, recipe.training):
-        for key, source in recipe.sources.items():
+    for section in recipe.sections:
+        for key in recipe.sources:
             if hasattr(section, key) and key not in RESUME_KEYS_IGNORED:
-                values[key] = PLANNED if source.startswith("batch plan") else str(getattr(section, key))
+                values[key] = PLANNED if key in recipe.planned_keys else str(getattr(section, key))
     return values
 
 
 def checkpoint_layout(trainer) -> dict:
     """How the state in a checkpoint is laid out: ranks, ZeRO stage (None without DeepSpeed), sequences a step."""
     args = trainer.args
-    layout = {"world_size": args.world_size, "zero_stage": None,
-              "sequences_per_step": args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps}
-    if trainer.is_deepspeed_enabled:
-        plugin = trainer.accelerator.state.deepspeed_plugin
-        zero = plugin.deepspeed_config.get("zero_optimization", {})
-        layout.update(zero_stage=plugin.zero_stage, round_robin_gradients=zero.get("round_robin_gradients") is True)
+    running = running_strategy(trainer)
+    sequences = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    layout = {"world_size": args.world_size, "zero_stage": running.zero_stage, "sequences_per_step": sequences}
+    if running.kind == "deepspeed":
+        zero = trainer.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        layout["round_robin_gradients"] = zero.get("round_robin_gradients") is True
     return layout
 
 
-class CompleteCheckpointCallback(TrainerCallback):
-    """Marks a checkpoint complete once every rank has saved its part of it, with the recipe and layout it was
-    trained with, then keeps the `save_total_limit` newest complete checkpoints and the best one.
-
-    It replaces Trainer's own rotation (pass `save_total_limit` here and None to Trainer): Trainer rotates on rank 0
-    as soon as rank 0 has saved, before the other ranks finish, and counts half-written folders, so a crash in a
-    save could leave no complete checkpoint at all."""
-
-    def __init__(self, recipe_values: dict[str, str], layout: dict, save_total_limit: int | None = None):
-        self.recipe_values = recipe_values
-        self.layout = layout
-        self.save_total_limit = save_total_limit
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        PartialState().wait_for_everyone()
-        if state.is_world_process_zero and folder.is_dir():
-            marker = {"step": state.global_step, **self.layout, "recipe": self.recipe_values}
-            (folder / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-            rotate_complete_checkpoints(args.output_dir, self.save_total_limit, state.best_model_checkpoint)
+def mark_complete(folder: Path, step: int, layout: dict, recipe_values: dict[str, str]) -> None:
+    """Called on rank 0 once every rank has saved `folder`: records the step, the layout and the recipe in it.
+    Trainer itself rotates on rank 0 as soon as rank 0 has saved, before the other ranks finish, and counts
+    half-written folders, so a crash in a save could leave no complete checkpoint at all."""
+    marker = {"step": step, **layout, "recipe": recipe_values}
+    (folder / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
 def rotate_complete_checkpoints(output_dir, save_total_limit: int | None, best: str | None = None) -> list[Path]:
@@ -126,12 +112,14 @@ def check_explicit_checkpoint(path: str) -> None:
         raise RecipeError(f"`resume_from_checkpoint: {path}` is not a checkpoint directory; give one, or auto.")
     if not (folder / "trainer_state.json").is_file() and not (folder / COMPLETE_MARKER).is_file():
         raise RecipeError(f"`resume_from_checkpoint: {path}` is incomplete (no trainer_state.json): its save was "
-                          "interrupted. Resume from an earlier checkpoint, or use auto to pick the newest complete one.")
+                          "interrupted. Resume from an earlier checkpoint, or use auto to pick the newest complete "
+                          "one.")
 
 
 def describe_layout(layout: dict) -> str:
-    strategy = "DDP or one process" if layout.get("zero_stage") is None else f"DeepSpeed ZeRO-{layout['zero_stage']}"
-    return f"{strategy} on {layout['world_size']} rank(s)"
+    stage = layout.get("zero_stage")
+    strategy = Strategy("ddp") if stage is None else Strategy("deepspeed", zero_stage=stage)
+    return f"{strategy.describe()} on {layout['world_size']} rank(s)"
 
 
 def resume_needs_universal(checkpoint: Path, now: dict) -> bool:
@@ -239,7 +227,8 @@ def check_checkpoint_files(folder: str | Path) -> None:
         try:
             names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
         except Exception as error:  # not a torch zip file at all
-            raise RecipeError(f"{path} is not a readable checkpoint file ({error}); refusing to resume from it.") from None
+            raise RecipeError(f"{path} is not a readable checkpoint file ({error}); refusing to resume from "
+                              "it.") from None
         unsafe = [name for name in names if name not in SAFE_GLOBALS and not name.startswith(SAFE_GLOBAL_PREFIXES)]
         if unsafe:
             raise RecipeError(f"{path} references {', '.join(unsafe[:3])}, which is not checkpoint state; refusing "

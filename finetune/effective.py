@@ -1,23 +1,30 @@
-"""The effective configuration of a launch: every value that decides what runs, with where it came from.
+"""What runs versus what was asked.
 
-Rank 0 prints it as one table and writes `output_dir/effective_config.json`. It warns when Accelerate
-used a default config file nobody named, and lists DeepSpeed JSON values that contradict Trainer
-arguments (found by Transformers' own DeepSpeed integration, `HfTrainerDeepSpeedConfig.mismatches`).
+`describe_effective_config` lists, with the source of every value, what this launch will really run; rank 0 prints it
+and writes `effective_config.json` before the first step. It warns when Accelerate used a default config file nobody
+named, and lists DeepSpeed values that contradict Trainer arguments (found by Transformers' own DeepSpeed
+integration, `HfTrainerDeepSpeedConfig.mismatches`). `StrategyCheckCallback` then checks, once Trainer has prepared
+the model, that the engine is the one requested (a DeepSpeed engine at the requested ZeRO stage, parameters really
+partitioned under ZeRO-3, optimizer states really on CPU under offload, FSDP really sharding) and stops with a
+`RecipeError` naming the fallback otherwise. After the first optimizer step it records the bytes each rank holds.
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
+from accelerate.utils import gather_object
 from rich.console import Console
 from rich.table import Table
+from transformers import TrainerCallback
 
+from finetune import outputs
 from finetune.errors import RecipeError
-from finetune.strategy import (
-    StrategyCheckCallback, launch_deepspeed_config, requested_strategy, write_effective_config,
-)
+from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
+from finetune.strategies import Strategy, running_strategy
 
-# Trainer argument → the DeepSpeed key Trainer fills from it when the JSON says "auto".
+# Trainer argument → the DeepSpeed key Trainer fills from it when the config says "auto".
 DEEPSPEED_KEYS = {
     "per_device_train_batch_size": "train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps": "gradient_accumulation_steps",
@@ -43,11 +50,10 @@ def unnamed_accelerate_config() -> str | None:
     return default_config_file if parent_is_accelerate and "--config_file" not in command else None
 
 
-def describe_effective_config(trainer, sources: dict[str, str]) -> dict:
-    args = trainer.args
-    ds_file, ds_json = launch_deepspeed_config(args.deepspeed)
-    requested = requested_strategy(args, ds_file, ds_json)
-    ds_json = ds_json or {}
+def describe_effective_config(trainer, recipe) -> dict:
+    """Every value that decides the run, with its source; `recipe.strategy` is what was asked for."""
+    args, sources, requested = trainer.args, recipe.sources, recipe.strategy
+    deepspeed = recipe.deepspeed_config or {}
     launcher = "Accelerate config" if launched_by_accelerate() else "launcher"
     values: dict[str, dict] = {}
 
@@ -55,22 +61,24 @@ def describe_effective_config(trainer, sources: dict[str, str]) -> dict:
         values[name] = {"value": value, "source": source}
 
     add("world_size", args.world_size, f"{launcher} (WORLD_SIZE)" if "WORLD_SIZE" in os.environ else "single process")
-    add("strategy", requested["strategy"], f"DeepSpeed JSON {ds_file}" if ds_file else launcher)
-    if requested["strategy"] == "deepspeed":
+    add("strategy", requested.kind, requested.source if requested.kind == "deepspeed" else launcher)
+    if requested.kind == "deepspeed":
         for key in ("zero_stage", "offload_optimizer", "offload_param"):
-            add(key, requested[key], f"DeepSpeed JSON {ds_file}")
+            add(key, getattr(requested, key), requested.source)
+    if requested.kind == "fsdp":
+        add("fsdp_sharding", requested.fsdp_sharding, launcher)
     precision_key = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     precision_source = sources.get(precision_key, "default") if precision_key else sources.get("bf16", "default")
-    if ds_json and ds_json.get("bf16", {}).get("enabled") == "auto":
+    if (deepspeed.get("bf16") or {}).get("enabled") == "auto":
         precision_source += " → DeepSpeed \"auto\""
     add("precision", precision_key or "fp32", precision_source)
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "max_grad_norm"):
         source = sources.get(key, "default")
-        ds_value = ds_json.get(DEEPSPEED_KEYS.get(key, ""), None)
-        if ds_value == "auto":
+        deepspeed_value = deepspeed.get(DEEPSPEED_KEYS.get(key, ""), None)
+        if deepspeed_value == "auto":
             source += " → DeepSpeed \"auto\" filled by Trainer"
-        elif ds_value is not None:
-            source = f"DeepSpeed JSON {ds_file} ({DEEPSPEED_KEYS[key]}={ds_value}); Trainer has {getattr(args, key)}"
+        elif deepspeed_value is not None:
+            source = f"{requested.source} ({DEEPSPEED_KEYS[key]}={deepspeed_value}); Trainer has {getattr(args, key)}"
         add(key, getattr(args, key), source)
     global_batch = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
     add("global_batch_size", global_batch, "micro-batch × processes × accumulation")
@@ -84,7 +92,7 @@ def describe_effective_config(trainer, sources: dict[str, str]) -> dict:
     mismatches = list(getattr(getattr(plugin, "hf_ds_config", None), "mismatches", []) or [])
     return {
         "values": values,
-        "strategy": {"requested": requested},
+        "strategy": {"requested": requested.to_dict()},
         "warnings": warnings,
         "deepspeed_mismatches": [m.lstrip("- ") for m in mismatches],
     }
@@ -101,20 +109,111 @@ def print_effective_config(effective: dict, console: Console | None = None) -> N
     for warning in effective["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {warning}")
     for mismatch in effective["deepspeed_mismatches"]:
-        console.print(f"[red]DeepSpeed JSON contradicts Trainer:[/red] {mismatch}")
+        console.print(f"[red]DeepSpeed config contradicts Trainer:[/red] {mismatch}")
 
 
-def report_and_guard_launch(trainer, sources: dict[str, str]) -> dict:
-    """Writes and prints the effective configuration, stops on a DeepSpeed/Trainer contradiction, and
-    arms the check that the strategy Trainer prepares is the requested one."""
-    effective = describe_effective_config(trainer, sources)
+def report_and_guard_launch(trainer, recipe) -> dict:
+    """Writes and prints the effective configuration, stops on a DeepSpeed/Trainer contradiction, and arms the check
+    that the strategy Trainer prepares is the requested one."""
+    effective = describe_effective_config(trainer, recipe)
     if trainer.is_world_process_zero():
-        write_effective_config(effective, trainer.args.output_dir)
+        outputs.write_record(trainer.args.output_dir, outputs.EFFECTIVE_CONFIG, effective)
         print_effective_config(effective)
     if effective["deepspeed_mismatches"]:
+        source = recipe.strategy.source or ""
+        what = "the DeepSpeed JSON" if source.startswith("DeepSpeed JSON") else f"the DeepSpeed settings of {source}"
         raise RecipeError(
-            "the DeepSpeed JSON contradicts the recipe: " + "; ".join(effective["deepspeed_mismatches"])
+            f"{what} contradicts the recipe: " + "; ".join(effective["deepspeed_mismatches"])
             + '. Set those DeepSpeed values to "auto" (Trainer fills them from the recipe) or change the recipe.'
         )
-    trainer.add_callback(StrategyCheckCallback(trainer, effective))
+    trainer.add_callback(StrategyCheckCallback(trainer, effective, recipe.strategy))
     return effective
+
+
+def held_bytes(model, optimizer) -> dict:
+    """Bytes of parameters and optimizer states this rank really holds (ZeRO-3 partitions, not full tensors);
+    the full ledger, gradients included, is `finetune.memory`'s."""
+    params = StorageCount().add(local_parameters(model))
+    states = StorageCount()
+    if optimizer is not None:
+        base = optimizer_chain(optimizer)[-1]
+        states.add([value for state in base.state.values() for value in state.values()
+                    if torch.is_tensor(value) and value.dim() > 0])
+    return {"params_bytes": params.total, "optimizer_bytes": states.total,
+            "optimizer_devices": sorted(states.by_device)}
+
+
+def comm_hooks(trainer) -> list[str]:
+    """Names of the communication hooks registered on the DDP wrapper (none without DDP)."""
+    wrapped = trainer.model_wrapped
+    if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        return []
+    return [getattr(hook, "__name__", str(hook)) for hook, _ in getattr(wrapped, "_comm_hooks", [])]
+
+
+def strategy_problems(requested: Strategy, running: Strategy, trainer) -> list[str]:
+    problems = []
+    world_size = trainer.args.world_size
+    asked, got = requested.for_world_size(world_size), running.for_world_size(world_size)
+    if asked.kind != got.kind:
+        hint = ""
+        if asked.kind == "fsdp" and trainer.args.use_cpu:
+            hint = (" On CPU, Trainer's use_cpu turns FSDP into DDP without a word: run FSDP on GPUs, or use "
+                    "DeepSpeed ZeRO-3 (accelerate_configs/deepspeed_zero3.yaml) to shard on CPU.")
+        problems.append(f"{asked.kind} was requested but Trainer prepared {got.kind}: nothing is sharded as "
+                        f"asked.{hint}")
+        return problems
+    if asked.kind == "deepspeed":
+        if asked.zero_stage != got.zero_stage:
+            problems.append(f"ZeRO stage {asked.zero_stage} was requested but the engine runs stage {got.zero_stage}.")
+        for key in ("offload_optimizer", "offload_param"):
+            if getattr(asked, key) and getattr(asked, key) != getattr(got, key):
+                problems.append(f"{key} to {getattr(asked, key)} was requested but the engine has {getattr(got, key)}.")
+        if asked.offload_optimizer == "cpu":
+            devices = held_bytes(trainer.model, trainer.optimizer)["optimizer_devices"]
+            if devices and devices != ["cpu"]:
+                problems.append(f"optimizer offload to CPU was requested but optimizer states are on {devices}.")
+        if got.zero_stage == 3 and world_size > 1:
+            unpartitioned = [n for n, p in trainer.model.named_parameters() if not hasattr(p, "ds_tensor")]
+            if unpartitioned:
+                problems.append(f"ZeRO-3 is on but {len(unpartitioned)} parameters are not partitioned "
+                                f"(e.g. {unpartitioned[0]}).")
+    hook = trainer.args.ddp_comm_hook
+    if hook != "no" and not any(name.startswith(hook) for name in comm_hooks(trainer)):
+        problems.append(f"`ddp_comm_hook: {hook}` was requested but no {hook} hook is registered "
+                        f"(strategy: {got.kind}); communication hooks apply to DDP only.")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != launched:
+        problems.append(f"the launcher started {launched} processes but Trainer runs with world size "
+                        f"{world_size}: each rank trains alone.")
+    return problems
+
+
+class StrategyCheckCallback(TrainerCallback):
+    """Stops at the start of training when the prepared strategy is not the requested one; after the first
+    optimizer step, adds each rank's held bytes to `effective_config.json`."""
+
+    def __init__(self, trainer, effective: dict, requested: Strategy):
+        self.trainer = trainer
+        self.effective = effective
+        self.requested = requested
+        self.measured = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        running = running_strategy(self.trainer)
+        self.effective["strategy"]["running"] = running.to_dict()
+        if running.kind == "ddp":
+            self.effective["strategy"]["running"]["comm_hooks"] = comm_hooks(self.trainer)
+        problems = strategy_problems(self.requested, running, self.trainer)
+        if problems:
+            raise RecipeError(" ".join(problems))
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.measured:
+            return
+        self.measured = True
+        mine = {"rank": args.process_index, **held_bytes(model, optimizer)}
+        ranks = gather_object([mine]) if args.world_size > 1 else [mine]
+        self.effective["ranks"] = sorted(ranks, key=lambda entry: entry["rank"])
+        if state.is_world_process_zero:
+            outputs.write_record(args.output_dir, outputs.EFFECTIVE_CONFIG, self.effective)

@@ -15,6 +15,7 @@ from finetune.errors import RecipeError
 from finetune.memory.estimate import GiB, MemoryEstimate, Setup, estimate, parallel_3d
 from finetune.memory.shapes import ALIASES, model_shape
 from finetune.scaling import plan_batch, scale_learning_rate
+from finetune.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy
 
 HEADROOM = 0.9  # of GPU memory the estimate may fill; the rest: CUDA context, allocator fragmentation
 
@@ -23,27 +24,16 @@ HEADROOM = 0.9  # of GPU memory the estimate may fill; the rest: CUDA context, a
 class Candidate:
     name: str
     config: str  # the shipped Accelerate config that launches it
-    options: dict
+    options: dict  # the estimator's strategy fields, read from the shipped config
 
 
-# In decision-tree order: the first that fits is recommended.
-CANDIDATES = (
-    Candidate("DDP", "accelerate_configs/ddp.yaml", dict(strategy="ddp")),
-    Candidate("ZeRO-1", "accelerate_configs/deepspeed_zero1.yaml", dict(strategy="deepspeed", zero_stage=1)),
-    Candidate("ZeRO-2", "accelerate_configs/deepspeed_zero2.yaml", dict(strategy="deepspeed", zero_stage=2)),
-    Candidate("FSDP shard-grad-op", "accelerate_configs/fsdp_shard_grad_op.yaml",
-              dict(strategy="fsdp", fsdp_sharding="shard_grad_op")),
-    Candidate("ZeRO-3", "accelerate_configs/deepspeed_zero3.yaml", dict(strategy="deepspeed", zero_stage=3)),
-    Candidate("FSDP full-shard", "accelerate_configs/fsdp_full_shard.yaml",
-              dict(strategy="fsdp", fsdp_sharding="full_shard")),
-    Candidate("ZeRO-2 + CPU offload", "accelerate_configs/deepspeed_zero2_offload.yaml",
-              dict(strategy="deepspeed", zero_stage=2, offload_optimizer="cpu")),
-    Candidate("ZeRO-3 + CPU offload", "accelerate_configs/deepspeed_zero3_offload.yaml",
-              dict(strategy="deepspeed", zero_stage=3, offload_optimizer="cpu", offload_param="cpu")),
-    Candidate("ZeRO-3 + NVMe offload", "accelerate_configs/deepspeed_zero3_nvme.yaml",
-              dict(strategy="deepspeed", zero_stage=3, offload_optimizer="nvme", offload_param="nvme")),
-)
-SINGLE_GPU = Candidate("single GPU", "accelerate_configs/single_gpu.yaml", dict(strategy="single"))
+def _candidate(row: ShippedStrategy) -> Candidate:
+    return Candidate(row.label, row.accelerate_file, row.strategy.estimator_options())
+
+
+# In decision-tree order (the shipped table's): the first that fits is recommended.
+CANDIDATES = tuple(_candidate(row) for row in SHIPPED if row.decision_tree)
+SINGLE_GPU = _candidate(SHIPPED_BY_NAME["single"])
 
 
 @dataclass(frozen=True)
@@ -131,21 +121,6 @@ def make_plan(request: PlanRequest) -> dict:
     return plan
 
 
-# Values crossing the network per step, in half-precision values, for each node's link: a collective over K nodes
-# moves (K - 1)/K of the data through every node's link. Per strategy: (× all parameters, × trained parameters).
-# Gradients are all-reduced (reduce-scatter + all-gather: 2 per trained parameter); ZeRO-3 / FSDP full shard gather
-# every parameter in forward and in backward (2) and reduce-scatter the gradients (1); ZeRO++ (Wang et al. 2023):
-# int8 forward gather (0.5), backward gather inside the node (hpZ: 0), int4 gradients (0.25); FSDP hybrid shard
-# gathers parameters inside the node, so only the gradient all-reduce crosses nodes.
-INTER_NODE_VOLUME = (
-    ("DDP / ZeRO-1 / ZeRO-2", (0.0, 2.0), "accelerate_configs/multinode_deepspeed_zero2.yaml"),
-    ("ZeRO-3", (2.0, 1.0), None),
-    ("ZeRO-3 + ZeRO++", (0.5, 0.25), "accelerate_configs/multinode_deepspeed_zero3_zeropp.yaml"),
-    ("FSDP full shard", (2.0, 1.0), "accelerate_configs/multinode_fsdp_full_shard.yaml"),
-    ("FSDP hybrid shard", (0.0, 2.0), "accelerate_configs/multinode_fsdp_hybrid_shard.yaml"),
-)
-
-
 def inter_node_traffic(request: PlanRequest, shape, trainable: int) -> dict:
     """Seconds per step each strategy spends moving data between nodes, next to the step's compute (6 FLOPs per
     parameter and token at `tflops_per_gpu`): where the network takes longer than the compute it cannot be hidden
@@ -155,7 +130,8 @@ def inter_node_traffic(request: PlanRequest, shape, trainable: int) -> dict:
     tokens = request.global_batch_size * request.sequence_length
     compute = 6 * shape.num_parameters * tokens / (request.gpus * request.tflops_per_gpu * 1e12)
     rows = []
-    for name, (per_parameter, per_trained), config in INTER_NODE_VOLUME:
+    for row in (row for row in SHIPPED if row.cross_node is not None):
+        (per_parameter, per_trained), name, config = row.cross_node, row.label, row.multinode_file
         values = per_parameter * shape.num_parameters + per_trained * trainable
         moved = values * 2 * fraction  # bf16 bytes through one node's link
         rows.append({"name": name, "config": config, "bytes_per_node": moved,

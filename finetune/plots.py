@@ -3,12 +3,14 @@ predicted memory per strategy and GPU count, and one results row per finished `f
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from transformers.trainer import TRAINER_STATE_NAME
+
+from finetune import outputs
 from finetune.errors import RecipeError
 from finetune.memory.estimate import GiB
-from finetune.memory.report import REPORT_JSON, load_memory_report
+from finetune.memory.report import load_memory_report
 from finetune.plan import HEADROOM
 
 # The parts of a prediction stacked in a memory bar, bottom to top.
@@ -25,16 +27,11 @@ def _pyplot():
     return plt
 
 
-def _read_json(output_dir, name: str) -> dict:
-    path = Path(output_dir) / name
-    if not path.is_file():
-        raise RecipeError(f"no {name} in {output_dir}: is it the output_dir of a finished `finetune train` run?")
-    return json.loads(path.read_text())
 
 
 def loss_history(output_dir) -> dict[str, list[tuple[int, float]]]:
     """(step, loss) pairs Trainer logged, for training and for evaluation, from `output_dir/trainer_state.json`."""
-    history = _read_json(output_dir, "trainer_state.json")["log_history"]
+    history = outputs.read_record(output_dir, TRAINER_STATE_NAME)["log_history"]
     return {
         "train": [(entry["step"], entry["loss"]) for entry in history if "loss" in entry],
         "eval": [(entry["step"], entry["eval_loss"]) for entry in history if "eval_loss" in entry],
@@ -109,7 +106,7 @@ def _finish(figure, axes, title: str, path):
 
 def run_results(output_dir) -> dict:
     """One row summarising a finished run: losses before/after, exact match, speed and memory per rank 0."""
-    summary = _read_json(output_dir, "eval_results.json")
+    summary = outputs.read_record(output_dir, outputs.EVAL_RESULTS)
     before, after = summary.get("before") or {}, summary.get("after") or {}
     row = {
         "eval loss before": before.get("eval_loss"),
@@ -117,12 +114,11 @@ def run_results(output_dir) -> dict:
         "train loss": summary.get("train_loss"),
         "exact match after": _mean(after.get("exact_match")),
     }
-    throughput_path = Path(output_dir) / "throughput.json"
-    if throughput_path.is_file():
-        throughput = json.loads(throughput_path.read_text())
+    throughput = outputs.read_record(output_dir, outputs.THROUGHPUT, missing=None)
+    if throughput is not None:
         row["tokens/s"] = throughput["tokens_per_second"]
         row["MFU"] = throughput["mfu"]
-    if (Path(output_dir) / REPORT_JSON).is_file():
+    if (Path(output_dir) / outputs.MEMORY_REPORT).is_file():
         rank0 = load_memory_report(output_dir)[0]
         measured, predicted = rank0["measured"] or {}, rank0["predicted"] or {}
         states = ("params_bytes", "grads_bytes", "optimizer_bytes")

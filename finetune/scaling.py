@@ -16,14 +16,13 @@ Warmup is given in tokens (`warmup_tokens`, turned into steps here) or as a rati
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from finetune import outputs
 from finetune.errors import RecipeError
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
@@ -105,10 +104,9 @@ def plan_from_recipe(training: dict, max_seq_length: int, world_size: int) -> Ba
 
 def write_batch_plan(plan: BatchPlan, output_dir: str) -> dict:
     """Writes `batch_plan.json`, noting a world-size change since the plan an earlier run left there."""
-    path = Path(output_dir, "batch_plan.json")
     record = plan.to_dict()
-    if path.is_file():
-        previous = json.loads(path.read_text())
+    previous = outputs.read_record(output_dir, outputs.BATCH_PLAN, missing=None)
+    if previous is not None:
         if previous.get("world_size") != plan.world_size:
             record["note"] = (
                 f"world size changed from {previous.get('world_size')} to {plan.world_size}: micro-batch and "
@@ -116,8 +114,7 @@ def write_batch_plan(plan: BatchPlan, output_dir: str) -> dict:
                 f"{previous.get('global_batch_size')}) and learning rate {plan.learning_rate:g} (was "
                 f"{previous.get('learning_rate'):g}) kept."
             )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    outputs.write_record(output_dir, outputs.BATCH_PLAN, record)
     return record
 
 

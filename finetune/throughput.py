@@ -8,13 +8,13 @@ plus 12·L·H·Q·T for attention; recomputation under gradient checkpointing is
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
+
+from finetune import outputs
 
 # Dense bf16 peaks in TFLOP/s (T4: fp16), matched against torch.cuda.get_device_name(); most specific name first.
 PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "T4": 65.0}
@@ -124,8 +124,7 @@ class ThroughputCallback(TrainerCallback):
         if state.is_world_process_zero and self.flops is not None:
             record = {**self.summary(self.total, args), "device": self.device, "world_size": args.world_size,
                       "warmup_steps_skipped": self.warmup_steps, "flops_model": asdict(self.flops)}
-            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-            Path(args.output_dir, "throughput.json").write_text(json.dumps(record, indent=2) + "\n")
+            outputs.write_record(args.output_dir, outputs.THROUGHPUT, record)
 
     def summary(self, window: Window, args) -> dict:
         """Rates over `window`; tokens are non-pad tokens over all ranks (None if Trainer does not count them)."""
@@ -139,7 +138,8 @@ class ThroughputCallback(TrainerCallback):
             mean_row = window.tokens / window.sequences  # attention spans a row's real tokens
             result["tokens_per_second"] = window.tokens / window.seconds
             result["flops_per_token"] = self.flops.per_token(mean_row)
-            result["tflops_per_device"] = result["tokens_per_second"] * result["flops_per_token"] / args.world_size / 1e12
+            flops_per_second = result["tokens_per_second"] * result["flops_per_token"]
+            result["tflops_per_device"] = flops_per_second / args.world_size / 1e12
             if self.peak:
                 result["mfu"] = result["tflops_per_device"] / self.peak
         return result

@@ -6,32 +6,29 @@ Run it under any launcher, e.g.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from accelerate.utils import DDPCommunicationHookType, gather_object
-from transformers import Trainer, set_seed
+from accelerate.utils import gather_object
+from transformers import set_seed
 
-from finetune.args import Recipe, parse_recipe
-from finetune.checkpoints import (
-    CompleteCheckpointCallback, check_checkpoint_files, checkpoint_layout, newest_complete_checkpoint, prepare_resume,
-    recipe_changes, recipe_values,
-)
+from finetune import outputs
+from finetune.checkpoints import check_checkpoint_files, newest_complete_checkpoint, recipe_changes, recipe_values
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
-from finetune.data.tokenize import PreparedData
 from finetune.data.collate import data_collator, pack_prepared, prepare_model_for_packing
 from finetune.data.summary import dropped_rows, print_data_summary, write_data_summary
+from finetune.data.tokenize import PreparedData
 from finetune.divergence import NonFiniteLossCallback
 from finetune.effective import report_and_guard_launch
 from finetune.errors import RecipeError
-from finetune.evaluation import ExactMatchCallback
+from finetune.evaluation import ExactMatchCallback, print_before_after, summarize_evaluations
 from finetune.memory import MemoryReportCallback
 from finetune.models import FrozenWeightsCallback, apply_lora, load_model, load_tokenizer
-from finetune.report import print_before_after, summarize_evaluations
+from finetune.recipe import Recipe, parse_recipe
 from finetune.scaling import print_batch_plan, write_batch_plan
 from finetune.throughput import ThroughputCallback
+from finetune.trainer import FinetuneTrainer
 
 
 def train(recipe: Recipe) -> dict:
@@ -56,8 +53,7 @@ def train(recipe: Recipe) -> dict:
     divergence = NonFiniteLossCallback(fp16=args.fp16)
     callbacks = [callback for callback in (exact_match, memory_report, throughput, frozen_check, divergence)
                  if callback is not None]
-    save_total_limit, args.save_total_limit = args.save_total_limit, None  # rotated by CompleteCheckpointCallback
-    trainer = Trainer(
+    trainer = FinetuneTrainer(
         model=model,
         args=args,
         train_dataset=data.train,
@@ -65,24 +61,16 @@ def train(recipe: Recipe) -> dict:
         data_collator=data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free),
         processing_class=tokenizer,
         callbacks=callbacks,
+        recipe_values=recipe_values(recipe),
     )
-
-    trainer.add_callback(CompleteCheckpointCallback(recipe_values(recipe), checkpoint_layout(trainer), save_total_limit))
-    apply_ddp_comm_hook(trainer)
-    if args.loss_normalization == "micro_batch_mean":
-        trainer.model_accepts_loss_kwargs = False  # Trainer then averages per micro-batch, the classic way
     if trainer.is_world_process_zero():
         print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
-    report_and_guard_launch(trainer, recipe.sources)  # effective_config.json; stops on a fallback
+    report_and_guard_launch(trainer, recipe)  # effective_config.json; stops on a fallback
 
-    resume = checkpoint_to_resume(recipe)
-    if resume is not None:
-        prepare_resume(trainer, resume)  # stops, or converts a checkpoint saved with another layout
-    train_output = trainer.train(resume_from_checkpoint=resume)
+    train_output = trainer.train(resume_from_checkpoint=checkpoint_to_resume(recipe))
     if data.eval is not None:
         trainer.evaluate()
     trainer.save_model()
-    save_weights_on_this_node(trainer)
     trainer.save_state()
 
     summary = summarize_evaluations(trainer.state.log_history, exact_match.history)
@@ -95,30 +83,12 @@ def train(recipe: Recipe) -> dict:
     if frozen_check is not None:
         summary["frozen_weights_unchanged"] = frozen_check.unchanged
     if trainer.is_world_process_zero():
-        Path(args.output_dir, "eval_results.json").write_text(json.dumps(summary, indent=2) + "\n")
+        outputs.write_record(args.output_dir, outputs.EVAL_RESULTS, summary)
         print_before_after(summary)
     # A clean shutdown: gloo's threads abort the interpreter at exit when the group is left alive.
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     return summary
-
-
-def save_weights_on_this_node(trainer) -> None:
-    """`save_on_each_node` is for nodes without a shared filesystem, but Transformers' `save_pretrained` writes weights
-    on global rank 0 only: the other nodes would get a tokenizer and no model. Their local main process writes the
-    weights too (whole on every rank under DDP and ZeRO-0/1/2), through the same `save_pretrained`."""
-    args = trainer.args
-    if not (args.save_on_each_node and args.should_save and args.process_index != 0):
-        return
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    # The state dict Trainer.save_model gives save_pretrained on rank 0, so that every node writes the same file.
-    state_dict = trainer.accelerator.get_state_dict(trainer.deepspeed) if trainer.is_deepspeed_enabled else None
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.should_save_on_this_rank = lambda is_main_process: is_main_process  # this instance, this call only
-    try:
-        model.save_pretrained(args.output_dir, state_dict=state_dict, is_main_process=True)
-    finally:
-        del base.should_save_on_this_rank
 
 
 def prepare_data(recipe: Recipe, tokenizer, model) -> PreparedData:
@@ -159,12 +129,6 @@ def checkpoint_to_resume(recipe: Recipe) -> str | None:
             if changes:
                 print(f"warning: the recipe differs from the one {wanted} was trained with: {'; '.join(changes)}")
     return wanted
-
-
-def apply_ddp_comm_hook(trainer) -> None:
-    """Trainer builds the DDP kwargs handler itself; the hook is registered when it wraps the model."""
-    if trainer.args.ddp_comm_hook != "no":
-        trainer.accelerator.ddp_handler.comm_hook = DDPCommunicationHookType(trainer.args.ddp_comm_hook)
 
 
 def check_fsdp_wrap_classes(model) -> None:

@@ -18,14 +18,14 @@ EXTRA_ARGS = {"zero3": ("--save_strategy", "steps", "--save_steps", "3")}
 
 @pytest.fixture(scope="session")
 def deepspeed_runs(tmp_path_factory):
-    from finetune.testing import CPU_RUNNABLE_DEEPSPEED, assert_succeeded, launch_demo
+    from support import CPU_RUNNABLE_DEEPSPEED, assert_succeeded, launch_demo
 
     runs = {}
     for name, extra in [*((n, ()) for n in CPU_RUNNABLE_DEEPSPEED), *((n, ("--bf16", "true")) for n in BF16_RUNS)]:
         key = f"{name}_bf16" if extra else name
         output_dir = tmp_path_factory.mktemp(key)
-        result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, *extra, *EXTRA_ARGS.get(key, ()),
-                             deepspeed_json=f"deepspeed_configs/{name}.json")
+        result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, *extra,
+                             *EXTRA_ARGS.get(key, ()), deepspeed_json=f"deepspeed_configs/{name}.json")
         assert_succeeded(result)
         state = json.loads((output_dir / "trainer_state.json").read_text())
         runs[key] = {
@@ -40,7 +40,7 @@ def deepspeed_runs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory):
     """A short 2-process DDP run (gloo) with an fp16 gradient-compression hook; returns its output_dir."""
-    from finetune.testing import assert_succeeded, launch_demo
+    from support import assert_succeeded, launch_demo
 
     output_dir = tmp_path_factory.mktemp("ddp")
     assert_succeeded(launch_demo("accelerate_configs/cpu_ddp.yaml", output_dir, "--ddp_comm_hook", "fp16"))
@@ -50,7 +50,7 @@ def ddp_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def lora_runs(tmp_path_factory):
     """Short 2-process LoRA runs of the demo recipe under DDP, ZeRO-2 and ZeRO-3; their output_dirs."""
-    from finetune.testing import CPU_LAUNCHES, LORA_DEMO_RUN, PLANTED_TOKEN, assert_succeeded, launch_demo
+    from support import CPU_LAUNCHES, LORA_DEMO_RUN, PLANTED_TOKEN, assert_succeeded, launch_demo
 
     runs = {}
     for name, (config, deepspeed_json) in CPU_LAUNCHES.items():

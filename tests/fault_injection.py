@@ -29,7 +29,8 @@ def row_digest(input_ids, attention_mask) -> str:
 
 
 def kill_if(trainer, where: str) -> None:
-    if where == KILL_IN and trainer.args.process_index == KILL_RANK and trainer.state.global_step + (where == "step") == KILL_STEP:
+    step = trainer.state.global_step + (where == "step")
+    if where == KILL_IN and trainer.args.process_index == KILL_RANK and step == KILL_STEP:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

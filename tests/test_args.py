@@ -1,10 +1,10 @@
 from pathlib import Path
 
 import pytest
+from support import PROJECT_ROOT
 
-from finetune.args import parse_recipe
 from finetune.errors import RecipeError
-from finetune.testing import PROJECT_ROOT
+from finetune.recipe import parse_recipe
 
 RECIPES = sorted((PROJECT_ROOT / "recipes").glob("*.yaml"))
 

@@ -3,8 +3,9 @@ baseline and the toolkit, ratios to the baseline, the results file; and its comp
 
 import json
 
+from support import finetune_command, run
+
 from finetune.commands.bench import comparisons
-from finetune.testing import finetune_command, run
 
 
 def test_bench_runs_the_baseline_and_a_variant_and_writes_the_results(tmp_path):

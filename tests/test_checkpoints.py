@@ -7,11 +7,11 @@ import json
 import shutil
 
 import pytest
+from support import CPU_LAUNCHES, assert_succeeded, launch_demo
 
-from finetune.args import parse_recipe
 from finetune.checkpoints import COMPLETE_MARKER
 from finetune.errors import RecipeError
-from finetune.testing import CPU_LAUNCHES, assert_succeeded, launch_demo
+from finetune.recipe import parse_recipe
 
 RUN = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",
        "--warmup_steps", "2"]
@@ -133,7 +133,8 @@ ZERO2_ON_2 = {"world_size": 2, "zero_stage": 2, "sequences_per_step": 32, "round
                                                      "DeepSpeed ZeRO-2 on 2 rank.s.: the optimizer states of the two "
                                                      "do not convert. Resume under DDP"),
     (ZERO2_ON_2, {**ZERO2_ON_2, "zero_stage": 3}, "saved by DeepSpeed ZeRO-2 on 2 rank.s. and this run is DeepSpeed "
-                                                  "ZeRO-3 on 2 rank.s.: the optimizer states of the two do not convert"),
+                                                  "ZeRO-3 on 2 rank.s.: the optimizer states of the two do not "
+                                                  "convert"),
     ({**ZERO2_ON_2, "zero_stage": 0}, {**ZERO2_ON_2, "zero_stage": 0, "world_size": 1}, "cover ZeRO-1/2/3 only"),
     ({**ZERO2_ON_2, "round_robin_gradients": True}, {**ZERO2_ON_2, "world_size": 1}, "round_robin_gradients: true"),
 ])
@@ -148,7 +149,8 @@ def test_a_checkpoint_from_another_launch_continues_converts_or_stops_with_what_
         with pytest.raises(RecipeError, match=outcome) as error:
             resume_needs_universal(checkpoint, now)
         if "optimizer states" in outcome:
-            assert f"finetune export {checkpoint} WEIGHTS_DIR` then `model_name_or_path: WEIGHTS_DIR`" in str(error.value)
+            export = f"finetune export {checkpoint} WEIGHTS_DIR` then `model_name_or_path: WEIGHTS_DIR`"
+            assert export in str(error.value)
 
 
 def test_a_checkpoint_without_a_recorded_layout_is_resumed_as_saved(tmp_path):

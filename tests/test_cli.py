@@ -1,7 +1,7 @@
 import pytest
+from support import PROJECT_ROOT, accelerate_launch_command, finetune_command, run
 
 from finetune.cli import main
-from finetune.testing import PROJECT_ROOT, accelerate_launch_command, finetune_command, run
 
 
 def test_top_level_help_lists_the_subcommands(capsys):
@@ -25,7 +25,8 @@ def test_train_help_and_recipe_keys(capsys):
 
 def test_train_without_recipe_is_a_one_line_error(capsys):
     assert main(["train"]) == 2
-    assert capsys.readouterr().err.strip() == "finetune: error: `finetune train` needs a recipe: finetune train recipes/demo.yaml"
+    assert capsys.readouterr().err.strip() == ("finetune: error: `finetune train` needs a recipe: "
+                                               "finetune train recipes/demo.yaml")
 
 
 def test_bad_recipe_exits_non_zero_with_one_line_and_no_traceback(tmp_path):
@@ -35,7 +36,8 @@ def test_bad_recipe_exits_non_zero_with_one_line_and_no_traceback(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.output
     lines = [line for line in result.output.splitlines() if line.startswith("finetune: error:")]
-    assert lines == ["finetune: error: unknown key `learning_rat` in recipe `%s` (did you mean `learning_rate`?)." % recipe]
+    assert lines == [f"finetune: error: unknown key `learning_rat` in recipe `{recipe}` (did you mean "
+                     "`learning_rate`?)."]
 
 
 @pytest.mark.distributed
@@ -74,5 +76,6 @@ def test_rendezvous_help_and_a_node_rank_outside_the_job(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["rendezvous", "--help"])
     assert exit.value.code == 0 and "--main-addr" in capsys.readouterr().out
-    assert main(["rendezvous", "--nnodes", "2", "--node-rank", "5", "--main-addr", "127.0.0.1", "--main-port", "1"]) == 2
+    command = ["rendezvous", "--nnodes", "2", "--node-rank", "5", "--main-addr", "127.0.0.1", "--main-port", "1"]
+    assert main(command) == 2
     assert "node rank 5 is not in 0..1" in capsys.readouterr().err

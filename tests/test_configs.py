@@ -3,17 +3,21 @@ import shutil
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
+from support import PROJECT_ROOT
 
 from finetune import presets
-from finetune.args import parse_recipe
 from finetune.cli import main
 from finetune.configs import accelerate_config, deepspeed_config
-from finetune.configs.files import SHIPPED, expected_files
 from finetune.configs.lint import (
-    lint_accelerate, lint_deepspeed, lint_file, lint_fsdp_wrap_classes, parse_with_deepspeed,
+    lint_accelerate,
+    lint_deepspeed,
+    lint_file,
+    lint_fsdp_wrap_classes,
+    parse_with_deepspeed,
 )
 from finetune.errors import RecipeError
-from finetune.testing import PROJECT_ROOT
+from finetune.generated_files import SHIPPED, expected_files
+from finetune.recipe import parse_recipe
 
 
 def test_shipped_configs_match_the_generator(capsys):
@@ -70,14 +74,16 @@ def test_deepspeed_yaml_files_point_at_shipped_json():
     [
         (deepspeed_config(stage=2, offload_param="cpu"), "offload_param` needs ZeRO stage 3 (stage is 2)"),
         ({**deepspeed_config(stage=1), "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
-        (deepspeed_config(stage=3, offload_optimizer="nvme"), "offload_optimizer` offloads to NVMe without `nvme_path`"),
+        (deepspeed_config(stage=3, offload_optimizer="nvme"),
+         "offload_optimizer` offloads to NVMe without `nvme_path`"),
         ({**deepspeed_config(stage=2), "train_batch_size": 64, "train_micro_batch_size_per_gpu": 16,
           "gradient_accumulation_steps": 1}, "train_batch_size 64 != micro 16 × accumulation 1 × world size 2 = 32"),
         ({**deepspeed_config(stage=2), "zero_optimisation": {}}, "unknown top-level key(s) 'zero_optimisation'"),
         ({**deepspeed_config(stage=2), "zero_optimization": {"stage": 2, "overlap_com": True}},
          "zero_optimization.overlap_com`: Extra inputs are not permitted"),
     ],
-    ids=["offload-param-stage2", "fp16-and-bf16", "nvme-without-path", "batch-product", "unknown-key", "unknown-zero-key"],
+    ids=["offload-param-stage2", "fp16-and-bf16", "nvme-without-path", "batch-product", "unknown-key",
+         "unknown-zero-key"],
 )
 def test_each_invalid_deepspeed_combination_is_named(config, message):
     problems = lint_deepspeed(config, world_size=2, source="ds.json")

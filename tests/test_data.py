@@ -314,7 +314,8 @@ def test_packing_without_prepare_would_mix_examples_so_it_is_required(tokenizer)
 
 
 def test_group_by_length_batches_examples_of_similar_length(tmp_path, tokenizer):
-    """Trainer's own `train_sampling_strategy: group_by_length` works on the prepared data (lengths from `input_ids`)."""
+    """Trainer's own `train_sampling_strategy: group_by_length` works on the prepared data (lengths from
+    `input_ids`)."""
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_pt_utils import LengthGroupedSampler
 

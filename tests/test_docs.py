@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.commands.launch import launch_command_parser
+from support import DEMO_SHORT_RUN, PROJECT_ROOT, accelerate_launch_command, assert_succeeded, run
 
-from finetune.args import parse_recipe
 from finetune.cli import build_parser, main
 from finetune.configs.lint import lint_file
-from finetune.errors import RecipeError
 from finetune.docs import RECIPE_REFERENCE, toolkit_training_fields
-from finetune.testing import DEMO_SHORT_RUN, PROJECT_ROOT, accelerate_launch_command, assert_succeeded, run
+from finetune.errors import RecipeError
+from finetune.recipe import parse_recipe
 
 DOCUMENTS = sorted(path.relative_to(PROJECT_ROOT) for path in PROJECT_ROOT.glob("**/*.md")
                    if not {".venv", "outputs", ".git", ".pytest_cache"} & set(path.relative_to(PROJECT_ROOT).parts))
@@ -37,7 +37,8 @@ RUN_ELSEWHERE = {
     ("make", "install"): "Makefile (a prerequisite of make test)",
     ("finetune", "bench"): "tests/test_bench.py",
     ("finetune", "rendezvous"): "tests/test_multinode.py",
-    ("sbatch", "scripts/slurm/finetune.sbatch"): "tests/test_multinode.py::test_slurm_template_starts_one_launcher_per_node_with_its_rank",
+    ("sbatch", "scripts/slurm/finetune.sbatch"):
+        "tests/test_multinode.py::test_slurm_template_starts_one_launcher_per_node_with_its_rank",
 }
 # docs/troubleshooting.md forces a NaN on purpose: that command must stop with exit status 2.
 FORCED_DIVERGENCE = "--learning_rate 1e30"

@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import CPU_LAUNCHES, PLANTED_TOKEN
 
-from finetune.args import parse_recipe
 from finetune.cli import main
-
-from finetune.testing import CPU_LAUNCHES, PLANTED_TOKEN
+from finetune.recipe import parse_recipe
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import DEMO_SHORT_RUN, PROJECT_ROOT, free_port
 
 from finetune.errors import RecipeError
 from finetune.rendezvous import meet
-from finetune.testing import DEMO_SHORT_RUN, PROJECT_ROOT, free_port
 
 SCRIPTS = PROJECT_ROOT / "scripts"
 ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
@@ -222,7 +222,7 @@ def test_two_nodes_across_a_virtual_network_end_with_identical_weights(two_hosts
 
 def test_save_on_each_node_is_refused_under_zero3_before_any_process_group(monkeypatch):
     """Under ZeRO-3 only global rank 0 gets the gathered weights: refused while parsing, from the launcher's JSON."""
-    from finetune.args import parse_recipe
+    from finetune.recipe import parse_recipe
 
     monkeypatch.chdir(PROJECT_ROOT)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")

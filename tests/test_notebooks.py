@@ -6,8 +6,7 @@ import json
 import nbformat
 import papermill
 import pytest
-
-from finetune.testing import PROJECT_ROOT
+from support import PROJECT_ROOT
 
 NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
 TRAINING_NOTEBOOKS = {"01_full_finetune.ipynb": ["."], "02_lora_qlora_t4.ipynb": ["lora"]}

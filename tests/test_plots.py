@@ -40,7 +40,8 @@ def test_results_row_reads_the_run_files(tmp_path):
     (run / "throughput.json").write_text(json.dumps({"tokens_per_second": 1234.0, "mfu": 0.41}))
     measured = {"params_bytes": GiB, "grads_bytes": GiB, "optimizer_bytes": 2 * GiB, "peak_bytes": 5 * GiB,
                 "peak_kind": "cuda_max_allocated"}
-    predicted = {"params_bytes": GiB, "grads_bytes": GiB, "optimizer_bytes": GiB, "estimate": {"trainable_parameters": 7}}
+    predicted = {"params_bytes": GiB, "grads_bytes": GiB, "optimizer_bytes": GiB,
+                 "estimate": {"trainable_parameters": 7}}
     (run / "memory_report.json").write_text(json.dumps({"ranks": [{"measured": measured, "predicted": predicted}]}))
     row = run_results(run)
     assert row["eval loss before"] == 5.0 and row["eval loss after"] == 2.0

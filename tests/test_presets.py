@@ -21,7 +21,8 @@ def test_tokenizer_round_trips_any_text_and_keeps_special_tokens_whole():
 def test_chat_template_renders_turns_and_generation_prompt():
     tokenizer = presets.build_tokenizer()
     messages = [{"role": "user", "content": "reverse\n\nabc"}, {"role": "assistant", "content": "cba"}]
-    assert tokenizer.apply_chat_template(messages, tokenize=False) == "<|user|>reverse\n\nabc<|end|><|assistant|>cba<|end|>"
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert rendered == "<|user|>reverse\n\nabc<|end|><|assistant|>cba<|end|>"
     prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
     assert prompt == "<|user|>reverse\n\nabc<|end|><|assistant|>"
 

@@ -3,12 +3,17 @@ import math
 import random
 
 import pytest
+from support import accelerate_launch_command, assert_succeeded, finetune_command, run
 
 from finetune.errors import RecipeError
 from finetune.scaling import (
-    BatchPlan, plan_batch, plan_from_recipe, scale_learning_rate, warmup_steps_from_tokens, write_batch_plan,
+    BatchPlan,
+    plan_batch,
+    plan_from_recipe,
+    scale_learning_rate,
+    warmup_steps_from_tokens,
+    write_batch_plan,
 )
-from finetune.testing import accelerate_launch_command, assert_succeeded, finetune_command, run
 
 
 @pytest.mark.parametrize(
@@ -141,7 +146,8 @@ def relative_gap(a, b):
 def test_same_global_batch_gives_the_same_losses_on_one_and_two_processes(equivalence_runs, strategy):
     one, two = equivalence_runs["one", "tokens"], equivalence_runs[strategy, "tokens"]
     assert (one["plan"]["micro_batch_size"], one["plan"]["gradient_accumulation_steps"]) == (4, 2)
-    assert (two["plan"]["micro_batch_size"], two["plan"]["gradient_accumulation_steps"], two["plan"]["world_size"]) == (2, 2, 2)
+    plan = two["plan"]
+    assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"], plan["world_size"]) == (2, 2, 2)
     assert len(one["loss"]) == len(two["loss"]) == 4
     assert relative_gap(one["loss"], two["loss"]) <= LOSS_TOLERANCE
     assert relative_gap(one["grad_norm"], two["grad_norm"]) <= LOSS_TOLERANCE

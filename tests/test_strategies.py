@@ -1,106 +1,176 @@
-"""Real 2-process runs: every DeepSpeed config that can run on CPU trains, the stage really applies (bytes per
-rank), a silent FSDP→DDP fallback is caught, and a DeepSpeed/Trainer contradiction is reported."""
+"""The strategy model: one reader of DeepSpeed JSON and Accelerate YAML (files and inline keys, and what a launcher
+hands a process), and one table of shipped strategies that the shipped files, the estimator, the plan and the bench
+agree with."""
 
 import json
-import math
-import shutil
-import sys
+from pathlib import Path
 
 import pytest
+import yaml
+from support import PROJECT_ROOT
 
-from finetune.configs import deepspeed_config
-from finetune.testing import (
-    CPU_RUNNABLE_DEEPSPEED, DEMO_SHORT_RUN, PROJECT_ROOT, assert_succeeded, free_port, launch_demo, run,
+from finetune.bench.harness import variants
+from finetune.configs.accelerate import deepspeed_section_as_json
+from finetune.errors import RecipeError
+from finetune.generated_files import SHIPPED as SHIPPED_FILES
+from finetune.memory.estimate import Setup, temporary_bytes
+from finetune.memory.shapes import model_shape
+from finetune.plan import CANDIDATES, PlanRequest, make_plan
+from finetune.strategies import (
+    DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE,
+    SHIPPED,
+    SHIPPED_BY_NAME,
+    Strategy,
+    launched_strategy,
+    read_accelerate,
+    read_config_file,
+    shipped,
 )
 
-pytestmark = pytest.mark.distributed
+ROWS = {row.name: row for row in SHIPPED}
 
 
-@pytest.mark.parametrize("name", CPU_RUNNABLE_DEEPSPEED)
-def test_deepspeed_config_trains_and_runs_what_it_asks(deepspeed_runs, name):
-    run_ = deepspeed_runs[name]
-    assert len(run_["losses"]) == 3 and all(math.isfinite(loss) for loss in run_["losses"])
-    strategy = run_["effective"]["strategy"]
-    requested, running = strategy["requested"], strategy["running"]
-    assert running["strategy"] == "deepspeed"
-    assert running["zero_stage"] == requested["zero_stage"] == int(name[4])
-    assert running["offload_optimizer"] == ("cpu" if "offload" in name else None)
-    assert running["offload_param"] == ("cpu" if name == "zero3_offload" else None)
-    assert [entry["rank"] for entry in run_["effective"]["ranks"]] == [0, 1]
-    assert (run_["output_dir"] / "model.safetensors").is_file()
+@pytest.mark.parametrize("name", [row.name for row in SHIPPED])
+def test_each_shipped_file_reads_back_as_its_table_row(name, monkeypatch):
+    """The files on disk (generated from the table) read back, through the one reader, as the row's strategy."""
+    monkeypatch.chdir(PROJECT_ROOT)
+    row = ROWS[name]
+    files = [path for path in (row.deepspeed_file, row.accelerate_file, row.multinode_file) if path]
+    assert files, f"{name} ships no file"
+    for path in files:
+        strategy, _ = read_config_file(path)
+        assert strategy.kind == row.kind
+        assert (strategy.zero_stage, strategy.offload_optimizer, strategy.offload_param, strategy.fsdp_sharding) == (
+            row.strategy.zero_stage, row.strategy.offload_optimizer, row.strategy.offload_param,
+            row.strategy.fsdp_sharding), path
+        assert strategy.reduce_bucket_size == row.strategy.reduce_bucket_size
+    if row.multinode_file:
+        assert read_config_file(row.multinode_file)[0].nodes == 2
 
 
-def per_rank(runs, name, key):
-    return [entry[key] for entry in runs[name]["effective"]["ranks"]]
+def test_every_shipped_launch_file_belongs_to_a_table_row():
+    paths = {config.path for config in SHIPPED_FILES}
+    named = {path for row in SHIPPED for path in (row.deepspeed_file, row.accelerate_file, row.multinode_file) if path}
+    assert named <= paths
+    cpu_files = {"accelerate_configs/cpu_ddp.yaml", "accelerate_configs/cpu_deepspeed_zero2.yaml",
+                 "accelerate_configs/cpu_fsdp.yaml"}
+    assert paths - named == cpu_files  # the CPU twins, launched through `ShippedStrategy.launch(cpu=True)`
 
 
-def test_optimizer_state_bytes_per_rank_halve_from_zero0_to_zero1(deepspeed_runs):
-    zero0 = per_rank(deepspeed_runs, "zero0", "optimizer_bytes")
-    zero1 = per_rank(deepspeed_runs, "zero1", "optimizer_bytes")
-    assert zero0[0] == zero0[1] > 0
-    for held in zero1:  # half, up to DeepSpeed's partition alignment padding
-        assert abs(held - zero0[0] / 2) <= 0.01 * zero0[0]
-    assert per_rank(deepspeed_runs, "zero2", "optimizer_bytes") == zero1
+def test_the_bucket_the_estimator_counts_is_the_one_the_generated_config_sets(monkeypatch):
+    monkeypatch.chdir(PROJECT_ROOT)
+    shape = model_shape("llama-3-8b")
+    for row in SHIPPED:
+        if row.kind != "deepspeed" or row.strategy.zero_stage == 0:
+            continue
+        zero = json.loads(Path(row.deepspeed_file).read_text())["zero_optimization"]
+        written = zero.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE)
+        bucket = shape.hidden_size**2 if written == "auto" else int(written)  # Trainer fills "auto" with hidden²
+        setup = Setup(**row.strategy.estimator_options(), num_gpus=2)
+        buffers = temporary_bytes(shape, setup, shape.num_parameters)
+        if row.strategy.zero_stage in (1, 2):
+            assert buffers == bucket * 2 * (2 if zero["overlap_comm"] else 1), row.name
+        else:
+            assert buffers - bucket * 2 == 2 * shape.largest_layer_parameters * 2 + shape.layer_parameters * 2
 
 
-def test_parameters_per_rank_halve_under_zero3(deepspeed_runs):
-    full = per_rank(deepspeed_runs, "zero2", "params_bytes")
-    for name in ("zero3", "zero3_offload"):
-        for held in per_rank(deepspeed_runs, name, "params_bytes"):
-            assert abs(held - full[0] / 2) <= 0.01 * full[0]
+def test_deepspeed_default_bucket_is_deepspeeds_own():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert DeepSpeedZeroConfig().reduce_bucket_size == DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE
 
 
-def test_effective_config_names_the_source_of_each_value(deepspeed_runs):
-    values = deepspeed_runs["zero2"]["effective"]["values"]
-    assert values["world_size"] == {"value": 2, "source": "Accelerate config (WORLD_SIZE)"}
-    assert values["zero_stage"] == {"value": 2, "source": "DeepSpeed JSON deepspeed_configs/zero2.json"}
-    assert values["per_device_train_batch_size"]["source"] == 'recipe recipes/demo.yaml → DeepSpeed "auto" filled by Trainer'
-    assert values["learning_rate"] == {"value": 0.002, "source": "recipe recipes/demo.yaml"}
-    assert values["global_batch_size"]["value"] == 32
-    assert deepspeed_runs["zero2"]["effective"]["deepspeed_mismatches"] == []
+def test_plan_and_bench_read_the_table():
+    tree = [row for row in SHIPPED if row.decision_tree]
+    assert [(c.name, c.config, c.options) for c in CANDIDATES] == [
+        (row.label, row.accelerate_file, row.strategy.estimator_options()) for row in tree]
+    plan = make_plan(PlanRequest(model="mistral-7b", gpus=2, gpu_memory_gib=24))
+    assert [row["name"] for row in plan["strategies"]] == [row.label for row in tree]
+    nodes = make_plan(PlanRequest(model="llama-3-8b", gpus=4, gpu_memory_gib=80, nodes=2))["inter_node"]
+    assert [(r["name"], r["config"]) for r in nodes["strategies"]] == [
+        (row.label, row.multinode_file) for row in SHIPPED if row.cross_node]
+    assert [v.launch for v in variants(2) if v.launch] == [row.name for row in SHIPPED if row.cpu]
 
 
-def test_deepspeed_json_contradicting_the_recipe_stops_with_both_values(tmp_path):
-    contradicting = tmp_path / "zero2_clip.json"
-    contradicting.write_text(json.dumps({**deepspeed_config(stage=2), "gradient_clipping": 0.5}))
-    output_dir = tmp_path / "out"
-    result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, "--max_grad_norm", "1.0",
-                    deepspeed_json=str(contradicting))
-    assert result.returncode != 0
-    assert result.output.count("finetune: error: the DeepSpeed JSON contradicts the recipe: "
-                               "ds gradient_clipping=0.5 vs hf max_grad_norm=1.0") == 1
-    effective = json.loads((output_dir / "effective_config.json").read_text())
-    assert effective["deepspeed_mismatches"] == ["ds gradient_clipping=0.5 vs hf max_grad_norm=1.0"]
-    assert effective["values"]["max_grad_norm"]["source"].startswith(f"DeepSpeed JSON {contradicting} (gradient_clipping=0.5)")
-    assert effective["values"]["max_grad_norm"]["source"].endswith("Trainer has 1.0")
-    assert not (output_dir / "trainer_state.json").exists()
+ACCELERATE_INLINE = {
+    "distributed_type": "DEEPSPEED", "num_machines": 1, "num_processes": 2, "mixed_precision": "no",
+    "deepspeed_config": {"gradient_accumulation_steps": 1, "offload_optimizer_device": "cpu",
+                         "offload_param_device": "none", "zero3_init_flag": True, "zero3_save_16bit_model": True,
+                         "zero_stage": 3},
+}
 
 
-def test_fsdp_silently_turned_into_ddp_on_cpu_is_detected(tmp_path):
-    result = launch_demo("accelerate_configs/cpu_fsdp.yaml", tmp_path / "out")
-    assert result.returncode != 0
-    assert result.output.count("finetune: error: fsdp was requested but Trainer prepared ddp") == 1
-    assert "Trainer's use_cpu turns FSDP into DDP" in result.output
+def test_inline_deepspeed_keys_read_as_accelerate_builds_them(monkeypatch):
+    """The DeepSpeed config built from inline keys is the one Accelerate's own DeepSpeedPlugin builds from them."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    strategy, deepspeed = read_accelerate(ACCELERATE_INLINE)
+    assert (strategy.kind, strategy.zero_stage, strategy.offload_optimizer, strategy.offload_param) == (
+        "deepspeed", 3, "cpu", None)
+    assert strategy.source == "Accelerate config (inline deepspeed_config)"
+    section = ACCELERATE_INLINE["deepspeed_config"]
+    for variable, key in (("ZERO_STAGE", "zero_stage"), ("OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device"),
+                          ("OFFLOAD_PARAM_DEVICE", "offload_param_device"),
+                          ("ZERO3_SAVE_16BIT_MODEL", "zero3_save_16bit_model")):
+        monkeypatch.setenv(f"ACCELERATE_DEEPSPEED_{variable}", str(section[key]).lower())
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
+    built = dict(DeepSpeedPlugin().deepspeed_config)
+    built.pop("steps_per_print")
+    assert deepspeed == built == deepspeed_section_as_json(section)
 
 
-def test_a_default_accelerate_config_nobody_named_is_warned_about(tmp_path):
-    hf_home = tmp_path / "hf_home"
-    (hf_home / "accelerate").mkdir(parents=True)
-    default = hf_home / "accelerate" / "default_config.yaml"
-    shutil.copy(PROJECT_ROOT / "accelerate_configs" / "cpu_deepspeed_zero2.yaml", default)
-    output_dir = tmp_path / "out"
-    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--main_process_port",
-               str(free_port()), "-m", "finetune", "train", "recipes/demo.yaml", "--output_dir", str(output_dir),
-               *DEMO_SHORT_RUN]
-    result = run(command, timeout=300, env={"HF_HOME": str(hf_home)})
-    assert_succeeded(result)
-    warning = (f"accelerate launch used its default config {default}, which the command did not name; "
-               "pass --config_file to choose one.")
-    assert json.loads((output_dir / "effective_config.json").read_text())["warnings"] == [warning]
-    assert result.output.count("warning: accelerate launch used its default config") == 1
+def test_what_a_launcher_hands_a_process(tmp_path, monkeypatch):
+    monkeypatch.chdir(PROJECT_ROOT)
+    accelerate = {"ACCELERATE_MIXED_PRECISION": "no", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    file, _ = launched_strategy(environ={**accelerate, "ACCELERATE_USE_DEEPSPEED": "true",
+                                         "ACCELERATE_DEEPSPEED_CONFIG_FILE": "deepspeed_configs/zero3_offload.json"})
+    assert (file.label, file.nodes) == ("deepspeed_zero3+offload_optimizer=cpu+offload_param=cpu", 2)
+    assert file.source == "DeepSpeed JSON deepspeed_configs/zero3_offload.json"
+    inline, config = launched_strategy(environ={**accelerate, "ACCELERATE_USE_DEEPSPEED": "true",
+                                                "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1"})
+    assert (inline.label, inline.source) == ("deepspeed_zero1", "Accelerate config (inline deepspeed_config)")
+    assert config["zero_optimization"]["stage"] == 1
+    fsdp, _ = launched_strategy(environ={**accelerate, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                                         "FSDP_RESHARD_AFTER_FORWARD": "false"})
+    assert (fsdp.kind, fsdp.fsdp_sharding, fsdp.fsdp_version) == ("fsdp", "shard_grad_op", 2)
+    hybrid, _ = launched_strategy(environ={**accelerate, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                                           "FSDP_RESHARD_AFTER_FORWARD": "true",
+                                           "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"})
+    assert hybrid.fsdp_sharding == "hybrid_shard"
+    assert launched_strategy(environ={"WORLD_SIZE": "2"})[0] == Strategy("ddp")  # torchrun
+    assert launched_strategy(environ={})[0] == Strategy("single")
+    recipe_dict, _ = launched_strategy({"zero_optimization": {"stage": 2}}, environ=accelerate)
+    assert recipe_dict.zero_stage == 2  # the recipe's `deepspeed` wins over the launcher
 
 
-def test_ddp_gradient_compression_hook_is_registered_on_two_processes(ddp_run):
-    effective = json.loads((ddp_run / "effective_config.json").read_text())
-    assert effective["strategy"]["running"] == {"strategy": "ddp", "comm_hooks": ["fp16_compress_hook"]}
-    assert effective["values"]["world_size"]["value"] == 2
+def test_ddp_on_one_process_is_one_process():
+    assert Strategy("ddp").for_world_size(1) == Strategy("single")
+    assert Strategy("ddp").for_world_size(2) == Strategy("ddp")
+    assert Strategy("deepspeed", zero_stage=2).for_world_size(1).kind == "deepspeed"
+
+
+@pytest.mark.parametrize("section, sharding", [
+    ({"fsdp_version": 1, "fsdp_sharding_strategy": "FULL_SHARD"}, "full_shard"),
+    ({"fsdp_version": 1, "fsdp_sharding_strategy": 2}, "shard_grad_op"),
+    ({"fsdp_version": 1, "fsdp_reshard_after_forward": "NO_SHARD"}, "no_shard"),
+    ({"fsdp_version": 1, "fsdp_sharding_strategy": "HYBRID_SHARD_ZERO2"}, "hybrid_shard"),
+    ({"fsdp_version": 2, "fsdp_reshard_after_forward": False}, "shard_grad_op"),
+])
+def test_fsdp_sharding_in_every_form_accelerate_writes(section, sharding):
+    strategy = Strategy.from_accelerate({"distributed_type": "FSDP", "fsdp_config": section})
+    assert (strategy.kind, strategy.fsdp_sharding) == ("fsdp", sharding)
+
+
+def test_unreadable_or_unsupported_configs_are_user_errors(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        read_config_file(tmp_path / "missing.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(RecipeError, match="is not valid JSON"):
+        read_config_file(tmp_path / "broken.json")
+    (tmp_path / "tpu.yaml").write_text(yaml.safe_dump({"distributed_type": "XLA"}))
+    with pytest.raises(RecipeError, match="distributed_type XLA is not one this toolkit runs"):
+        read_config_file(tmp_path / "tpu.yaml")
+    with pytest.raises(RecipeError, match="did you mean `zero2`"):
+        shipped("zero_2")
+    assert shipped("zero3") is SHIPPED_BY_NAME["zero3"]

@@ -1,12 +1,14 @@
 import importlib.util
 import json
 
+from support import PROJECT_ROOT
+
 from finetune import presets
-from finetune.testing import PROJECT_ROOT
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location("make_synthetic_data", PROJECT_ROOT / "scripts" / "make_synthetic_data.py")
+    script = PROJECT_ROOT / "scripts" / "make_synthetic_data.py"
+    spec = importlib.util.spec_from_file_location("make_synthetic_data", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -15,7 +17,8 @@ def load_generator():
 def test_shipped_dataset_is_what_the_script_writes(tmp_path):
     load_generator().write_splits(tmp_path)
     for split in ("train", "eval"):
-        assert (tmp_path / f"{split}.jsonl").read_bytes() == (presets.synthetic_data_dir() / f"{split}.jsonl").read_bytes()
+        shipped = presets.synthetic_data_dir() / f"{split}.jsonl"
+        assert (tmp_path / f"{split}.jsonl").read_bytes() == shipped.read_bytes()
 
 
 def test_answers_are_correct_and_eval_inputs_are_held_out():

@@ -5,9 +5,9 @@ import json
 import math
 
 import pytest
+from support import accelerate_launch_command, assert_succeeded, finetune_command, run
 
 from finetune import presets
-from finetune.testing import accelerate_launch_command, assert_succeeded, finetune_command, run
 
 
 def logged_losses(output_dir):

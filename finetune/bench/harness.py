@@ -17,20 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune.testing import accelerate_launch_command, finetune_command, run
+from finetune import outputs
+from finetune.launching import accelerate_launch_command, finetune_command, run
+from finetune.strategies import SHIPPED, SHIPPED_BY_NAME
 
-# accelerate config (and DeepSpeed JSON) of each multi-process variant; CPU runs use the CPU launchers.
-LAUNCHES = {
-    "ddp": ("ddp.yaml", None),
-    "zero0": ("deepspeed_zero2.yaml", "zero0.json"),
-    "zero1": ("deepspeed_zero1.yaml", None),
-    "zero2": ("deepspeed_zero2.yaml", None),
-    "zero3": ("deepspeed_zero3.yaml", None),
-    "zero2_offload": ("deepspeed_zero2_offload.yaml", None),
-    "zero3_offload": ("deepspeed_zero3_offload.yaml", None),
-}
-CPU_LAUNCHES = {"ddp": ("cpu_ddp.yaml", None), **{name: ("cpu_deepspeed_zero2.yaml", f"{name}.json")
-                                                  for name in LAUNCHES if name != "ddp"}}
+# The strategies the bench compares: every shipped one that also runs on CPU processes, launched as the table says.
+STRATEGY_VARIANTS = [row.name for row in SHIPPED if row.cpu]
 
 
 @dataclass
@@ -38,7 +30,7 @@ class Variant:
     name: str
     what: str
     processes: int = 1
-    launch: str | None = None  # a key of LAUNCHES
+    launch: str | None = None  # a shipped strategy (finetune.strategies.SHIPPED)
     extra: list[str] = field(default_factory=list)
     plain: bool = False
     needs_cuda: str | None = None  # why it cannot run without CUDA
@@ -55,10 +47,11 @@ def variants(processes: int) -> list[Variant]:
                 extra=["--memory_report", "false", "--throughput_report", "false"], repeats=3),
         Variant("packing", "finetune train, packed rows", extra=["--packing", "true"]),
         Variant("liger", "finetune train, packed rows, Liger fused kernels",
-                extra=["--packing", "true", "--use_liger_kernel", "true"], needs_cuda="Liger kernels are Triton (CUDA)"),
+                extra=["--packing", "true", "--use_liger_kernel", "true"],
+                needs_cuda="Liger kernels are Triton (CUDA)"),
     ]
     strategies = [Variant(name, f"{name} on {processes} processes", processes=processes, launch=name)
-                  for name in LAUNCHES]
+                  for name in STRATEGY_VARIANTS]
     return single + strategies
 
 
@@ -116,9 +109,8 @@ def command(variant: Variant, settings: Settings, output_dir: Path) -> list[str]
             "--generation_eval_samples", "0", "--bf16", str(settings.bf16).lower(), *variant.extra]
     if variant.launch is None:
         return finetune_command(*args)
-    config, deepspeed_json = (LAUNCHES if settings.cuda else CPU_LAUNCHES)[variant.launch]
-    return accelerate_launch_command(f"accelerate_configs/{config}", *args, num_processes=variant.processes,
-                                     deepspeed_json=deepspeed_json and f"deepspeed_configs/{deepspeed_json}")
+    config, deepspeed_json = SHIPPED_BY_NAME[variant.launch].launch(cpu=not settings.cuda)
+    return accelerate_launch_command(config, *args, num_processes=variant.processes, deepspeed_json=deepspeed_json)
 
 
 def read_result(output_dir: Path) -> dict:
@@ -128,13 +120,12 @@ def read_result(output_dir: Path) -> dict:
     result = {"tokens": final["num_input_tokens_seen"], "train_runtime": final["train_runtime"],
               "tokens_per_second": final["num_input_tokens_seen"] / final["train_runtime"],
               "train_loss": final["train_loss"], "peak_bytes": None, "mfu": None}
-    if (output_dir / "peak_memory.json").is_file():
-        result["peak_bytes"] = json.loads((output_dir / "peak_memory.json").read_text())["peak_bytes"]
-    if (output_dir / "memory_report.json").is_file():
-        ranks = json.loads((output_dir / "memory_report.json").read_text())["ranks"]
-        result["peak_bytes"] = max((rank["measured"] or {}).get("peak_bytes", 0) for rank in ranks)
-    if (output_dir / "throughput.json").is_file():
-        result["mfu"] = json.loads((output_dir / "throughput.json").read_text()).get("mfu")
+    peak = outputs.read_record(output_dir, outputs.PEAK_MEMORY, missing={}).get("peak_bytes")
+    memory = outputs.read_record(output_dir, outputs.MEMORY_REPORT, missing=None)
+    if memory is not None:
+        peak = max((rank["measured"] or {}).get("peak_bytes", 0) for rank in memory["ranks"])
+    result["peak_bytes"] = peak
+    result["mfu"] = outputs.read_record(output_dir, outputs.THROUGHPUT, missing={}).get("mfu")
     return result
 
 
@@ -170,7 +161,8 @@ def run_variants(chosen: list[Variant], settings: Settings, scratch: Path, repor
                                              else next(r for r in done if "failed" in r))}
             continue
         done.sort(key=lambda measured: measured["tokens_per_second"])
-        rows[variant.name] = {**base, **done[len(done) // 2], "repeats": [round(r["tokens_per_second"], 1) for r in done]}
+        repeats = [round(r["tokens_per_second"], 1) for r in done]
+        rows[variant.name] = {**base, **done[len(done) // 2], "repeats": repeats}
     return rows
 
 

@@ -7,14 +7,18 @@ Tokenize prompt and answer as one text, pad each batch with DataCollatorForLangu
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 from datasets import load_dataset
 from transformers import (
-    AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    Trainer,
+    TrainingArguments,
 )
+
+from finetune import outputs
 
 
 def main() -> None:
@@ -61,7 +65,7 @@ def main() -> None:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    Path(args.output_dir, "peak_memory.json").write_text(json.dumps({"peak_bytes": peak}) + "\n")
+    outputs.write_record(args.output_dir, outputs.PEAK_MEMORY, {"peak_bytes": peak})
 
 
 if __name__ == "__main__":

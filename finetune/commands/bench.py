@@ -41,7 +41,12 @@ def bench_command(args) -> int:
     import torch
 
     from finetune.bench.harness import (
-        Settings, device_label, long_tailed_file, random_init_model_dir, run_variants, variants,
+        Settings,
+        device_label,
+        long_tailed_file,
+        random_init_model_dir,
+        run_variants,
+        variants,
     )
     from finetune.errors import RecipeError
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from finetune.configs.files import check_configs, write_configs
 from finetune.configs.lint import lint_file
+from finetune.generated_files import check_configs, write_configs
 
 
 def configs_command_parser(subparsers) -> None:
@@ -17,7 +17,8 @@ def configs_command_parser(subparsers) -> None:
     write.add_argument("--out", type=Path, default=Path("."), help="root to write under (default: here)")
     check = actions.add_parser("check", help="exit non-zero with a diff if a shipped file differs from the generator")
     check.add_argument("--root", type=Path, default=Path("."), help="project root holding the shipped configs")
-    lint = actions.add_parser("lint", help="report invalid or contradictory settings in DeepSpeed JSON / Accelerate YAML")
+    lint = actions.add_parser("lint",
+                              help="report invalid or contradictory settings in DeepSpeed JSON / Accelerate YAML")
     lint.add_argument("files", nargs="+", type=Path)
     lint.add_argument("--world-size", type=int, help="world size for the batch-size product check")
     lint.add_argument("--visible-devices", type=int, help="GPUs per machine for the process-count check")
@@ -30,7 +31,8 @@ def configs_command(args) -> int:
             print(f"wrote {path}")
         return 0
     if args.action == "lint":
-        problems = [problem for path in args.files for problem in lint_file(path, args.world_size, args.visible_devices)]
+        problems = [problem for path in args.files
+                    for problem in lint_file(path, args.world_size, args.visible_devices)]
         for problem in problems:
             print(problem)
         print(f"{len(problems)} problem(s) in {len(args.files)} file(s)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from finetune.memory.estimate import GiB, OPTIMIZER_STATE_BYTES, PRECISIONS
+from finetune.memory.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, GiB
 
 
 def plan_command_parser(subparsers) -> None:
@@ -101,7 +101,8 @@ def print_plan(plan: dict) -> None:
         misses = ", ".join(row["name"] for row in plan["strategies"] if not row["fits"]
                            and plan["strategies"].index(row) < _index(plan, plan["recommended"]))
         console.print(f"Recommended: [bold green]{plan['recommended']}[/] — the first in the decision tree that "
-                      f"fits under 90% of {plan['gpu_memory_gib']:g} GiB" + (f" ({misses} do not fit)." if misses else "."))
+                      f"fits under 90% of {plan['gpu_memory_gib']:g} GiB"
+                      + (f" ({misses} do not fit)." if misses else "."))
         batch = plan["batch_plan"]
         console.print(
             f"Batch plan: {batch['micro_batch_size']} × {plan['gpus']} GPUs × {batch['gradient_accumulation_steps']} "
@@ -136,13 +137,17 @@ def print_inter_node(console, traffic: dict) -> None:
         table.add_row(row["name"], f"{row['bytes_per_node'] / 1e9:,.1f}", f"{row['seconds']:,.2f}",
                       f"{traffic['compute_seconds']:,.2f}", "yes" if row["hidden"] else "no")
     console.print(table)
+    from finetune.strategies import SHIPPED_BY_NAME
+
     by_name = {row["name"]: row for row in traffic["strategies"]}
-    if by_name["ZeRO-3"]["hidden"]:
+    zero3, zeropp, hybrid = (by_name[SHIPPED_BY_NAME[name].label]
+                             for name in ("zero3", "zero3_zeropp", "fsdp_hybrid_shard"))
+    if zero3["hidden"]:
         console.print("Cross-node traffic hides behind compute even for ZeRO-3 / FSDP full shard: ZeRO++ and hybrid "
                       "sharding would not pay off here.")
     else:
-        console.print(f"ZeRO-3 / FSDP full shard would wait on the network ({by_name['ZeRO-3']['seconds']:.2f} s "
+        console.print(f"ZeRO-3 / FSDP full shard would wait on the network ({zero3['seconds']:.2f} s "
                       f"vs {traffic['compute_seconds']:.2f} s of compute): ZeRO++ "
-                      f"({by_name['ZeRO-3 + ZeRO++']['seconds']:.2f} s, multinode_deepspeed_zero3_zeropp.yaml) or FSDP "
-                      f"hybrid shard ({by_name['FSDP hybrid shard']['seconds']:.2f} s, "
-                      f"multinode_fsdp_hybrid_shard.yaml) pay off where the model fits their memory.", soft_wrap=True)
+                      f"({zeropp['seconds']:.2f} s, {zeropp['config']}) or FSDP hybrid shard "
+                      f"({hybrid['seconds']:.2f} s, {hybrid['config']}) pay off where the model fits their memory.",
+                      soft_wrap=True)

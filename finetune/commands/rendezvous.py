@@ -11,9 +11,11 @@ def rendezvous_command_parser(subparsers) -> None:
         "at the main node's address and port; after --timeout seconds the missing node ranks are named.",
     )
     parser.add_argument("--nnodes", type=int, required=True, help="nodes in the job")
-    parser.add_argument("--node-rank", type=int, required=True, help="this node's rank (machine rank), 0 on the main node")
+    parser.add_argument("--node-rank", type=int, required=True,
+                        help="this node's rank (machine rank), 0 on the main node")
     parser.add_argument("--main-addr", required=True, help="address of node 0, reachable from every node")
-    parser.add_argument("--main-port", type=int, required=True, help="port on node 0 (the launcher's main process port)")
+    parser.add_argument("--main-port", type=int, required=True,
+                        help="port on node 0 (the launcher's main process port)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every node (default 300)")
     parser.set_defaults(func=rendezvous_command)
 

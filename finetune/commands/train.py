@@ -22,7 +22,7 @@ def train_command_parser(subparsers) -> None:
 
 def train_command(args) -> int:
     if args.help_keys:
-        from finetune.args import RecipeParser
+        from finetune.recipe import RecipeParser
 
         print(RecipeParser().format_help())
         return 0

@@ -86,3 +86,35 @@ def _fsdp_section(sharding: str, offload_params: bool) -> dict[str, Any]:
         "fsdp_cpu_ram_efficient_loading": True,
         "fsdp_activation_checkpointing": False,
     }
+
+
+def deepspeed_section_as_json(section: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed config Accelerate builds from DeepSpeed keys written inline in its YAML (`zero_stage`,
+    `offload_optimizer_device`, ...: the form `accelerate config` writes), as `DeepSpeedPlugin.__post_init__` does
+    (accelerate/utils/dataclasses.py); Accelerate adds the precision section at launch from `mixed_precision`."""
+    accumulation = str(section.get("gradient_accumulation_steps", "auto"))
+    clipping = section.get("gradient_clipping", "auto")
+    clipping = clipping if str(clipping) == "auto" else float(clipping)
+    optimizer_device = str(section.get("offload_optimizer_device", "none")).lower()
+    param_device = str(section.get("offload_param_device", "none")).lower()
+    config: dict[str, Any] = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": int(accumulation) if accumulation.isdigit() else accumulation,
+        "zero_optimization": {
+            "stage": int(section.get("zero_stage", 2)),
+            "offload_optimizer": {
+                "device": optimizer_device,
+                "nvme_path": section.get("offload_optimizer_nvme_path", "none") if optimizer_device == "nvme" else None,
+            },
+            "offload_param": {
+                "device": param_device,
+                "nvme_path": section.get("offload_param_nvme_path", "none") if param_device == "nvme" else None,
+            },
+            "stage3_gather_16bit_weights_on_model_save":
+                str(section.get("zero3_save_16bit_model", "false")).lower() == "true",
+        },
+    }
+    if clipping:
+        config["gradient_clipping"] = clipping
+    return config

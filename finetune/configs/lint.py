@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from finetune.configs.accelerate import deepspeed_section_as_json
+
 _EXTRA_TOP_LEVEL_KEYS = {
     "zero_optimization", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
     "comet", "comms_logger", "compile", "aio", "tensor_parallel", "amp", "autotuning", "elasticity",
@@ -26,6 +28,11 @@ def _enabled(section: Any) -> bool:
     return isinstance(section, dict) and section.get("enabled") is True
 
 
+def _offloads(section: Any) -> bool:
+    """An offload section that moves something (Accelerate writes `device: none` for no offload)."""
+    return isinstance(section, dict) and section.get("device") not in (None, "none")
+
+
 def _known_top_level_keys() -> set[str]:
     import deepspeed.runtime.constants as constants
 
@@ -33,12 +40,13 @@ def _known_top_level_keys() -> set[str]:
     return values | _EXTRA_TOP_LEVEL_KEYS
 
 
-def lint_deepspeed(config: dict[str, Any], world_size: int | None = None, source: str = "DeepSpeed config") -> list[str]:
+def lint_deepspeed(config: dict[str, Any], world_size: int | None = None,
+                   source: str = "DeepSpeed config") -> list[str]:
     """Problems in a DeepSpeed config dict; `world_size` enables the batch-size product check."""
     problems = []
     zero = config.get("zero_optimization", {}) or {}
     stage = zero.get("stage", 0)
-    if zero.get("offload_param") and stage != 3:
+    if _offloads(zero.get("offload_param")) and stage != 3:
         problems.append(f"{source}: `zero_optimization.offload_param` needs ZeRO stage 3 (stage is {stage}); "
                         "remove offload_param or set stage 3.")
     if _enabled(config.get("fp16")) and _enabled(config.get("bf16")):
@@ -101,7 +109,8 @@ def parse_with_deepspeed(config: dict[str, Any], hidden_size: int = 4096):
     return DeepSpeedConfig(filled.config)
 
 
-def lint_accelerate(config: dict[str, Any], visible_devices: int | None = None, source: str = "Accelerate config") -> list[str]:
+def lint_accelerate(config: dict[str, Any], visible_devices: int | None = None,
+                    source: str = "Accelerate config") -> list[str]:
     """Problems in an Accelerate config dict; `visible_devices` enables the per-machine process count check."""
     problems = []
     machines = int(config.get("num_machines", 1) or 1)
@@ -118,10 +127,18 @@ def lint_accelerate(config: dict[str, Any], visible_devices: int | None = None, 
         problems.append(f"{source}: {per_machine} process(es) per machine but {visible_devices} visible GPU(s); "
                         "set num_processes to the GPU count or fix CUDA_VISIBLE_DEVICES.")
     if config.get("distributed_type") == "DEEPSPEED":
-        path = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
+        section = config.get("deepspeed_config") or {}
+        path = section.get("deepspeed_config_file")
         if path and not Path(path).is_file():
             problems.append(f"{source}: deepspeed_config_file `{path}` does not exist (paths are relative to the "
                             "directory you launch from).")
+        elif not path:  # DeepSpeed keys written inline: lint the config Accelerate builds from them
+            try:
+                deepspeed = deepspeed_section_as_json(section)
+            except ValueError as error:
+                problems.append(f"{source}: deepspeed_config: {error}")
+            else:
+                problems += lint_deepspeed(deepspeed, source=f"{source} (inline deepspeed_config)")
     if config.get("use_cpu") and config.get("mixed_precision") == "fp16":
         problems.append(f"{source}: fp16 mixed precision is not supported on CPU; use bf16 or no.")
     return problems

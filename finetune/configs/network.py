@@ -16,8 +16,8 @@ NETWORK_SETTINGS = (
     ("NCCL_IB_TIMEOUT", "22", "InfiniBand retry timeout, 4.096 us x 2^22 (about 17 s), for congested fabrics"),
     ("NCCL_ASYNC_ERROR_HANDLING", "1", "the same as TORCH_NCCL_ASYNC_ERROR_HANDLING for older PyTorch"),
 )
-INTERFACE_NOTE = ("The interface is chosen with `scripts/launch_multinode.sh --interface IFNAME` (sets NCCL_SOCKET_IFNAME "
-                  "and GLOO_SOCKET_IFNAME: e.g. eth0, ib0, a veth), or set them here.")
+INTERFACE_NOTE = ("The interface is chosen with `scripts/launch_multinode.sh --interface IFNAME` (sets "
+                  "NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: e.g. eth0, ib0, a veth), or set them here.")
 
 
 def render_network_env() -> str:

@@ -3,18 +3,16 @@ printed by rank 0 at start and written to `output_dir/data_summary.json`."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from finetune import outputs
+
 
 def write_data_summary(summary: dict, output_dir: str) -> Path:
-    path = Path(output_dir, "data_summary.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2) + "\n")
-    return path
+    return outputs.write_record(output_dir, outputs.DATA_SUMMARY, summary)
 
 
 def dropped_rows(summary: dict) -> dict[str, int]:
@@ -40,7 +38,8 @@ def print_data_summary(summary: dict) -> None:
             lengths = stats["length_percentiles"]
             dropped = ", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in stats["dropped"].items())
             table.add_row(source["name"], split, source["format"], f"{stats['rows']:,}", f"{stats['rows_kept']:,}",
-                          f"{stats['tokens']:,}", f"{lengths['p50']}/{lengths['p90']}/{lengths['p99']}/{lengths['max']}",
+                          f"{stats['tokens']:,}",
+                          f"{lengths['p50']}/{lengths['p90']}/{lengths['p99']}/{lengths['max']}",
                           f"{stats['truncated_rows']:,}", dropped or "–")
     console = Console()
     console.print(table)

@@ -126,7 +126,8 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
         "rows": len(split),
         "rows_kept": len(kept),
         "tokens": int(kept_lengths.sum()),
-        "length_percentiles": {f"p{q}": int(np.percentile(lengths, q)) for q in (50, 90, 99)} | {"max": int(lengths.max())},
+        "length_percentiles": {f"p{q}": int(np.percentile(lengths, q)) for q in (50, 90, 99)}
+        | {"max": int(lengths.max())},
         "truncated_rows": int(((lengths > max_length) & (np.asarray(reasons) == "")).sum())
         if data_args.overlong_policy == "truncate" else 0,
         "dropped": {reason: reasons.count(reason) for reason in ("overlong", "no_answer_tokens") if reason in reasons},

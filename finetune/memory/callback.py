@@ -15,10 +15,11 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from finetune.errors import RecipeError
-from finetune.memory.estimate import FSDP_SHARDING, Setup, estimate
+from finetune.memory.estimate import Setup, estimate
 from finetune.memory.ledger import GradientProbe, measure_states, peak_memory
 from finetune.memory.report import write_memory_report
 from finetune.memory.shapes import shape_of
+from finetune.strategies import Strategy, prepared_strategy
 
 logger = logging.get_logger(__name__)
 STATE_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
@@ -32,35 +33,24 @@ def optimizer_kind(optim: str) -> str | None:
     return "sgd" if name == "sgd" else None
 
 
-def running_setup(args, model, sequence_length: int | None) -> Setup:
-    """The estimator's `Setup` for this run, read from Accelerate's state (what was prepared) and the args."""
+def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, Setup]:
+    """The strategy Accelerate prepared for this run and the estimator's `Setup` for it."""
     state = AcceleratorState()
-    options = {}
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    strategy = prepared_strategy(state, args.world_size, nodes=max(1, args.world_size // local_processes))
     if state.distributed_type == DistributedType.DEEPSPEED:
         config = state.deepspeed_plugin.deepspeed_config
-        zero = config.get("zero_optimization", {})
         half = config.get("bf16", {}).get("enabled") is True or config.get("fp16", {}).get("enabled") is True
-        options = dict(
-            strategy="deepspeed", zero_stage=zero.get("stage", 0),
-            offload_optimizer=_offload_device(zero.get("offload_optimizer")),
-            offload_param=_offload_device(zero.get("offload_param")),
-            precision="bf16" if half else "fp32",
-            overlap_comm=bool(zero.get("overlap_comm", False)),
-        )
-        if isinstance(zero.get("reduce_bucket_size"), (int, float)):
-            options["reduce_bucket_size"] = int(zero["reduce_bucket_size"])
+        precision = "bf16" if half else "fp32"
     else:
-        if state.distributed_type == DistributedType.FSDP:
-            options = dict(strategy="fsdp", fsdp_sharding=_fsdp_sharding(state.fsdp_plugin))
-        else:
-            options = dict(strategy="ddp" if args.world_size > 1 else "single")
-        options["precision"] = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     config = model.config
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-    return Setup(
-        **options,
+    return strategy, Setup(
+        **strategy.estimator_options(),
+        precision=precision,
         num_gpus=args.world_size,
-        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)),
+        gpus_per_node=local_processes,
         optimizer=optimizer_kind(args.optim) or "adamw",
         micro_batch_size=args.per_device_train_batch_size,
         sequence_length=sequence_length or getattr(config, "max_position_embeddings", 2048),
@@ -70,31 +60,8 @@ def running_setup(args, model, sequence_length: int | None) -> Setup:
     )
 
 
-def _fsdp_sharding(plugin) -> str:
-    """FSDP2 says `reshard_after_forward` (True: full shard, False: shard-grad-op); FSDP1 a ShardingStrategy."""
-    reshard = getattr(plugin, "reshard_after_forward", None)
-    if isinstance(reshard, bool):
-        return "full_shard" if reshard else "shard_grad_op"
-    name = str(reshard or getattr(plugin, "sharding_strategy", "")).rsplit(".", 1)[-1].lower()
-    return name if name in FSDP_SHARDING else "full_shard"
-
-
-def _offload_device(section) -> str | None:
-    device = (section or {}).get("device")
-    return None if device in (None, "none") else device
-
-
-def strategy_label(setup: Setup) -> str:
-    if setup.strategy == "deepspeed":
-        label = f"deepspeed_zero{setup.zero_stage}"
-        offloads = [f"{key}={value}" for key, value in
-                    (("offload_optimizer", setup.offload_optimizer), ("offload_param", setup.offload_param)) if value]
-        return "+".join([label, *offloads])
-    return f"fsdp_{setup.fsdp_sharding}" if setup.strategy == "fsdp" else setup.strategy
-
-
-def predicted_ledger(model, args, sequence_length: int | None) -> tuple[Setup, dict]:
-    setup = running_setup(args, model, sequence_length)
+def predicted_ledger(model, args, sequence_length: int | None) -> tuple[Strategy, dict]:
+    strategy, setup = running_setup(args, model, sequence_length)
     prediction = estimate(shape_of(model), setup)
     offloaded = prediction.offloaded
     ledger = {key: getattr(prediction, key) + offloaded.get(key, 0) for key in STATE_KEYS}
@@ -103,7 +70,7 @@ def predicted_ledger(model, args, sequence_length: int | None) -> tuple[Setup, d
     ledger["estimate"] = prediction.to_dict()
     if optimizer_kind(args.optim) is None:
         ledger["note"] = f"optimizer {args.optim} is not modelled: AdamW's 8 bytes/param assumed"
-    return setup, ledger
+    return strategy, ledger
 
 
 class MemoryReportCallback(TrainerCallback):
@@ -141,8 +108,8 @@ class MemoryReportCallback(TrainerCallback):
         if self.probe is not None:
             self.probe.remove()
         try:
-            setup, predicted = predicted_ledger(model, args, self.sequence_length)
-            strategy = strategy_label(setup)
+            strategy, predicted = predicted_ledger(model, args, self.sequence_length)
+            strategy = strategy.label
         except RecipeError as error:  # a model the estimator cannot read: report the measurement alone
             logger.warning("memory report: no prediction for this run (%s)", error)
             strategy, predicted = AcceleratorState().distributed_type.value.lower(), None

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from finetune.configs.deepspeed import BUCKET_SIZE
 from finetune.errors import RecipeError
 from finetune.memory.shapes import ModelShape
+from finetune.strategies import FSDP_SHARDING, KINDS
 
-STRATEGIES = ("single", "ddp", "deepspeed", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
-FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 # Bytes of optimizer state per trainable parameter, besides any master copy.
 OPTIMIZER_STATE_BYTES = {
     "adamw": 8,        # momentum + variance, fp32
@@ -61,7 +61,8 @@ class Setup:
     sequence_length: int = 2048
     gradient_checkpointing: bool = False
     attention: str = "sdpa"                   # "sdpa"/"flash_attention_2" (no s² scores) or "eager"
-    reduce_bucket_size: int | None = None     # DeepSpeed, elements; None: the shipped configs' (2e8; ZeRO-3 "auto")
+    reduce_bucket_size: int | None = None     # DeepSpeed, elements; None: the shipped configs' (BUCKET_SIZE; ZeRO-3
+                                              # "auto", which Trainer fills with hidden²)
     overlap_comm: bool = True
     trainable_parameters: int | None = None   # exact count from a live model; otherwise derived from LoRA
 
@@ -81,7 +82,7 @@ class Setup:
         return 1
 
     def check(self) -> None:
-        choices = {"strategy": (self.strategy, STRATEGIES), "precision": (self.precision, PRECISIONS),
+        choices = {"strategy": (self.strategy, KINDS), "precision": (self.precision, PRECISIONS),
                    "optimizer": (self.optimizer, tuple(OPTIMIZER_STATE_BYTES)),
                    "fsdp_sharding": (self.fsdp_sharding, FSDP_SHARDING)}
         for key, (value, allowed) in choices.items():
@@ -254,7 +255,7 @@ def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:
         return 0
     # DeepSpeed allocates its reduce buckets at full size whatever the model (stage_1_and_2.py::setup_buckets,
     # stage3.py: ipg bucket buffers). Trainer fills ZeRO-3's "auto" with hidden².
-    bucket = setup.reduce_bucket_size or (shape.hidden_size**2 if setup.zero_stage == 3 else 200_000_000)
+    bucket = setup.reduce_bucket_size or (shape.hidden_size**2 if setup.zero_stage == 3 else BUCKET_SIZE)
     if setup.zero_stage in (1, 2):
         return bucket * w * (2 if setup.overlap_comm else 1)  # doubled to overlap communication
     # ZeRO-3: one reduce bucket, plus the largest module gathered with its gradient (DeepSpeed's
@@ -273,8 +274,8 @@ def parallel_3d(shape: ModelShape, setup: Setup, tensor_parallel: int, pipeline_
 
     Model states split over t·p: half weights, fp32 gradients ("main grads") and, split again over the
     data-parallel ranks d = N / (t·p), fp32 master weights and optimizer states: w + 4 + (4 + k)/d bytes per
-    parameter (Megatron-LM's distributed optimizer: 6 + 12/d in bf16). Activations: a layer's share is divided by t (with sequence
-    parallelism, Korthikanti et al.), a stage holds L/p layers, and under 1F1B the first stage keeps p
+    parameter (Megatron-LM's distributed optimizer: 6 + 12/d in bf16). Activations: a layer's share is divided by t
+    (with sequence parallelism, Korthikanti et al.), a stage holds L/p layers, and under 1F1B the first stage keeps p
     micro-batches in flight.
     """
     t, p = tensor_parallel, pipeline_parallel

@@ -131,7 +131,8 @@ def measure_states(model, optimizer, gradients: dict[str, int]) -> dict:
 def peak_memory() -> dict:
     """Peak device memory on an accelerator (allocated and reserved), else the process's peak RSS."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return {"peak_bytes": torch.cuda.max_memory_allocated(), "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        return {"peak_bytes": torch.cuda.max_memory_allocated(),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                 "peak_kind": "cuda_max_allocated"}
     import resource
 

@@ -4,41 +4,36 @@ the last two from the JSON."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from finetune import outputs
 from finetune.errors import RecipeError
 
-REPORT_JSON = "memory_report.json"
 PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"))
 MiB = 1024**2
 
 
 def write_memory_report(records: list[dict], output_dir) -> list[Path]:
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    path = output_dir / REPORT_JSON
-    path.write_text(json.dumps({"ranks": records}, indent=2) + "\n")
+    path = outputs.write_record(output_dir, outputs.MEMORY_REPORT, {"ranks": records})
     return [path, *render_memory_report(output_dir)]
 
 
 def load_memory_report(output_dir) -> list[dict]:
-    path = Path(output_dir) / REPORT_JSON
-    if not path.is_file():
-        raise RecipeError(f"no {REPORT_JSON} in {output_dir}: run `finetune train` (or a Trainer with "
+    record = outputs.read_record(output_dir, outputs.MEMORY_REPORT, missing=None)
+    if record is None:
+        raise RecipeError(f"no {outputs.MEMORY_REPORT} in {output_dir}: run `finetune train` (or a Trainer with "
                           f"MemoryReportCallback) with this output_dir first.")
-    try:
-        return json.loads(path.read_text())["ranks"]
-    except (json.JSONDecodeError, KeyError) as error:
-        raise RecipeError(f"{path} is not a memory report ({error}).") from None
+    if not isinstance(record, dict) or "ranks" not in record:
+        raise RecipeError(f"{Path(output_dir, outputs.MEMORY_REPORT)} is not a memory report (no `ranks`).")
+    return record["ranks"]
 
 
 def render_memory_report(output_dir) -> list[Path]:
     """Writes the Markdown table and, when matplotlib is installed, the PNG, from `memory_report.json`."""
     records = load_memory_report(output_dir)
-    markdown = Path(output_dir) / "memory_report.md"
+    markdown = Path(output_dir) / outputs.MEMORY_REPORT_TABLE
     markdown.write_text(markdown_table(records))
-    picture = Path(output_dir) / "memory_report.png"
+    picture = Path(output_dir) / outputs.MEMORY_REPORT_PLOT
     return [markdown, picture] if plot(records, picture) else [markdown]
 
 

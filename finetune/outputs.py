@@ -1,0 +1,46 @@
+"""Every file a run writes into its `output_dir`, named once, with the one writer and reader of those records.
+
+Besides Trainer's own files (checkpoints, `trainer_state.json`, the model), a `finetune train` run writes these; a
+checkpoint folder gets `CHECKPOINT_COMPLETE` once every rank has saved it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import RecipeError
+
+EFFECTIVE_CONFIG = "effective_config.json"  # what runs, with the source of every value (finetune.effective)
+BATCH_PLAN = "batch_plan.json"              # micro-batch × processes × accumulation and the LR (finetune.scaling)
+DATA_SUMMARY = "data_summary.json"          # rows, tokens, lengths, dropped rows (finetune.data.summary)
+MEMORY_REPORT = "memory_report.json"        # measured next to predicted, per rank (finetune.memory)
+MEMORY_REPORT_TABLE = "memory_report.md"
+MEMORY_REPORT_PLOT = "memory_report.png"
+THROUGHPUT = "throughput.json"              # tokens/s, step time, MFU (finetune.throughput)
+EVAL_RESULTS = "eval_results.json"          # before/after evaluation and the run's summary (finetune.train)
+PEAK_MEMORY = "peak_memory.json"            # the bench's plain-Trainer baseline (finetune.bench.plain_trainer)
+CHECKPOINT_COMPLETE = "finetune_complete.json"  # in a checkpoint folder, once every rank saved it
+
+
+def write_record(output_dir, name: str, record: Any) -> Path:
+    """Writes `record` as indented JSON to `output_dir/name`, creating the folder."""
+    path = Path(output_dir, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return path
+
+
+def read_record(output_dir, name: str, missing: Any = ...) -> Any:
+    """The record `output_dir/name`; `missing` when the file is absent (a RecipeError if not given), a RecipeError
+    when it is not valid JSON."""
+    path = Path(output_dir, name)
+    if not path.is_file():
+        if missing is not ...:
+            return missing
+        raise RecipeError(f"no {name} in {output_dir}: run `finetune train` with this output_dir first.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise RecipeError(f"{path} is not valid JSON ({error}).") from None

@@ -1,0 +1,49 @@
+"""Launch preflight: what this process was asked to run, checked before `TrainingArguments` starts a process group.
+
+The DeepSpeed config (a file, or the one Accelerate builds from inline keys) is linted; combinations that cannot
+work (per-node saving under ZeRO-3, a bf16 comm hook without NCCL, more processes than GPUs, a half-written
+checkpoint to resume) stop with a `RecipeError` that says what to change.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from finetune.configs.lint import lint_deepspeed
+from finetune.errors import RecipeError
+from finetune.strategies import Strategy, launched_strategy
+
+
+def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | None]:
+    """Checks the launch the training section (as parsed, before `TrainingArguments`) and the launcher describe;
+    returns the strategy they ask for and its DeepSpeed config (None without DeepSpeed)."""
+    world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    strategy, deepspeed = launched_strategy(training_inputs.get("deepspeed"))
+    if deepspeed is not None:
+        problems = lint_deepspeed(deepspeed, world_size, source=strategy.source or "DeepSpeed config")
+        if problems:
+            raise RecipeError(" ".join(problems))
+    if _is_true(training_inputs.get("save_on_each_node")) and strategy.zero_stage == 3:
+        raise RecipeError("`save_on_each_node: true` with ZeRO-3: DeepSpeed gathers the partitioned weights on "
+                          "global rank 0 only; save to a filesystem shared by the nodes, or use ZeRO-2, or "
+                          "`finetune export` on node 0.")
+    resume = training_inputs.get("resume_from_checkpoint")
+    if resume not in (None, "", "auto", "false", "False"):
+        from finetune.checkpoints import check_explicit_checkpoint
+
+        check_explicit_checkpoint(resume)
+    if training_inputs.get("ddp_comm_hook") == "bf16" and not torch.cuda.is_available():
+        raise RecipeError("`ddp_comm_hook: bf16` needs CUDA GPUs with NCCL; use fp16 (works over gloo) or no.")
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not _is_true(training_inputs.get("use_cpu")) and torch.cuda.is_available() \
+            and local_processes > torch.cuda.device_count():
+        raise RecipeError(f"{local_processes} processes per machine but {torch.cuda.device_count()} visible GPU(s); "
+                          "launch with --num_processes equal to the GPU count or fix CUDA_VISIBLE_DEVICES.")
+    return strategy, deepspeed
+
+
+def _is_true(value) -> bool:
+    return str(value).lower() == "true"

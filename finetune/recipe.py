@@ -1,0 +1,165 @@
+"""Parsing a recipe: a YAML file plus `--key value` overrides onto the sections of `finetune.args`.
+
+Scalars from YAML go through argparse exactly as they would on the command line, so `learning_rate: abc` fails the
+same way `--learning_rate abc` does. Unknown keys (with a did-you-mean), bad values and a launch that cannot work
+(`finetune.preflight`) stop with a `RecipeError` before any process group is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from transformers import HfArgumentParser
+
+from finetune.args import (
+    RECIPE_SECTIONS,
+    DataArguments,
+    FinetuneTrainingArguments,
+    LoraArguments,
+    ModelArguments,
+)
+from finetune.errors import RecipeError, did_you_mean
+from finetune.preflight import preflight_launch
+from finetune.scaling import BatchPlan, plan_from_recipe
+from finetune.strategies import Strategy
+
+COMMAND_LINE = "command line"
+BATCH_PLAN = "batch plan (global_batch_size, lr_scaling, warmup_tokens)"
+
+
+@dataclass
+class Recipe:
+    """A parsed recipe: its sections, where each value the user gave came from, and what the launch derived."""
+
+    model: ModelArguments
+    data: DataArguments
+    lora: LoraArguments
+    training: FinetuneTrainingArguments
+    # Where each key given by the user came from: "recipe <path>", COMMAND_LINE or BATCH_PLAN.
+    sources: dict[str, str] = field(default_factory=dict)
+    batch_plan: BatchPlan | None = None
+    strategy: Strategy = field(default_factory=Strategy)  # what the launcher and the recipe ask for
+    deepspeed_config: dict | None = None  # the DeepSpeed config as written (file or inline keys), "auto" values kept
+
+    @property
+    def sections(self) -> tuple:
+        return self.model, self.data, self.lora, self.training
+
+    @property
+    def planned_keys(self) -> set[str]:
+        """Keys the batch plan set for this launch (micro-batch, accumulation, learning rate, warmup)."""
+        return {key for key, source in self.sources.items() if source == BATCH_PLAN}
+
+
+class RecipeParser(HfArgumentParser):
+    """`HfArgumentParser` that raises `RecipeError` instead of printing usage and exiting."""
+
+    def __init__(self):
+        super().__init__(RECIPE_SECTIONS, prog="finetune train", allow_abbrev=False)
+
+        # Without an accelerator, Trainer must be told `use_cpu`: otherwise a launcher's DeepSpeed or
+        # multi-process config silently trains as ONE process per rank (world size 1).
+        self.set_defaults(use_cpu=not torch.accelerator.is_available())
+
+    def error(self, message):
+        raise RecipeError(message)
+
+    def known_keys(self) -> set[str]:
+        return {action.dest for action in self._actions if action.dest != "help"}
+
+
+def load_recipe_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file `{path}` does not exist.")
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        raise RecipeError(f"recipe `{path}` is not valid YAML: {error}") from None
+    if not isinstance(values, dict):
+        raise RecipeError(f"recipe `{path}` must be a mapping of keys to values, got {type(values).__name__}.")
+    return values
+
+
+def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
+    """YAML values become the parser's defaults, then `overrides` (`--key value` strings) win over them.
+
+    The model, data and LoRA sections are built first; then the launch is checked (`preflight_launch`) and the batch
+    planned for its world size, and only then is `TrainingArguments` built, whose construction starts the process
+    group.
+    """
+    parser = RecipeParser()
+    values = load_recipe_file(recipe_path) if recipe_path is not None else {}
+    overrides = list(overrides or [])
+    known = parser.known_keys()
+    source = f"recipe `{recipe_path}`" if recipe_path is not None else "the recipe"
+    for key in values:
+        if key not in known:
+            raise RecipeError(f"unknown key `{key}` in {source}{did_you_mean(key, known)}.")
+    parser.set_defaults(**{key: _as_argparse_default(value) for key, value in values.items()})
+    namespace, remaining = parser.parse_known_args(args=overrides)
+    if remaining:
+        name = remaining[0].lstrip("-").replace("-", "_")
+        raise RecipeError(f"unknown option `{remaining[0]}`{did_you_mean(name, known)}.")
+    sources = {key: f"recipe {recipe_path}" for key in values}
+    sources.update({_option_name(token): COMMAND_LINE for token in overrides if token.startswith("--")})
+
+    def build(section_type, inputs: dict[str, Any]):
+        try:
+            return section_type(**inputs)
+        except RecipeError:
+            raise
+        except (ValueError, TypeError) as error:  # Transformers' own checks
+            raise RecipeError(_name_the_culprit(str(error), values, overrides)) from None
+
+    inputs = {section: {f.name: getattr(namespace, f.name) for f in dataclasses.fields(section)
+                        if f.init and hasattr(namespace, f.name)} for section in RECIPE_SECTIONS}
+    model = build(ModelArguments, inputs[ModelArguments])
+    data = build(DataArguments, inputs[DataArguments])
+    lora = build(LoraArguments, inputs[LoraArguments])
+    training_inputs = inputs[FinetuneTrainingArguments]
+    strategy, deepspeed_config = preflight_launch(training_inputs)
+    batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
+    _apply_batch_plan(batch_plan, training_inputs, sources)
+    training = build(FinetuneTrainingArguments, training_inputs)
+    return Recipe(model=model, data=data, lora=lora, training=training, sources=sources, batch_plan=batch_plan,
+                  strategy=strategy, deepspeed_config=deepspeed_config)
+
+
+def _apply_batch_plan(plan: BatchPlan, training_inputs: dict[str, Any], sources: dict[str, str]) -> None:
+    """Writes the planned values into the training section, noting where each changed value came from."""
+    planned = {
+        "per_device_train_batch_size": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "learning_rate": plan.learning_rate,
+    }
+    if plan.warmup_steps is not None:
+        planned["warmup_steps"] = plan.warmup_steps
+    for key, value in planned.items():
+        if training_inputs.get(key) != value:
+            training_inputs[key] = value
+            sources[key] = BATCH_PLAN
+
+
+def _option_name(token: str) -> str:
+    return token[2:].split("=", 1)[0].replace("-", "_")
+
+
+def _name_the_culprit(message: str, values: dict[str, Any], overrides: list[str]) -> str:
+    """Prefixes `key: value` to a Trainer error that quotes the value but not the key."""
+    given = dict(values)
+    given.update({key.lstrip("-"): value for key, value in zip(overrides, overrides[1:]) if key.startswith("--")})
+    culprits = [f"`{key}: {value}`" for key, value in given.items() if str(value) and str(value) in message]
+    return f"{', '.join(culprits)}: {message}" if len(culprits) == 1 else message
+
+
+def _as_argparse_default(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)):
+        return str(value)
+    return value

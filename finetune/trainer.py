@@ -1,0 +1,85 @@
+"""`FinetuneTrainer`: Hugging Face `Trainer` with the toolkit's guarantees, each in the method a reader looks in.
+
+- `compute_loss`: how the loss of a micro-batch is normalised (`loss_normalization`).
+- `_save_checkpoint`: a checkpoint counts as complete only once every rank saved it; rotation then keeps the
+  `save_total_limit` newest complete ones and the best one (finetune.checkpoints).
+- `save_model`: with `save_on_each_node`, every node writes the weights, not only global rank 0.
+- `train`: resuming checks the checkpoint's layout first, and continues a DeepSpeed checkpoint saved with another
+  world size through DeepSpeed's universal format.
+- the DDP communication hook (`ddp_comm_hook`) is registered when Trainer wraps the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from accelerate.utils import DDPCommunicationHookType
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from finetune.checkpoints import checkpoint_layout, mark_complete, prepare_resume, rotate_complete_checkpoints
+
+
+class FinetuneTrainer(Trainer):
+    """`recipe_values` (finetune.checkpoints.recipe_values) is recorded in every checkpoint, so that a resumed run
+    can name what changed."""
+
+    def __init__(self, *args, recipe_values: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recipe_values = recipe_values or {}
+        # Rotated here once every rank has saved (see _save_checkpoint), not by Trainer as soon as rank 0 has.
+        self.save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
+        if self.args.ddp_comm_hook != "no":  # Trainer builds the DDP kwargs handler; the hook goes on at wrapping
+            self.accelerator.ddp_handler.comm_hook = DDPCommunicationHookType(self.args.ddp_comm_hook)
+        # micro_batch_mean: compute_loss returns each micro-batch's own mean; training_step divides by accumulation.
+        self.loss_is_scaled_for_ga = False if self.args.loss_normalization == "micro_batch_mean" else None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The loss of one micro-batch.
+
+        `tokens` (default): every answer token of the optimizer step weighs the same, whatever the micro-batch, the
+        accumulation step or the rank it falls in. Trainer counts the answer tokens of the whole step over every
+        micro-batch and rank (`num_items_in_batch`); the model sums its token losses and divides by that count, and
+        Trainer multiplies by the number of processes, which DDP's and DeepSpeed's gradient averaging divide out.
+        So 1 process × 4 accumulation steps and 2 processes × 2 give the same update.
+
+        `micro_batch_mean`: the classic mean over this micro-batch's answer tokens, divided by the accumulation steps
+        (`loss_is_scaled_for_ga` False); a micro-batch with few answer tokens then weighs as much as a full one, and
+        the update changes with the GPU count. Kept for comparison.
+        """
+        if self.args.loss_normalization == "micro_batch_mean":
+            num_items_in_batch = None
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.accelerator.wait_for_everyone()  # every rank has written its part
+        if self.is_world_process_zero() and folder.is_dir():
+            mark_complete(folder, self.state.global_step, checkpoint_layout(self), self.recipe_values)
+            rotate_complete_checkpoints(folder.parent, self.save_total_limit, self.state.best_model_checkpoint)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        other_node = self.args.save_on_each_node and self.args.should_save and self.args.process_index != 0
+        if other_node and not _internal_call:
+            self._save_weights_on_this_node(output_dir or self.args.output_dir)
+
+    def _save_weights_on_this_node(self, output_dir: str) -> None:
+        """`save_on_each_node` is for nodes without a shared filesystem, but Transformers' `save_pretrained` writes
+        weights on global rank 0 only: the other nodes would get a tokenizer and no model. Their local main process
+        writes the weights too (whole on every rank under DDP and ZeRO-0/1/2), through the same `save_pretrained`."""
+        model = self.accelerator.unwrap_model(self.model)
+        # The state dict Trainer.save_model gives save_pretrained on rank 0, so that every node writes the same file.
+        state_dict = self.accelerator.get_state_dict(self.deepspeed) if self.is_deepspeed_enabled else None
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.should_save_on_this_rank = lambda is_main_process: is_main_process  # this instance, this call only
+        try:
+            model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
+        finally:
+            del base.should_save_on_this_rank
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if isinstance(resume_from_checkpoint, str):
+            prepare_resume(self, resume_from_checkpoint)  # stops, or converts a checkpoint saved with another layout
+        return super().train(resume_from_checkpoint, *args, **kwargs)

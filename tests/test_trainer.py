@@ -1,0 +1,60 @@
+"""FinetuneTrainer, in one process: the loss normalisation in compute_loss, rotation taken over from Trainer, the DDP
+comm hook. The 2-process equivalence of the normalisation is tests/test_scaling.py's."""
+
+import pytest
+import torch
+
+from finetune import presets
+from finetune.args import FinetuneTrainingArguments
+from finetune.trainer import FinetuneTrainer
+
+
+def make_trainer(tmp_path, **options):
+    tokenizer = presets.build_tokenizer()
+    model = presets.build_model(tokenizer, seed=0)
+    args = FinetuneTrainingArguments(str(tmp_path), use_cpu=True, report_to=[], eval_on_start=False, **options)
+    return FinetuneTrainer(model=model, args=args)
+
+
+def batch_with_few_answer_tokens():
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, 250, (2, 16), generator=generator)
+    labels = input_ids.clone()
+    labels[:, :12] = -100  # a prompt: only the last 4 tokens of each row are answer tokens
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+
+
+def token_losses(model, inputs) -> torch.Tensor:
+    logits = model(input_ids=inputs["input_ids"]).logits[:, :-1].float()
+    labels = inputs["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")[
+        labels != -100]
+
+
+@torch.no_grad()
+def test_tokens_divides_by_the_answer_tokens_of_the_whole_step(tmp_path):
+    trainer = make_trainer(tmp_path)
+    inputs = batch_with_few_answer_tokens()
+    losses = token_losses(trainer.model, inputs)
+    step_tokens = 3 * losses.numel()  # as if two more micro-batches of the step held twice as many answer tokens
+    loss = trainer.compute_loss(trainer.model, inputs, num_items_in_batch=torch.tensor(step_tokens))
+    assert loss.item() == pytest.approx(losses.sum().item() / step_tokens, rel=1e-5)
+    assert trainer.loss_is_scaled_for_ga is None  # Trainer's rule: scaled by num_items_in_batch already
+
+
+@torch.no_grad()
+def test_micro_batch_mean_is_this_micro_batchs_own_mean(tmp_path):
+    trainer = make_trainer(tmp_path, loss_normalization="micro_batch_mean", gradient_accumulation_steps=4)
+    inputs = batch_with_few_answer_tokens()
+    losses = token_losses(trainer.model, inputs)
+    loss = trainer.compute_loss(trainer.model, inputs, num_items_in_batch=torch.tensor(3 * losses.numel()))
+    assert loss.item() == pytest.approx(losses.mean().item(), rel=1e-5)
+    assert trainer.loss_is_scaled_for_ga is False  # training_step divides it by the accumulation steps
+
+
+def test_rotation_and_comm_hook_are_the_trainers(tmp_path):
+    from accelerate.utils import DDPCommunicationHookType
+
+    trainer = make_trainer(tmp_path, save_total_limit=2, ddp_comm_hook="fp16")
+    assert (trainer.save_total_limit, trainer.args.save_total_limit) == (2, None)  # Trainer's own rotation is off
+    assert trainer.accelerator.ddp_handler.comm_hook == DDPCommunicationHookType.FP16
