@@ -21,7 +21,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from finetune.errors import RecipeError
 from finetune.memory.ledger import optimizer_chain
 from finetune.outputs import CHECKPOINT_COMPLETE as COMPLETE_MARKER
-from finetune.strategies import Strategy, running_strategy
+from finetune.strategies import Strategy, prepared_strategy
 
 CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
@@ -45,9 +45,11 @@ def recipe_values(recipe) -> dict[str, str]:
 
 
 def checkpoint_layout(trainer) -> dict:
-    """How the state in a checkpoint is laid out: ranks, ZeRO stage (None without DeepSpeed), sequences a step."""
+    """How the state in a checkpoint is laid out: ranks, ZeRO stage (None without DeepSpeed), sequences a step. Read
+    from what Accelerate prepares (valid before the model is wrapped, when a resume is checked; the strategy check
+    stops a run whose engine differs)."""
     args = trainer.args
-    running = running_strategy(trainer)
+    running = prepared_strategy(trainer.accelerator.state, args.world_size)
     sequences = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
     layout = {"world_size": args.world_size, "zero_stage": running.zero_stage, "sequences_per_step": sequences}
     if running.kind == "deepspeed":

@@ -75,9 +75,7 @@ def train(recipe: Recipe) -> dict:
 
     summary = summarize_evaluations(trainer.state.log_history, exact_match.history)
     summary["world_size"] = args.world_size
-    summary["deepspeed_zero_stage"] = (
-        trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None
-    )
+    summary["deepspeed_zero_stage"] = recipe.strategy.zero_stage  # what ran: the strategy check stops otherwise
     summary["train_loss"] = train_output.training_loss
     summary["dropped_examples"] = dropped_rows(data.summary)
     if frozen_check is not None:
