@@ -45,13 +45,17 @@ def recipe_values(recipe) -> dict[str, str]:
 
 
 def checkpoint_layout(trainer) -> dict:
-    """How the state in a checkpoint is laid out: ranks, ZeRO stage (None without DeepSpeed), sequences a step. Read
+    """How the state in a checkpoint is laid out: ranks, strategy (ddp for one process too: both hold the whole state),
+    ZeRO stage (None without DeepSpeed), FSDP sharding, sequences a step. Read
     from what Accelerate prepares (valid before the model is wrapped, when a resume is checked; the strategy check
     stops a run whose engine differs)."""
     args = trainer.args
     running = prepared_strategy(trainer.accelerator.state, args.world_size)
     sequences = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
-    layout = {"world_size": args.world_size, "zero_stage": running.zero_stage, "sequences_per_step": sequences}
+    layout = {"world_size": args.world_size, "strategy": "ddp" if running.kind == "single" else running.kind,
+              "zero_stage": running.zero_stage, "sequences_per_step": sequences}
+    if running.kind == "fsdp":
+        layout["fsdp_sharding"] = running.fsdp_sharding
     if running.kind == "deepspeed":
         zero = trainer.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
         layout["round_robin_gradients"] = zero.get("round_robin_gradients") is True
@@ -118,16 +122,21 @@ def check_explicit_checkpoint(path: str) -> None:
                           "one.")
 
 
+def layout_strategy(layout: dict) -> Strategy:
+    """The strategy a checkpoint layout records (markers written before FSDP was recorded: from the ZeRO stage)."""
+    kind = layout.get("strategy") or ("ddp" if layout.get("zero_stage") is None else "deepspeed")
+    return Strategy(kind, zero_stage=layout.get("zero_stage"), fsdp_sharding=layout.get("fsdp_sharding"))
+
+
 def describe_layout(layout: dict) -> str:
-    stage = layout.get("zero_stage")
-    strategy = Strategy("ddp") if stage is None else Strategy("deepspeed", zero_stage=stage)
-    return f"{strategy.describe()} on {layout['world_size']} rank(s)"
+    return f"{layout_strategy(layout).describe()} on {layout['world_size']} rank(s)"
 
 
 def resume_needs_universal(checkpoint: Path, now: dict) -> bool:
-    """Whether this run can continue from `checkpoint` as saved (False), only through DeepSpeed's universal format
-    (True: a ZeRO-1/2/3 checkpoint saved with another world size, same stage), or not at all (RecipeError: another
-    global batch, strategy or ZeRO stage)."""
+    """Whether this run can continue from `checkpoint` as saved (False: the same layout; DDP, whose every rank holds
+    the whole state; FSDP, whose distributed checkpoint PyTorch reshards to any world size), only through DeepSpeed's
+    universal format (True: a ZeRO-1/2/3 checkpoint saved with another world size, same stage), or not at all
+    (RecipeError: another global batch, strategy or ZeRO stage)."""
     marker = checkpoint / COMPLETE_MARKER
     saved = json.loads(marker.read_text()) if marker.is_file() else {}
     if "sequences_per_step" not in saved:  # not written by this toolkit: nothing to compare
@@ -137,12 +146,15 @@ def resume_needs_universal(checkpoint: Path, now: dict) -> bool:
             f"{checkpoint} was trained with {saved['sequences_per_step']} sequences a step and this run takes "
             f"{now['sequences_per_step']}: Trainer would resume at another place in the data. Set "
             f"`global_batch_size: {saved['sequences_per_step']}` so micro-batch and accumulation fit this launch.")
-    if saved["world_size"] == now["world_size"] and saved["zero_stage"] == now["zero_stage"]:
-        return False
     export_hint = (f"Resume under {describe_layout(saved)}, or start afresh from its weights: `finetune export "
                    f"{checkpoint} WEIGHTS_DIR` then `model_name_or_path: WEIGHTS_DIR` (optimizer state starts over).")
-    if saved["zero_stage"] is None and now["zero_stage"] is None:
-        return False  # every DDP rank holds the whole state
+    if layout_strategy(saved).kind != layout_strategy(now).kind:  # each keeps its optimizer states its own way
+        raise RecipeError(f"{checkpoint} was saved by {describe_layout(saved)} and this run is {describe_layout(now)}: "
+                          f"the optimizer states of the two do not convert. {export_hint}")
+    if saved["world_size"] == now["world_size"] and saved["zero_stage"] == now["zero_stage"]:
+        return False
+    if layout_strategy(saved).kind in ("ddp", "fsdp"):
+        return False  # every DDP rank holds the whole state; PyTorch's distributed checkpoint reshards FSDP's
     if saved["zero_stage"] != now["zero_stage"]:  # DeepSpeed's universal loader reads only its own stage's layout
         raise RecipeError(f"{checkpoint} was saved by {describe_layout(saved)} and this run is {describe_layout(now)}: "
                           f"the optimizer states of the two do not convert. {export_hint}")

@@ -3,6 +3,8 @@
 - A full model saved by Trainer (`model.safetensors`, ZeRO-3 weights gathered at save) is reloaded and saved.
 - A DeepSpeed checkpoint that holds only ZeRO shards (`global_step*/`) is consolidated with DeepSpeed's own
   `get_fp32_state_dict_from_zero_checkpoint` into the model its `config.json` describes.
+- An FSDP checkpoint (a sharded state dict, `pytorch_model_fsdp_0/`) is consolidated with Accelerate's
+  `merge_fsdp_weights` into the model the run's `config.json` describes (the checkpoint's, or its output_dir's).
 - A LoRA adapter (`adapter_config.json`) is merged into its base (`--merge-lora`) or saved as a standalone
   adapter. The base is `--base-model`, else the adapter's `base_model_name_or_path`; the `tiny` preset is
   rebuilt from `--seed` (the recipe's seed).
@@ -72,11 +74,40 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
                               f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}).")
         model.tie_weights()
         return model, False
+    if (source / FSDP_MODEL_SHARDS).is_dir():
+        return _merged_fsdp_model(source), False
     if (source / "pytorch_model.bin").is_file():
         raise RecipeError(f"{source} has only pickled weights (pytorch_model.bin); they are not loaded, for safety. "
                           "Convert them where you trust the file, e.g. with safetensors' convert script.")
     raise RecipeError(f"{source} holds no model: expected model.safetensors, ZeRO shards (global_step*/) with "
-                      "config.json, or a LoRA adapter (adapter_config.json).")
+                      f"config.json, FSDP shards ({FSDP_MODEL_SHARDS}/), or a LoRA adapter (adapter_config.json).")
+
+
+FSDP_MODEL_SHARDS = "pytorch_model_fsdp_0"  # Accelerate's `save_fsdp_model` folder in a checkpoint
+
+
+def _merged_fsdp_model(source: Path):
+    import tempfile
+
+    from accelerate.utils import merge_fsdp_weights
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dir = next((folder for folder in (source, source.parent) if (folder / "config.json").is_file()), None)
+    if config_dir is None:
+        raise RecipeError(f"{source} holds FSDP shards but no config.json, nor does {source.parent}: export the run's "
+                          "output_dir after training finished, or copy its config.json next to the shards.")
+    with tempfile.TemporaryDirectory() as merged:
+        merge_fsdp_weights(str(source / FSDP_MODEL_SHARDS), merged, safe_serialization=True)
+        state = load_file(str(Path(merged) / "model.safetensors"))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {name for name in missing if name.endswith("lm_head.weight") and model.config.tie_word_embeddings}
+    if set(missing) - tied or unexpected:
+        raise RecipeError(f"the FSDP shards in {source} do not match {config_dir / 'config.json'} "
+                          f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}).")
+    model.tie_weights()
+    return model
 
 
 def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dtype: str | None = None,
@@ -90,6 +121,7 @@ def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dt
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (source / name).is_file():
-            (out_dir / name).write_bytes((source / name).read_bytes())
+        found = next((folder / name for folder in (source, source.parent) if (folder / name).is_file()), None)
+        if found is not None:  # a checkpoint's, else its run's
+            (out_dir / name).write_bytes(found.read_bytes())
     return out_dir

@@ -95,8 +95,9 @@ ACCELERATE_CONFIGS = [
          use_cpu=True),
     _acc("cpu_deepspeed_zero2", "zero2", "optimizer states + gradients, 2 CPU processes",
          "the demo and tests without a GPU"),
-    _acc("cpu_fsdp", "fsdp_full_shard", "FSDP requested on 2 CPU processes (Trainer cannot shard on CPU: detected "
-         "and refused)", "tests of the fallback check", use_cpu=True),
+    _acc("cpu_fsdp", "fsdp_full_shard", "FSDP2 full shard on 2 CPU processes: Accelerate prepares FSDP for GPUs only, "
+         "so as it is Trainer falls back to DDP (detected and refused); the tests lift that one refusal "
+         "(tests/fsdp_on_cpu.py) and shard for real", "tests of the fallback check and of FSDP2 on CPU", use_cpu=True),
 ]
 
 SHIPPED = DEEPSPEED_CONFIGS + ACCELERATE_CONFIGS

@@ -6,6 +6,7 @@ Run it under any launcher, e.g.
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -83,9 +84,12 @@ def train(recipe: Recipe) -> dict:
     if trainer.is_world_process_zero():
         outputs.write_record(args.output_dir, outputs.EVAL_RESULTS, summary)
         print_before_after(summary)
-    # A clean shutdown: gloo's threads abort the interpreter at exit when the group is left alive.
+    # A clean shutdown: gloo's threads abort the interpreter at exit when the group is left alive, or when tensors they
+    # still reference are freed during interpreter teardown; the trainer's reference cycles are collected here.
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
+    del trainer, model
+    gc.collect()
     return summary
 
 

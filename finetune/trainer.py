@@ -3,7 +3,8 @@
 - `compute_loss`: how the loss of a micro-batch is normalised (`loss_normalization`).
 - `_save_checkpoint`: a checkpoint counts as complete only once every rank saved it; rotation then keeps the
   `save_total_limit` newest complete ones and the best one (finetune.checkpoints).
-- `save_model`: with `save_on_each_node`, every node writes the weights, not only global rank 0.
+- `save_model`: weights `from_pretrained` loads under FSDP's sharded state dict too, and with `save_on_each_node`
+  on every node, not only global rank 0.
 - `train`: resuming checks the checkpoint's layout first, and continues a DeepSpeed checkpoint saved with another
   world size through DeepSpeed's universal format.
 - the DDP communication hook (`ddp_comm_hook`) is registered when Trainer wraps the model.
@@ -61,6 +62,11 @@ class FinetuneTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
+        sharded = self.is_fsdp_enabled and "SHARDED" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
+        if sharded and not _internal_call:
+            # With a sharded state dict Trainer writes no weights at all (checkpoints keep the shards for resuming):
+            # gather the full one on every rank (a collective) and save it as any model, loadable by from_pretrained.
+            self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model))
         other_node = self.args.save_on_each_node and self.args.should_save and self.args.process_index != 0
         if other_node and not _internal_call:
             self._save_weights_on_this_node(output_dir or self.args.output_dir)

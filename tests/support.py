@@ -18,6 +18,9 @@ DEMO_SHORT_RUN = ["--max_steps", "3", "--logging_steps", "1", "--eval_on_start",
                   "--generation_eval_samples", "6"]
 # The Accelerate config (and DeepSpeed JSON swapped in) that runs each strategy on 2 CPU processes.
 CPU_LAUNCHES = {name: SHIPPED_BY_NAME[name].launch(cpu=True) for name in ("ddp", "zero2", "zero3")}
+# FSDP2 on 2 CPU processes: the CPU FSDP config run through the test-only shim that lets Accelerate prepare FSDP
+# on CPU (tests/fsdp_on_cpu.py); without it Trainer falls back to DDP, which the strategy check stops.
+FSDP_ON_CPU = {"config_file": "accelerate_configs/cpu_fsdp.yaml", "program": ("tests/fsdp_on_cpu.py",)}
 # Short LoRA runs of the demo recipe under each of CPU_LAUNCHES; a planted HF_TOKEN must land nowhere.
 LORA_DEMO_RUN = ["--use_lora", "true", "--lora_r", "8", "--learning_rate", "1e-2", "--max_steps", "30",
                  "--logging_steps", "10"]

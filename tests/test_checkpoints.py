@@ -119,6 +119,8 @@ def test_rotation_keeps_the_newest_complete_and_the_best_checkpoint_and_ignores_
 
 
 ZERO2_ON_2 = {"world_size": 2, "zero_stage": 2, "sequences_per_step": 32, "round_robin_gradients": False}
+FSDP_ON_2 = {"world_size": 2, "strategy": "fsdp", "zero_stage": None, "fsdp_sharding": "full_shard",
+             "sequences_per_step": 32}
 
 
 @pytest.mark.parametrize(("saved", "now", "outcome"), [
@@ -137,6 +139,11 @@ ZERO2_ON_2 = {"world_size": 2, "zero_stage": 2, "sequences_per_step": 32, "round
                                                   "convert"),
     ({**ZERO2_ON_2, "zero_stage": 0}, {**ZERO2_ON_2, "zero_stage": 0, "world_size": 1}, "cover ZeRO-1/2/3 only"),
     ({**ZERO2_ON_2, "round_robin_gradients": True}, {**ZERO2_ON_2, "world_size": 1}, "round_robin_gradients: true"),
+    (FSDP_ON_2, {**FSDP_ON_2, "world_size": 1}, False),  # PyTorch's distributed checkpoint reshards
+    (FSDP_ON_2, {**FSDP_ON_2, "strategy": "ddp", "fsdp_sharding": None}, "saved by FSDP full_shard on 2 rank.s. and "
+                                                                         "this run is DDP or one process on 2 rank.s."),
+    (FSDP_ON_2, ZERO2_ON_2, "saved by FSDP full_shard on 2 rank.s. and this run is DeepSpeed ZeRO-2"),
+    (ZERO2_ON_2, FSDP_ON_2, "saved by DeepSpeed ZeRO-2 on 2 rank.s. and this run is FSDP full_shard"),
 ])
 def test_a_checkpoint_from_another_launch_continues_converts_or_stops_with_what_to_do(tmp_path, saved, now, outcome):
     from finetune.checkpoints import resume_needs_universal

@@ -16,9 +16,14 @@ import torch
 DEEPSPEED_GRADIENT_ATTRIBUTES = ("averaged_gradients", "grad_partitions_flat_buffer")
 
 
+def _local(tensor):
+    """An FSDP2 DTensor's shard on this rank; any other tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def _tensors(value):
     if torch.is_tensor(value):
-        yield value.to_local() if hasattr(value, "to_local") else value  # an FSDP2 DTensor: this rank's shard
+        yield _local(value)
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors(item)
@@ -28,6 +33,7 @@ def _tensors(value):
 
 
 def _storage_key(tensor) -> tuple[str, int]:
+    tensor = _local(tensor)
     return tensor.device.type, tensor.untyped_storage().data_ptr()
 
 
