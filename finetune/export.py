@@ -62,18 +62,10 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
         return AutoModelForCausalLM.from_pretrained(source), False
     if (source / "config.json").is_file() and _zero_shards(source):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        from transformers import AutoConfig
 
         check_checkpoint_files(source)  # DeepSpeed unpickles its shards in full
         state = get_fp32_state_dict_from_zero_checkpoint(str(source))
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        tied = {name for name in missing if name.endswith("lm_head.weight") and model.config.tie_word_embeddings}
-        if set(missing) - tied or unexpected:
-            raise RecipeError(f"the ZeRO shards in {source} do not match its config.json "
-                              f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}).")
-        model.tie_weights()
-        return model, False
+        return _model_from_state(state, source, f"the ZeRO shards in {source}"), False
     if (source / FSDP_MODEL_SHARDS).is_dir():
         return _merged_fsdp_model(source), False
     if (source / "pytorch_model.bin").is_file():
@@ -91,7 +83,6 @@ def _merged_fsdp_model(source: Path):
 
     from accelerate.utils import merge_fsdp_weights
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     config_dir = next((folder for folder in (source, source.parent) if (folder / "config.json").is_file()), None)
     if config_dir is None:
@@ -100,11 +91,18 @@ def _merged_fsdp_model(source: Path):
     with tempfile.TemporaryDirectory() as merged:
         merge_fsdp_weights(str(source / FSDP_MODEL_SHARDS), merged, safe_serialization=True)
         state = load_file(str(Path(merged) / "model.safetensors"))
+    return _model_from_state(state, config_dir, f"the FSDP shards in {source}")
+
+
+def _model_from_state(state: dict, config_dir: Path, what: str):
+    """The model `config_dir/config.json` describes, holding the consolidated `state` (a tied head may be absent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {name for name in missing if name.endswith("lm_head.weight") and model.config.tie_word_embeddings}
     if set(missing) - tied or unexpected:
-        raise RecipeError(f"the FSDP shards in {source} do not match {config_dir / 'config.json'} "
+        raise RecipeError(f"{what} do not match {config_dir / 'config.json'} "
                           f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}).")
     model.tie_weights()
     return model
