@@ -98,6 +98,8 @@ ACCELERATE_CONFIGS = [
     _acc("cpu_fsdp", "fsdp_full_shard", "FSDP2 full shard on 2 CPU processes: Accelerate prepares FSDP for GPUs only, "
          "so as it is Trainer falls back to DDP (detected and refused); the tests lift that one refusal "
          "(tests/fsdp_on_cpu.py) and shard for real", "tests of the fallback check and of FSDP2 on CPU", use_cpu=True),
+    _acc("cpu_fsdp_shard_grad_op", "fsdp_shard_grad_op", "FSDP2 shard-grad-op on 2 CPU processes (as cpu_fsdp.yaml)",
+         "tests of FSDP2 on CPU", use_cpu=True),
 ]
 
 SHIPPED = DEEPSPEED_CONFIGS + ACCELERATE_CONFIGS

@@ -21,6 +21,7 @@ CPU_LAUNCHES = {name: SHIPPED_BY_NAME[name].launch(cpu=True) for name in ("ddp",
 # FSDP2 on 2 CPU processes: the CPU FSDP config run through the test-only shim that lets Accelerate prepare FSDP
 # on CPU (tests/fsdp_on_cpu.py); without it Trainer falls back to DDP, which the strategy check stops.
 FSDP_ON_CPU = {"config_file": "accelerate_configs/cpu_fsdp.yaml", "program": ("tests/fsdp_on_cpu.py",)}
+FSDP_SHARD_GRAD_OP_ON_CPU = {**FSDP_ON_CPU, "config_file": "accelerate_configs/cpu_fsdp_shard_grad_op.yaml"}
 # Short LoRA runs of the demo recipe under each of CPU_LAUNCHES; a planted HF_TOKEN must land nowhere.
 LORA_DEMO_RUN = ["--use_lora", "true", "--lora_r", "8", "--learning_rate", "1e-2", "--max_steps", "30",
                  "--logging_steps", "10"]

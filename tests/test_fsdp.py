@@ -1,7 +1,7 @@
 """FSDP2 on 2 CPU processes through the real Trainer + Accelerate path (Accelerate's one refusal of FSDP on CPU lifted
 by tests/fsdp_on_cpu.py): parameters really sharded, the ledger next to the prediction, weights `from_pretrained`
-loads at the end, `finetune export` of a sharded checkpoint, resume with the same losses, and a DDP run refusing an
-FSDP checkpoint."""
+loads at the end, `finetune export` of a sharded checkpoint, resume with the same losses, a DDP run refusing an
+FSDP checkpoint, and LoRA under shard-grad-op."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from support import FSDP_ON_CPU, assert_succeeded, launch_demo
+from support import FSDP_ON_CPU, FSDP_SHARD_GRAD_OP_ON_CPU, LORA_DEMO_RUN, assert_succeeded, launch_demo
 
 from finetune import outputs, presets
 from finetune.checkpoints import COMPLETE_MARKER
@@ -45,13 +45,7 @@ def test_fsdp2_trains_with_parameters_really_sharded(fsdp_run):
 
 
 def test_fsdp_ledger_matches_the_prediction_per_rank(fsdp_run):
-    """Up to FSDP2's padding: each parameter's dim 0 is split into equal shards, the last padded."""
-    ranks = outputs.read_record(fsdp_run, outputs.MEMORY_REPORT)["ranks"]
-    assert [record["strategy"] for record in ranks] == ["fsdp_full_shard"] * 2
-    for record in ranks:
-        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
-            measured, predicted = record["measured"][key], record["predicted"][key]
-            assert abs(measured - predicted) <= 0.001 * predicted, (record["rank"], key, measured, predicted)
+    ledger_matches_prediction(fsdp_run, "fsdp_full_shard")
 
 
 def test_fsdp_run_ends_with_loadable_weights_and_its_checkpoint_exports(fsdp_run, tmp_path):
@@ -90,3 +84,33 @@ def test_fsdp_resume_logs_the_uninterrupted_losses_and_a_ddp_run_refuses_the_che
     assert ("was saved by FSDP full_shard on 2 rank(s) and this run is DDP or one process on 2 rank(s): the "
             "optimizer states of the two do not convert") in result.output
     assert "[rank0]: Traceback" not in result.output and "[rank1]: Traceback" not in result.output
+
+
+def ledger_matches_prediction(output_dir, strategy: str) -> None:
+    """Up to FSDP2's padding: each parameter's dim 0 is split into equal shards, the last padded."""
+    ranks = outputs.read_record(output_dir, outputs.MEMORY_REPORT)["ranks"]
+    assert [record["strategy"] for record in ranks] == [strategy] * 2
+    for record in ranks:
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            measured, predicted = record["measured"][key], record["predicted"][key]
+            assert abs(measured - predicted) <= 0.001 * predicted, (record["rank"], key, measured, predicted)
+
+
+def test_lora_under_fsdp_shard_grad_op_trains_adapters_only_and_saves_them_whole(tmp_path):
+    from safetensors.torch import load_file
+
+    output_dir = tmp_path / "lora"
+    run = [*LORA_DEMO_RUN, "--max_steps", "6", "--logging_steps", "3"]
+    assert_succeeded(launch_demo(FSDP_SHARD_GRAD_OP_ON_CPU["config_file"], output_dir, *run,
+                                 program=FSDP_SHARD_GRAD_OP_ON_CPU["program"]))
+    running = outputs.read_record(output_dir, outputs.EFFECTIVE_CONFIG)["strategy"]["running"]
+    assert (running["strategy"], running["fsdp_sharding"]) == ("fsdp", "shard_grad_op")
+    ledger_matches_prediction(output_dir, "fsdp_shard_grad_op")
+    summary = outputs.read_record(output_dir, outputs.EVAL_RESULTS)
+    assert summary["frozen_weights_unchanged"] is True  # checked on every rank
+    adapter = load_file(output_dir / "adapter_model.safetensors")
+    model = presets.build_model(presets.build_tokenizer(), seed=0)
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+              and name.startswith("model.layers")]
+    assert len(adapter) == 2 * len(linear)  # lora_A and lora_B of every linear layer of the blocks
+    assert all(tensor.abs().sum() > 0 for name, tensor in adapter.items() if "lora_B" in name)  # they trained

@@ -53,7 +53,7 @@ def test_every_shipped_launch_file_belongs_to_a_table_row():
     named = {path for row in SHIPPED for path in (row.deepspeed_file, row.accelerate_file, row.multinode_file) if path}
     assert named <= paths
     cpu_files = {"accelerate_configs/cpu_ddp.yaml", "accelerate_configs/cpu_deepspeed_zero2.yaml",
-                 "accelerate_configs/cpu_fsdp.yaml"}
+                 "accelerate_configs/cpu_fsdp.yaml", "accelerate_configs/cpu_fsdp_shard_grad_op.yaml"}
     assert paths - named == cpu_files  # the CPU twins, launched through `ShippedStrategy.launch(cpu=True)`
 
 
