@@ -14,7 +14,7 @@ import torch
 
 from finetune.configs.lint import lint_deepspeed
 from finetune.errors import RecipeError
-from finetune.strategies import Strategy, launched_strategy
+from finetune.strategies import Strategy, is_true, launched_strategy
 
 
 def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | None]:
@@ -26,7 +26,7 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
         problems = lint_deepspeed(deepspeed, world_size, source=strategy.source or "DeepSpeed config")
         if problems:
             raise RecipeError(" ".join(problems))
-    if _is_true(training_inputs.get("save_on_each_node")) and strategy.zero_stage == 3:
+    if is_true(training_inputs.get("save_on_each_node")) and strategy.zero_stage == 3:
         raise RecipeError("`save_on_each_node: true` with ZeRO-3: DeepSpeed gathers the partitioned weights on "
                           "global rank 0 only; save to a filesystem shared by the nodes, or use ZeRO-2, or "
                           "`finetune export` on node 0.")
@@ -38,12 +38,8 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
     if training_inputs.get("ddp_comm_hook") == "bf16" and not torch.cuda.is_available():
         raise RecipeError("`ddp_comm_hook: bf16` needs CUDA GPUs with NCCL; use fp16 (works over gloo) or no.")
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not _is_true(training_inputs.get("use_cpu")) and torch.cuda.is_available() \
+    if not is_true(training_inputs.get("use_cpu")) and torch.cuda.is_available() \
             and local_processes > torch.cuda.device_count():
         raise RecipeError(f"{local_processes} processes per machine but {torch.cuda.device_count()} visible GPU(s); "
                           "launch with --num_processes equal to the GPU count or fix CUDA_VISIBLE_DEVICES.")
     return strategy, deepspeed
-
-
-def _is_true(value) -> bool:
-    return str(value).lower() == "true"

@@ -18,12 +18,13 @@ from typing import Any
 
 import yaml
 
-from finetune.configs.accelerate import accelerate_config, deepspeed_section_as_json
+from finetune.configs.accelerate import FSDP_SHARDING as GENERATED_FSDP_SHARDING
+from finetune.configs.accelerate import STRATEGIES, accelerate_config, deepspeed_section_as_json
 from finetune.configs.deepspeed import NVME_PATH_PLACEHOLDER, deepspeed_config
 from finetune.errors import RecipeError
 
-KINDS = ("single", "ddp", "deepspeed", "fsdp")
-FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
+KINDS = STRATEGIES  # the generator's names: single, ddp, deepspeed, fsdp
+FSDP_SHARDING = (*GENERATED_FSDP_SHARDING, "no_shard")  # what the shipped configs write, and FSDP1's no_shard
 # FSDP1's ShardingStrategy, by name or by its number in Accelerate configs (1 = FULL_SHARD ...).
 _FSDP1_SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 
@@ -115,7 +116,8 @@ def _offload_device(section) -> str | None:
     return None if device in (None, "none") else str(device)
 
 
-def _truthy(value) -> bool:
+def is_true(value) -> bool:
+    """A flag as YAML, argparse or an environment variable spells it."""
     return str(value).lower() in ("true", "1", "yes")
 
 
@@ -163,7 +165,7 @@ def _fsdp_strategy(section: dict, parallelism: dict, nodes: int, source: str) ->
     version = int(section.get("fsdp_version", 1) or 1)
     reshard = section.get("fsdp_reshard_after_forward", section.get("fsdp_sharding_strategy", True))
     if isinstance(reshard, bool) or str(reshard).lower() in ("true", "false"):
-        sharding = "full_shard" if _truthy(reshard) else "shard_grad_op"
+        sharding = "full_shard" if is_true(reshard) else "shard_grad_op"
     elif str(reshard).isdigit() and 1 <= int(reshard) <= len(_FSDP1_SHARDING):
         sharding = _FSDP1_SHARDING[int(reshard) - 1]
     else:
@@ -223,10 +225,10 @@ def launched_strategy(deepspeed=None, environ=None) -> tuple[Strategy, dict | No
         config = read_deepspeed_file(deepspeed)
         return Strategy.from_deepspeed(config, f"DeepSpeed JSON {deepspeed}", nodes), config
     config: dict[str, Any] = {"num_machines": nodes, "distributed_type": "MULTI_GPU" if world_size > 1 else "NO"}
-    if _truthy(environ.get("ACCELERATE_USE_DEEPSPEED")):
+    if is_true(environ.get("ACCELERATE_USE_DEEPSPEED")):
         config["distributed_type"] = "DEEPSPEED"
         config["deepspeed_config"] = {key: environ[name] for name, key in _DEEPSPEED_ENV.items() if name in environ}
-    elif _truthy(environ.get("ACCELERATE_USE_FSDP")):
+    elif is_true(environ.get("ACCELERATE_USE_FSDP")):
         config["distributed_type"] = "FSDP"
         config["fsdp_config"] = {key: environ[name] for name, key in _FSDP_ENV.items() if name in environ}
         replicate = environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE")

@@ -32,8 +32,11 @@ class FinetuneTrainer(Trainer):
         self.save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
         if self.args.ddp_comm_hook != "no":  # Trainer builds the DDP kwargs handler; the hook goes on at wrapping
             self.accelerator.ddp_handler.comm_hook = DDPCommunicationHookType(self.args.ddp_comm_hook)
-        # micro_batch_mean: compute_loss returns each micro-batch's own mean; training_step divides by accumulation.
-        self.loss_is_scaled_for_ga = False if self.args.loss_normalization == "micro_batch_mean" else None
+        if self.args.loss_normalization == "micro_batch_mean":
+            # compute_loss returns each micro-batch's own mean and training_step divides it by the accumulation steps;
+            # Trainer then need not count (and all-reduce) the step's answer tokens before every step.
+            self.loss_is_scaled_for_ga = False
+            self.model_accepts_loss_kwargs = False
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The loss of one micro-batch.
