@@ -206,10 +206,15 @@ class SeparateOptimizerStepsCallback(TrainerCallback):
 def prepare_resume(trainer, checkpoint: str) -> None:
     """Stops before training if this launch cannot continue from `checkpoint`; converts a DeepSpeed checkpoint saved
     with another world size to DeepSpeed's universal format and has the engine load that."""
-    now = checkpoint_layout(trainer)
+    now, accelerator = checkpoint_layout(trainer), trainer.accelerator
     if not resume_needs_universal(Path(checkpoint), now):
+        marker = Path(checkpoint) / COMPLETE_MARKER
+        saved = json.loads(marker.read_text()) if marker.is_file() else {}
+        if now["strategy"] == "fsdp" and saved.get("world_size", now["world_size"]) != now["world_size"] \
+                and accelerator.is_main_process:
+            print(f"{checkpoint} was saved by {describe_layout(saved)}; continuing on {describe_layout(now)} through "
+                  "PyTorch's distributed checkpoint resharding")
         return
-    accelerator = trainer.accelerator
     with accelerator.main_process_first():
         if accelerator.is_main_process:
             convert_to_universal(Path(checkpoint))

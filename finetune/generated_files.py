@@ -40,12 +40,17 @@ def _ds(name: str, shards: str, use_when: str) -> ShippedConfig:
 
 
 def _acc(file: str, strategy: str, shards: str, use_when: str, *, launch_note: str = "", multinode: bool = False,
-         **variant) -> ShippedConfig:
+         demo: str = DEMO, **variant) -> ShippedConfig:
     """`file` launches the shipped `strategy` (on one node of GPUs, on 2 nodes, or as `variant` says)."""
     path = f"accelerate_configs/{file}.yaml"
     options = {**SHIPPED_BY_NAME[strategy].accelerate_options(multinode), **variant}
     return ShippedConfig(path, partial(accelerate_config, **options), shards, use_when,
-                         f"{launch_note}accelerate launch --config_file {path} {DEMO}")
+                         f"{launch_note}accelerate launch --config_file {path} {demo}")
+
+
+def _cpu_demo(strategy: str) -> str:
+    """The demo run with the program that runs `strategy` on CPU processes."""
+    return " ".join([*SHIPPED_BY_NAME[strategy].launch(cpu=True).program, "train", "recipes/demo.yaml"])
 
 
 def _one_node(name: str, shards: str, use_when: str) -> ShippedConfig:
@@ -95,11 +100,12 @@ ACCELERATE_CONFIGS = [
          use_cpu=True),
     _acc("cpu_deepspeed_zero2", "zero2", "optimizer states + gradients, 2 CPU processes",
          "the demo and tests without a GPU"),
-    _acc("cpu_fsdp", "fsdp_full_shard", "FSDP2 full shard on 2 CPU processes: Accelerate prepares FSDP for GPUs only, "
-         "so as it is Trainer falls back to DDP (detected and refused); the tests lift that one refusal "
-         "(tests/fsdp_on_cpu.py) and shard for real", "tests of the fallback check and of FSDP2 on CPU", use_cpu=True),
+    _acc("cpu_fsdp", "fsdp_full_shard", "FSDP2 full shard on 2 CPU processes: Accelerate prepares FSDP for GPUs only "
+         "(with `-m finetune` Trainer falls back to DDP, which the strategy check refuses); `finetune.fsdp_on_cpu` "
+         "lifts that one refusal and shards for real", "tests and `finetune bench --cpu` of FSDP2", use_cpu=True,
+         demo=_cpu_demo("fsdp_full_shard")),
     _acc("cpu_fsdp_shard_grad_op", "fsdp_shard_grad_op", "FSDP2 shard-grad-op on 2 CPU processes (as cpu_fsdp.yaml)",
-         "tests of FSDP2 on CPU", use_cpu=True),
+         "tests and `finetune bench --cpu` of FSDP2", use_cpu=True, demo=_cpu_demo("fsdp_shard_grad_op")),
 ]
 
 SHIPPED = DEEPSPEED_CONFIGS + ACCELERATE_CONFIGS

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 OUTPUT_TAIL = 6000  # characters of a child's output shown when it fails
 
@@ -38,9 +39,23 @@ def finetune_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "finetune", *args]
 
 
+FINETUNE = ("-m", "finetune")
+
+
+class Launch(NamedTuple):
+    """How a strategy is launched: an Accelerate config, a DeepSpeed JSON swapped in or None, and the program."""
+
+    config_file: str
+    deepspeed_json: str | None = None
+    program: tuple[str, ...] = FINETUNE
+
+    def command(self, *args: str, num_processes: int | None = None) -> list[str]:
+        return accelerate_launch_command(self.config_file, *args, num_processes=num_processes,
+                                         deepspeed_json=self.deepspeed_json, program=self.program)
+
+
 def accelerate_launch_command(config_file: str, *args: str, num_processes: int | None = None,
-                              deepspeed_json: str | None = None,
-                              program: tuple[str, ...] = ("-m", "finetune")) -> list[str]:
+                              deepspeed_json: str | None = None, program: tuple[str, ...] = FINETUNE) -> list[str]:
     """`accelerate launch --config_file CONFIG [--num_processes N] [--deepspeed_config_file JSON] --main_process_port
     PORT -m finetune ARGS` (or another `program`: a script path)."""
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file]

@@ -1,7 +1,7 @@
 """Launch preflight: what this process was asked to run, checked before `TrainingArguments` starts a process group.
 
 The DeepSpeed config (a file, or the one Accelerate builds from inline keys) is linted; combinations that cannot
-work (per-node saving under ZeRO-3, a bf16 comm hook without NCCL, more processes than GPUs, a half-written
+work (per-node saving under ZeRO-3 or FSDP1, a bf16 comm hook without NCCL, more processes than GPUs, a half-written
 checkpoint to resume) stop with a `RecipeError` that says what to change.
 """
 
@@ -30,6 +30,10 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
         raise RecipeError("`save_on_each_node: true` with ZeRO-3: DeepSpeed gathers the partitioned weights on "
                           "global rank 0 only; save to a filesystem shared by the nodes, or use ZeRO-2, or "
                           "`finetune export` on node 0.")
+    if is_true(training_inputs.get("save_on_each_node")) and strategy.kind == "fsdp" and strategy.fsdp_version == 1:
+        raise RecipeError("`save_on_each_node: true` with FSDP1: its full state dict is gathered on global rank 0 "
+                          "only; set `fsdp_version: 2` in the Accelerate config (the shipped FSDP configs do), or save "
+                          "to a filesystem shared by the nodes.")
     resume = training_inputs.get("resume_from_checkpoint")
     if resume not in (None, "", "auto", "false", "False"):
         from finetune.checkpoints import check_explicit_checkpoint

@@ -22,6 +22,7 @@ from finetune.configs.accelerate import FSDP_SHARDING as GENERATED_FSDP_SHARDING
 from finetune.configs.accelerate import STRATEGIES, accelerate_config, deepspeed_section_as_json
 from finetune.configs.deepspeed import NVME_PATH_PLACEHOLDER, deepspeed_config
 from finetune.errors import RecipeError
+from finetune.launching import Launch
 
 KINDS = STRATEGIES  # the generator's names: single, ddp, deepspeed, fsdp
 FSDP_SHARDING = (*GENERATED_FSDP_SHARDING, "no_shard")  # what the shipped configs write, and FSDP1's no_shard
@@ -323,19 +324,22 @@ class ShippedStrategy:
         config = accelerate_config(**self.accelerate_options(multinode))
         return Strategy.from_accelerate(config, self.accelerate_file or self.multinode_file)
 
-    def launch(self, cpu: bool) -> tuple[str, str | None]:
-        """`(Accelerate config, DeepSpeed JSON to swap in or None)` that runs it on GPUs, or on 2 CPU processes."""
+    def launch(self, cpu: bool) -> Launch:
+        """What runs it on GPUs, or on 2 CPU processes (FSDP there through `finetune.fsdp_on_cpu`)."""
         if cpu:
             if not self.cpu:
                 raise RecipeError(f"{self.label} does not run on CPU processes.")
             if self.kind == "ddp":
-                return "accelerate_configs/cpu_ddp.yaml", None
-            return "accelerate_configs/cpu_deepspeed_zero2.yaml", self.deepspeed_file
+                return Launch("accelerate_configs/cpu_ddp.yaml")
+            if self.kind == "fsdp":
+                suffix = "" if self.fsdp_sharding == "full_shard" else f"_{self.fsdp_sharding}"
+                return Launch(f"accelerate_configs/cpu_fsdp{suffix}.yaml", program=("-m", "finetune.fsdp_on_cpu"))
+            return Launch("accelerate_configs/cpu_deepspeed_zero2.yaml", self.deepspeed_file)
         if self.accelerate_file is not None:
-            return self.accelerate_file, None
+            return Launch(self.accelerate_file)
         if self.deepspeed_file is not None:
-            return "accelerate_configs/deepspeed_zero2.yaml", self.deepspeed_file
-        return self.multinode_file, None
+            return Launch("accelerate_configs/deepspeed_zero2.yaml", self.deepspeed_file)
+        return Launch(self.multinode_file)
 
 
 # In the decision tree's order: the first candidate that fits is what `finetune plan` recommends. Cross-node volumes:
@@ -356,12 +360,13 @@ SHIPPED = (
                     deepspeed=dict(stage=2), decision_tree=True, cross_node=_ALL_REDUCE,
                     multinode_file="accelerate_configs/multinode_deepspeed_zero2.yaml", cpu=True),
     ShippedStrategy("fsdp_shard_grad_op", "FSDP shard-grad-op", "fsdp", fsdp_sharding="shard_grad_op",
-                    accelerate_file="accelerate_configs/fsdp_shard_grad_op.yaml", decision_tree=True),
+                    accelerate_file="accelerate_configs/fsdp_shard_grad_op.yaml", decision_tree=True, cpu=True),
     ShippedStrategy("zero3", "ZeRO-3", "deepspeed", accelerate_file="accelerate_configs/deepspeed_zero3.yaml",
                     deepspeed=dict(stage=3), decision_tree=True, cross_node=_GATHER_EVERYTHING, cpu=True),
     ShippedStrategy("fsdp_full_shard", "FSDP full-shard", "fsdp", fsdp_sharding="full_shard",
                     accelerate_file="accelerate_configs/fsdp_full_shard.yaml", decision_tree=True,
-                    cross_node=_GATHER_EVERYTHING, multinode_file="accelerate_configs/multinode_fsdp_full_shard.yaml"),
+                    cross_node=_GATHER_EVERYTHING, multinode_file="accelerate_configs/multinode_fsdp_full_shard.yaml",
+                    cpu=True),
     ShippedStrategy("zero2_offload", "ZeRO-2 + CPU offload", "deepspeed",
                     accelerate_file="accelerate_configs/deepspeed_zero2_offload.yaml",
                     deepspeed=dict(stage=2, offload_optimizer="cpu"), decision_tree=True, cpu=True),

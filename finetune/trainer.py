@@ -8,6 +8,8 @@
 - `train`: resuming checks the checkpoint's layout first, and continues a DeepSpeed checkpoint saved with another
   world size through DeepSpeed's universal format.
 - the DDP communication hook (`ddp_comm_hook`) is registered when Trainer wraps the model.
+- `create_accelerator_and_postprocess`: FSDP2 mixed precision computes in bf16/fp16 but reduces gradients and returns
+  the loss in fp32, as autocast does under DDP (Accelerate's policy casts both to the half dtype).
 """
 
 from __future__ import annotations
@@ -38,6 +40,18 @@ class FinetuneTrainer(Trainer):
             self.loss_is_scaled_for_ga = False
             self.model_accepts_loss_kwargs = False
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        plugin = self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None
+        if plugin is not None and plugin.fsdp_version == 2 and self.accelerator.mixed_precision in ("bf16", "fp16"):
+            import torch
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            # Accelerate's FSDP2 policy also reduce-scatters gradients and casts the model's outputs (the loss among
+            # them) to the half dtype: a loss logged to 3 significant digits and half-precision gradient sums.
+            compute = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float16
+            plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The loss of one micro-batch.
 
@@ -65,22 +79,43 @@ class FinetuneTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
-        sharded = self.is_fsdp_enabled and "SHARDED" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
-        if sharded and not _internal_call:
-            # With a sharded state dict Trainer writes no weights at all (checkpoints keep the shards for resuming):
-            # gather the full one on every rank (a collective) and save it as any model, loadable by from_pretrained.
-            self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model))
+        if _internal_call:  # a checkpoint: its shards are what resuming reads
+            return
+        output_dir = output_dir or self.args.output_dir
         other_node = self.args.save_on_each_node and self.args.should_save and self.args.process_index != 0
-        if other_node and not _internal_call:
-            self._save_weights_on_this_node(output_dir or self.args.output_dir)
+        state_dict = None
+        if self.is_fsdp_enabled and self.args.save_on_each_node:
+            state_dict = self._gather_full_state_dict(keep=self.args.should_save)  # a collective: every rank
+        sharded = self.is_fsdp_enabled and "SHARDED" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
+        if sharded:
+            # With a sharded state dict Trainer writes no weights at all: save the full one as any model is saved,
+            # loadable by from_pretrained (gathered above, or by Accelerate on rank 0: a collective too).
+            if not self.args.save_on_each_node:
+                state_dict = self.accelerator.get_state_dict(self.model)
+            self._save(output_dir, state_dict=state_dict)
+        if other_node:
+            self._save_weights_on_this_node(output_dir, state_dict)
 
-    def _save_weights_on_this_node(self, output_dir: str) -> None:
+    def _gather_full_state_dict(self, keep: bool) -> dict | None:
+        """FSDP2's parameters gathered whole one at a time (a collective, on every rank), kept in host memory where
+        `keep`: each node's first process then holds one copy (Accelerate's gather keeps it on rank 0 only)."""
+        from torch.distributed.tensor import DTensor
+
+        state_dict = {}
+        for name, tensor in self.accelerator.unwrap_model(self.model).state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if keep:
+                state_dict[name] = full.detach().cpu()
+        return state_dict if keep else None
+
+    def _save_weights_on_this_node(self, output_dir: str, state_dict: dict | None) -> None:
         """`save_on_each_node` is for nodes without a shared filesystem, but Transformers' `save_pretrained` writes
         weights on global rank 0 only: the other nodes would get a tokenizer and no model. Their local main process
-        writes the weights too (whole on every rank under DDP and ZeRO-0/1/2), through the same `save_pretrained`."""
+        writes the weights too (whole on every rank under DDP and ZeRO-0/1/2, gathered under FSDP), through the same
+        `save_pretrained`."""
         model = self.accelerator.unwrap_model(self.model)
-        # The state dict Trainer.save_model gives save_pretrained on rank 0, so that every node writes the same file.
-        state_dict = self.accelerator.get_state_dict(self.deepspeed) if self.is_deepspeed_enabled else None
+        if state_dict is None and self.is_deepspeed_enabled:  # what Trainer.save_model gives save_pretrained on rank 0
+            state_dict = self.accelerator.get_state_dict(self.deepspeed)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.should_save_on_this_rank = lambda is_main_process: is_main_process  # this instance, this call only
         try:

@@ -53,9 +53,9 @@ def lora_runs(tmp_path_factory):
     from support import CPU_LAUNCHES, LORA_DEMO_RUN, PLANTED_TOKEN, assert_succeeded, launch_demo
 
     runs = {}
-    for name, (config, deepspeed_json) in CPU_LAUNCHES.items():
+    for name, launch in CPU_LAUNCHES.items():
         output_dir = tmp_path_factory.mktemp(f"lora_{name}")
-        result = launch_demo(config, output_dir, *LORA_DEMO_RUN, deepspeed_json=deepspeed_json,
+        result = launch_demo(launch, output_dir, *LORA_DEMO_RUN,
                              env={"HF_TOKEN": PLANTED_TOKEN})
         assert_succeeded(result)
         assert PLANTED_TOKEN not in result.output

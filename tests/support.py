@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune import launching
-from finetune.launching import OUTPUT_TAIL, accelerate_launch_command, finetune_command, free_port  # noqa: F401
+from finetune.launching import OUTPUT_TAIL, Launch, accelerate_launch_command, finetune_command, free_port  # noqa: F401
 from finetune.strategies import SHIPPED, SHIPPED_BY_NAME
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -18,10 +18,10 @@ DEMO_SHORT_RUN = ["--max_steps", "3", "--logging_steps", "1", "--eval_on_start",
                   "--generation_eval_samples", "6"]
 # The Accelerate config (and DeepSpeed JSON swapped in) that runs each strategy on 2 CPU processes.
 CPU_LAUNCHES = {name: SHIPPED_BY_NAME[name].launch(cpu=True) for name in ("ddp", "zero2", "zero3")}
-# FSDP2 on 2 CPU processes: the CPU FSDP config run through the test-only shim that lets Accelerate prepare FSDP
-# on CPU (tests/fsdp_on_cpu.py); without it Trainer falls back to DDP, which the strategy check stops.
-FSDP_ON_CPU = {"config_file": "accelerate_configs/cpu_fsdp.yaml", "program": ("tests/fsdp_on_cpu.py",)}
-FSDP_SHARD_GRAD_OP_ON_CPU = {**FSDP_ON_CPU, "config_file": "accelerate_configs/cpu_fsdp_shard_grad_op.yaml"}
+# FSDP2 on 2 CPU processes: the CPU FSDP configs run by `finetune.fsdp_on_cpu`, which lets Accelerate prepare FSDP on
+# CPU; with `-m finetune` Trainer falls back to DDP, which the strategy check stops.
+FSDP_ON_CPU = SHIPPED_BY_NAME["fsdp_full_shard"].launch(cpu=True)
+FSDP_SHARD_GRAD_OP_ON_CPU = SHIPPED_BY_NAME["fsdp_shard_grad_op"].launch(cpu=True)
 # Short LoRA runs of the demo recipe under each of CPU_LAUNCHES; a planted HF_TOKEN must land nowhere.
 LORA_DEMO_RUN = ["--use_lora", "true", "--lora_r", "8", "--learning_rate", "1e-2", "--max_steps", "30",
                  "--logging_steps", "10"]
@@ -39,12 +39,16 @@ def assert_succeeded(result) -> None:
         )
 
 
-def launch_demo(config_file: str, output_dir, *extra: str, deepspeed_json: str | None = None, timeout: float = 600,
-                env: dict | None = None, num_processes: int | None = None,
-                program: tuple[str, ...] = ("-m", "finetune")):
-    """A short 2-process run of recipes/demo.yaml under an Accelerate config, optionally with another DeepSpeed JSON,
-    another process count or another program in place of `python -m finetune`."""
-    command = accelerate_launch_command(config_file, "train", "recipes/demo.yaml", "--output_dir", str(output_dir),
-                                        *DEMO_SHORT_RUN, *extra, num_processes=num_processes,
-                                        deepspeed_json=deepspeed_json, program=program)
+def launch_demo(launch: Launch | str, output_dir, *extra: str, deepspeed_json: str | None = None,
+                timeout: float = 600, env: dict | None = None, num_processes: int | None = None,
+                program: tuple[str, ...] | None = None):
+    """A short 2-process run of recipes/demo.yaml as `launch` says (or under an Accelerate config file), optionally with
+    another DeepSpeed JSON, another process count or another program in place of the launch's."""
+    launch = Launch(launch) if isinstance(launch, str) else launch
+    if deepspeed_json is not None:
+        launch = launch._replace(deepspeed_json=deepspeed_json)
+    if program is not None:
+        launch = launch._replace(program=program)
+    command = launch.command("train", "recipes/demo.yaml", "--output_dir", str(output_dir), *DEMO_SHORT_RUN, *extra,
+                             num_processes=num_processes)
     return run(command, timeout=timeout, env=env)

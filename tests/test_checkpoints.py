@@ -25,9 +25,9 @@ def losses(output_dir) -> dict[int, float]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(CPU_LAUNCHES))
 def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
-    config, deepspeed_json = CPU_LAUNCHES[name]
+    launch = CPU_LAUNCHES[name]
     whole = tmp_path / "whole"
-    assert_succeeded(launch_demo(config, whole, *RUN, deepspeed_json=deepspeed_json))
+    assert_succeeded(launch_demo(launch, whole, *RUN))
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     assert (whole / "checkpoint-3" / COMPLETE_MARKER).is_file() and (whole / "checkpoint-6" / COMPLETE_MARKER).is_file()
@@ -38,8 +38,8 @@ def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
     (half_written / "trainer_state.json").unlink()
     with pytest.raises(RecipeError, match="checkpoint-6` is incomplete"):
         parse_recipe("recipes/demo.yaml", ["--resume_from_checkpoint", str(half_written)])
-    result = launch_demo(config, resumed, *RUN, "--resume_from_checkpoint", "auto", "--generation_eval_samples", "5",
-                         deepspeed_json=deepspeed_json)  # a changed key that leaves the losses alone
+    # a changed key that leaves the losses alone
+    result = launch_demo(launch, resumed, *RUN, "--resume_from_checkpoint", "auto", "--generation_eval_samples", "5")
     assert_succeeded(result)
     assert "warning: the recipe differs from the one" in result.output
     assert "generation_eval_samples: 6 → 5" in result.output
@@ -50,17 +50,17 @@ def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
     for step in (4, 5, 6):  # same model, optimizer, schedule, RNG and data position
         assert got[step] == pytest.approx(expected[step], abs=1e-4), (step, expected, got)
     if name == "ddp":
-        refuses_a_planted_payload(config, whole, tmp_path)
+        refuses_a_planted_payload(launch, whole, tmp_path)
 
 
-def refuses_a_planted_payload(config, run_dir, tmp_path):
+def refuses_a_planted_payload(launch, run_dir, tmp_path):
     """A checkpoint file carrying a pickle payload is refused, not executed."""
     import torch
 
     checkpoint = run_dir / "checkpoint-3"
     proof = tmp_path / "payload-ran"
     torch.save({"rng": Payload(proof)}, checkpoint / "rng_state_1.pth")
-    result = launch_demo(config, run_dir, *RUN, "--resume_from_checkpoint", str(checkpoint))
+    result = launch_demo(launch, run_dir, *RUN, "--resume_from_checkpoint", str(checkpoint))
     assert result.returncode != 0 and not proof.exists()
     assert result.output.count(f"finetune: error: {checkpoint / 'rng_state_1.pth'} references io.open, which is "
                                "not checkpoint state; refusing to load it") == 1

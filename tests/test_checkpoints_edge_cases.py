@@ -43,19 +43,17 @@ def checkpoints(output_dir) -> dict[str, bool]:
 def crashed_zero2(tmp_path_factory):
     """ZeRO-2 with save_total_limit 1: rank 1 killed while saving step 4, rerun with auto and rank 1 killed starting
     step 5, rerun with auto to the end. Records what was on disk after each run."""
-    config, deepspeed_json = CPU_LAUNCHES["zero2"]
+    launch = CPU_LAUNCHES["zero2"]
     root = tmp_path_factory.mktemp("crash")
     out, record = root / "run", {}
-    record["mid_save"] = launch_demo(config, out, *SAVE_EVERY_2, program=FAULTS, env=kill_rank_1("save", 4),
-                                     deepspeed_json=deepspeed_json)
+    record["mid_save"] = launch_demo(launch, out, *SAVE_EVERY_2, program=FAULTS, env=kill_rank_1("save", 4))
     record["after_mid_save"] = checkpoints(out)
     record["model_written_mid_save"] = (out / "checkpoint-4" / "model.safetensors").is_file()
     shutil.copytree(out / "checkpoint-2", root / "kept" / "checkpoint-2")  # for the world-size test
-    record["mid_run"] = launch_demo(config, out, *SAVE_EVERY_2, "--resume_from_checkpoint", "auto", program=FAULTS,
-                                    env=kill_rank_1("step", 5), deepspeed_json=deepspeed_json)
+    record["mid_run"] = launch_demo(launch, out, *SAVE_EVERY_2, "--resume_from_checkpoint", "auto", program=FAULTS,
+                                    env=kill_rank_1("step", 5))
     record["after_mid_run"] = checkpoints(out)
-    record["rerun"] = launch_demo(config, out, *SAVE_EVERY_2, "--resume_from_checkpoint", "auto",
-                                  deepspeed_json=deepspeed_json)
+    record["rerun"] = launch_demo(launch, out, *SAVE_EVERY_2, "--resume_from_checkpoint", "auto")
     return root, out, record
 
 
@@ -87,9 +85,8 @@ def test_a_rank_killed_mid_save_and_mid_run_then_auto_continues_and_finishes(cra
 
 def assert_continues_on_one_rank(name: str, two_ranks, one_rank) -> None:
     """Resumes the complete checkpoint-2 copied into `one_rank` on one process; losses as on 2 ranks."""
-    config, deepspeed_json = CPU_LAUNCHES[name]
-    result = launch_demo(config, one_rank, *SAVE_EVERY_2, "--resume_from_checkpoint", "auto",
-                         deepspeed_json=deepspeed_json, num_processes=1)
+    launch = CPU_LAUNCHES[name]
+    result = launch_demo(launch, one_rank, *SAVE_EVERY_2, "--resume_from_checkpoint", "auto", num_processes=1)
     assert_succeeded(result)
     stage = {"zero2": 2, "zero3": 3}[name]
     assert (f"{one_rank / 'checkpoint-2'} was saved by DeepSpeed ZeRO-{stage} on 2 rank(s); continuing on DeepSpeed "
@@ -109,10 +106,9 @@ def test_a_zero2_checkpoint_continues_on_one_rank_through_the_universal_format(c
 
 @pytest.mark.distributed
 def test_a_zero3_checkpoint_continues_on_one_rank_through_the_universal_format(tmp_path):
-    config, deepspeed_json = CPU_LAUNCHES["zero3"]
+    launch = CPU_LAUNCHES["zero3"]
     two_ranks = tmp_path / "two-ranks"
-    assert_succeeded(launch_demo(config, two_ranks, *SAVE_EVERY_2, "--save_total_limit", "3",
-                                 deepspeed_json=deepspeed_json))
+    assert_succeeded(launch_demo(launch, two_ranks, *SAVE_EVERY_2, "--save_total_limit", "3"))
     shutil.copytree(two_ranks / "checkpoint-2", tmp_path / "one-rank" / "checkpoint-2")
     assert_continues_on_one_rank("zero3", two_ranks, tmp_path / "one-rank")
 
@@ -139,17 +135,17 @@ def epoch_run(tmp_path_factory):
     train_file = root / "train.jsonl"
     train_file.write_text("".join(json.dumps({"instruction": f"copy {i}", "input": "", "output": str(i)}) + "\n"
                                   for i in range(64)))
-    config, _ = CPU_LAUNCHES["ddp"]
+    launch = CPU_LAUNCHES["ddp"]
     extra = [*EPOCHS, "--train_file", str(train_file)]
     (root / "whole-log").mkdir()
-    assert_succeeded(launch_demo(config, root / "whole", *extra, program=FAULTS,
+    assert_succeeded(launch_demo(launch, root / "whole", *extra, program=FAULTS,
                                  env={"FAULT_BATCH_LOG": str(root / "whole-log")}))
-    return root, config, extra
+    return root, launch, extra
 
 
 @pytest.mark.distributed
 def test_resuming_past_an_epoch_boundary_sees_each_example_once_per_epoch(epoch_run):
-    root, config, extra = epoch_run
+    root, launch, extra = epoch_run
     whole = batches(root / "whole-log")
     for epoch_steps in ((1, 2), (3, 4), (5, 6)):
         rows = Counter(row for (step, _), step_rows in whole.items() if step in epoch_steps for row in step_rows)
@@ -157,7 +153,7 @@ def test_resuming_past_an_epoch_boundary_sees_each_example_once_per_epoch(epoch_
     resumed = root / "resumed"
     shutil.copytree(root / "whole" / "checkpoint-3", resumed / "checkpoint-3")
     (root / "resumed-log").mkdir()
-    assert_succeeded(launch_demo(config, resumed, *extra, "--resume_from_checkpoint", "auto", program=FAULTS,
+    assert_succeeded(launch_demo(launch, resumed, *extra, "--resume_from_checkpoint", "auto", program=FAULTS,
                                  env={"FAULT_BATCH_LOG": str(root / "resumed-log")}))
     assert batches(root / "resumed-log") == {key: rows for key, rows in whole.items() if key[0] > 3}
     expected, got = logged_losses(root / "whole"), logged_losses(resumed)

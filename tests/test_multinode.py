@@ -229,3 +229,16 @@ def test_save_on_each_node_is_refused_under_zero3_before_any_process_group(monke
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "deepspeed_configs/zero3.json")
     with pytest.raises(RecipeError, match=r"`save_on_each_node: true` with ZeRO-3.*shared by the nodes"):
         parse_recipe("recipes/demo.yaml", ["--save_on_each_node", "true"])
+
+
+def test_save_on_each_node_is_refused_under_fsdp1_before_any_process_group(monkeypatch):
+    """FSDP1 gathers the full state dict on global rank 0 only (FSDP2 is gathered on every node: tests/test_fsdp.py)."""
+    from finetune.recipe import parse_recipe
+
+    monkeypatch.chdir(PROJECT_ROOT)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(RecipeError, match=r"`save_on_each_node: true` with FSDP1.*`fsdp_version: 2`"):
+        parse_recipe("recipes/demo.yaml", ["--save_on_each_node", "true"])
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert parse_recipe("recipes/demo.yaml", ["--save_on_each_node", "true"]).training.save_on_each_node is True

@@ -52,9 +52,13 @@ def test_every_shipped_launch_file_belongs_to_a_table_row():
     paths = {config.path for config in SHIPPED_FILES}
     named = {path for row in SHIPPED for path in (row.deepspeed_file, row.accelerate_file, row.multinode_file) if path}
     assert named <= paths
-    cpu_files = {"accelerate_configs/cpu_ddp.yaml", "accelerate_configs/cpu_deepspeed_zero2.yaml",
-                 "accelerate_configs/cpu_fsdp.yaml", "accelerate_configs/cpu_fsdp_shard_grad_op.yaml"}
+    cpu_files = {row.launch(cpu=True).config_file for row in SHIPPED if row.cpu}
+    assert cpu_files == {"accelerate_configs/cpu_ddp.yaml", "accelerate_configs/cpu_deepspeed_zero2.yaml",
+                         "accelerate_configs/cpu_fsdp.yaml", "accelerate_configs/cpu_fsdp_shard_grad_op.yaml"}
     assert paths - named == cpu_files  # the CPU twins, launched through `ShippedStrategy.launch(cpu=True)`
+    for row in SHIPPED:
+        if row.cpu:  # each CPU twin runs the row's own strategy
+            assert read_config_file(row.launch(cpu=True).config_file)[0].kind == row.kind
 
 
 def test_the_bucket_the_estimator_counts_is_the_one_the_generated_config_sets(monkeypatch):

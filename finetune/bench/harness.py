@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from finetune import outputs
-from finetune.launching import accelerate_launch_command, finetune_command, run
+from finetune.launching import finetune_command, run
 from finetune.strategies import SHIPPED, SHIPPED_BY_NAME
 
 # The strategies the bench compares: every shipped one that also runs on CPU processes, launched as the table says.
@@ -109,8 +109,7 @@ def command(variant: Variant, settings: Settings, output_dir: Path) -> list[str]
             "--generation_eval_samples", "0", "--bf16", str(settings.bf16).lower(), *variant.extra]
     if variant.launch is None:
         return finetune_command(*args)
-    config, deepspeed_json = SHIPPED_BY_NAME[variant.launch].launch(cpu=not settings.cuda)
-    return accelerate_launch_command(config, *args, num_processes=variant.processes, deepspeed_json=deepspeed_json)
+    return SHIPPED_BY_NAME[variant.launch].launch(cpu=not settings.cuda).command(*args, num_processes=variant.processes)
 
 
 def read_result(output_dir: Path) -> dict:
