@@ -4,7 +4,8 @@
 - A DeepSpeed checkpoint that holds only ZeRO shards (`global_step*/`) is consolidated with DeepSpeed's own
   `get_fp32_state_dict_from_zero_checkpoint` into the model its `config.json` describes.
 - An FSDP checkpoint (a sharded state dict, `pytorch_model_fsdp_0/`) is consolidated with Accelerate's
-  `merge_fsdp_weights` into the model the run's `config.json` describes (the checkpoint's, or its output_dir's).
+  `merge_fsdp_weights` into the model the run's `config.json` describes (the checkpoint's, or its output_dir's);
+  under LoRA the shards hold the adapters only, loaded into the base its `adapter_config.json` names.
 - A LoRA adapter (`adapter_config.json`) is merged into its base (`--merge-lora`) or saved as a standalone
   adapter. The base is `--base-model`, else the adapter's `base_model_name_or_path`; the `tiny` preset is
   rebuilt from `--seed` (the recipe's seed).
@@ -33,7 +34,9 @@ def _base_model(name: str | None, seed: int):
     if not name:
         raise RecipeError("the adapter does not name its base model: pass --base-model (a directory, hub id or tiny).")
     if name == presets.TINY_MODEL:
-        return presets.build_model(presets.build_tokenizer(), seed=seed)
+        model = presets.build_model(presets.build_tokenizer(), seed=seed)
+        model.config.name_or_path = model.name_or_path = presets.TINY_MODEL  # what the adapter names as its base
+        return model
     return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES["auto"])
 
 
@@ -47,6 +50,8 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
 
     if not source.is_dir():
         raise RecipeError(f"{source} is not a directory: give a run's output_dir or one of its checkpoint-N folders.")
+    if (source / FSDP_MODEL_SHARDS).is_dir():
+        return _merged_fsdp_model(source, merge_lora, base_model, seed)
     if (source / "adapter_config.json").is_file():
         import json
 
@@ -66,8 +71,6 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
         check_checkpoint_files(source)  # DeepSpeed unpickles its shards in full
         state = get_fp32_state_dict_from_zero_checkpoint(str(source))
         return _model_from_state(state, source, f"the ZeRO shards in {source}"), False
-    if (source / FSDP_MODEL_SHARDS).is_dir():
-        return _merged_fsdp_model(source), False
     if (source / "pytorch_model.bin").is_file():
         raise RecipeError(f"{source} has only pickled weights (pytorch_model.bin); they are not loaded, for safety. "
                           "Convert them where you trust the file, e.g. with safetensors' convert script.")
@@ -78,20 +81,35 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
 FSDP_MODEL_SHARDS = "pytorch_model_fsdp_0"  # Accelerate's `save_fsdp_model` folder in a checkpoint
 
 
-def _merged_fsdp_model(source: Path):
+def _merged_fsdp_model(source: Path, merge_lora: bool, base_model: str | None, seed: int):
+    """`(model, is_adapter)` from an FSDP checkpoint's shards: the whole model, or a LoRA run's adapters."""
     import tempfile
 
     from accelerate.utils import merge_fsdp_weights
     from safetensors.torch import load_file
 
+    with tempfile.TemporaryDirectory() as merged:
+        merge_fsdp_weights(str(source / FSDP_MODEL_SHARDS), merged, safe_serialization=True)
+        state = load_file(str(Path(merged) / "model.safetensors"))
+    adapter_dir = next((folder for folder in (source, source.parent) if (folder / "adapter_config.json").is_file()),
+                       None)
+    if adapter_dir is not None and all(name.startswith("base_model.model.") for name in state):
+        from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
+
+        config = PeftConfig.from_pretrained(adapter_dir)
+        model = get_peft_model(_base_model(base_model or config.base_model_name_or_path, seed), config)
+        result = set_peft_model_state_dict(model, state)
+        if result.unexpected_keys:
+            raise RecipeError(f"the FSDP shards in {source} do not match {adapter_dir / 'adapter_config.json'} "
+                              f"(unexpected {sorted(result.unexpected_keys)[:3]}).")
+        return (model.merge_and_unload(), False) if merge_lora else (model, True)
+    if merge_lora:
+        raise RecipeError(f"--merge-lora: {source} holds no LoRA adapter (no adapter_config.json).")
     config_dir = next((folder for folder in (source, source.parent) if (folder / "config.json").is_file()), None)
     if config_dir is None:
         raise RecipeError(f"{source} holds FSDP shards but no config.json, nor does {source.parent}: export the run's "
                           "output_dir after training finished, or copy its config.json next to the shards.")
-    with tempfile.TemporaryDirectory() as merged:
-        merge_fsdp_weights(str(source / FSDP_MODEL_SHARDS), merged, safe_serialization=True)
-        state = load_file(str(Path(merged) / "model.safetensors"))
-    return _model_from_state(state, config_dir, f"the FSDP shards in {source}")
+    return _model_from_state(state, config_dir, f"the FSDP shards in {source}"), False
 
 
 def _model_from_state(state: dict, config_dir: Path, what: str):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from accelerate.utils import gather_object
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from finetune import presets
+from finetune.strategies import Strategy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -24,14 +27,14 @@ def load_tokenizer(model_args):
     return tokenizer
 
 
-def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False):
+def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strategy: Strategy | None = None):
     if model_args.model_name_or_path == presets.TINY_MODEL and not qlora:
         dtype = None if model_args.torch_dtype == "auto" else DTYPES[model_args.torch_dtype]
         model = presets.build_model(tokenizer, seed=seed, dtype=dtype)
         model.config.name_or_path = model.name_or_path = presets.TINY_MODEL  # peft records it as the adapter's base
         return model
     if qlora:
-        return _load_4bit(model_args, tokenizer, seed)
+        return _load_4bit(model_args, tokenizer, seed, strategy or Strategy("single"))
     return AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
         dtype=DTYPES[model_args.torch_dtype],
@@ -40,17 +43,42 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False):
     )
 
 
-def _load_4bit(model_args, tokenizer, seed: int):
-    """The QLoRA base: NF4 weights with double quantization and bf16 compute (Dettmers et al. 2023), or fp16
-    compute with `torch_dtype: float16` (GPUs without bf16, such as the T4), on this process's GPU, prepared for
-    k-bit training by peft (norms in fp32, input gradients on)."""
+@dataclass(frozen=True)
+class QLoRALoad:
+    """How the QLoRA base is loaded under a strategy (`qlora_load`)."""
+
+    quantization: dict           # BitsAndBytesConfig arguments
+    dtype: torch.dtype           # of everything not quantized
+    device_map: dict | None      # None: the strategy places the shards
+    prepare_for_kbit: bool       # peft's prepare_model_for_kbit_training (upcasts the unquantized weights to fp32)
+
+
+def qlora_load(strategy: Strategy, torch_dtype: str, local_rank: int = 0) -> QLoRALoad:
+    """NF4 weights with double quantization (Dettmers et al. 2023), computing in bf16, or in fp16 with `torch_dtype:
+    float16` (GPUs without bf16, such as the T4).
+
+    Where parameters are sharded (FSDP, ZeRO-3) the packed 4-bit weights are stored in the compute dtype
+    (`bnb_4bit_quant_storage`), because FSDP and ZeRO-3 shard floating-point tensors only; nothing is placed on a GPU
+    up front (the strategy shards, then places), and peft's k-bit preparation is skipped: its fp32 upcast would mix
+    dtypes inside an FSDP unit, as in the Hugging Face FSDP-QLoRA and DeepSpeed-QLoRA guides. Elsewhere each process
+    loads the whole quantized model onto its own GPU."""
+    compute = torch.float16 if torch_dtype == "float16" else torch.bfloat16
+    quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                    "bnb_4bit_compute_dtype": compute}
+    if strategy.shards_parameters:
+        return QLoRALoad({**quantization, "bnb_4bit_quant_storage": compute}, compute, None, False)
+    return QLoRALoad(quantization, compute, {"": local_rank}, True)
+
+
+def _load_4bit(model_args, tokenizer, seed: int, strategy: Strategy):
+    """The QLoRA base as `qlora_load` says, on this process's GPU or ready for the strategy to shard."""
     import os
     import tempfile
 
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
-    compute_dtype = torch.float16 if model_args.torch_dtype == "float16" else torch.bfloat16
+    load = qlora_load(strategy, model_args.torch_dtype, int(os.environ.get("LOCAL_RANK", "0")))
     source = model_args.model_name_or_path
     with tempfile.TemporaryDirectory() as directory:
         if source == presets.TINY_MODEL:  # quantization happens in from_pretrained: save the preset first
@@ -58,16 +86,16 @@ def _load_4bit(model_args, tokenizer, seed: int):
             source = directory
         model = AutoModelForCausalLM.from_pretrained(
             source,
-            quantization_config=BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=compute_dtype,
-            ),
-            dtype=compute_dtype,
-            device_map={"": int(os.environ.get("LOCAL_RANK", "0"))},
+            quantization_config=BitsAndBytesConfig(**load.quantization),
+            dtype=load.dtype,
+            device_map=load.device_map,
             attn_implementation=model_args.attn_implementation,
             trust_remote_code=model_args.trust_remote_code,
         )
-    return prepare_model_for_kbit_training(model)
+    if load.prepare_for_kbit:
+        return prepare_model_for_kbit_training(model)
+    model.enable_input_require_grads()  # what the preparation also does, for gradient checkpointing on a frozen base
+    return model
 
 
 def apply_lora(model, lora_args):

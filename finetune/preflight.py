@@ -47,3 +47,28 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
         raise RecipeError(f"{local_processes} processes per machine but {torch.cuda.device_count()} visible GPU(s); "
                           "launch with --num_processes equal to the GPU count or fix CUDA_VISIBLE_DEVICES.")
     return strategy, deepspeed
+
+
+def training_precision(training_inputs: dict[str, Any]) -> str:
+    """The mixed precision Trainer will run: `bf16`/`fp16` from the recipe, else what `accelerate launch` set."""
+    if is_true(training_inputs.get("bf16")):
+        return "bf16"
+    if is_true(training_inputs.get("fp16")):
+        return "fp16"
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+
+def check_qlora(torch_dtype: str, training_inputs: dict[str, Any], strategy: Strategy) -> None:
+    """QLoRA under a strategy that shards parameters stores the packed 4-bit weights in the compute dtype
+    (finetune.models.qlora_load); a mixed precision of the other half dtype would cast those bytes as numbers."""
+    if not strategy.shards_parameters:
+        return
+    storage = "fp16" if torch_dtype == "float16" else "bf16"
+    precision = training_precision(training_inputs)
+    if precision in ("bf16", "fp16") and precision != storage:
+        fix = "`bf16: true`" if storage == "bf16" else "`fp16: true`"
+        raise RecipeError(
+            f"`use_qlora: true` under {strategy.describe()}: the 4-bit weights are stored as {storage} so that they "
+            f"can be sharded (`torch_dtype: {torch_dtype}`), and {precision} mixed precision would cast them as "
+            f"numbers, destroying them. Train with {fix}, or set `torch_dtype` to match {precision} "
+            f"({'bfloat16' if precision == 'bf16' else 'float16'}).")

@@ -68,6 +68,14 @@ class Strategy:
         return self
 
     @property
+    def shards_parameters(self) -> bool:
+        """Whether parameters are split over ranks at rest: ZeRO-3, and FSDP but `no_shard` (shard-grad-op too: it
+        gathers them for forward and backward only)."""
+        if self.kind == "deepspeed":
+            return self.zero_stage == 3
+        return self.kind == "fsdp" and self.fsdp_sharding != "no_shard"
+
+    @property
     def label(self) -> str:
         """A short name: `ddp`, `deepspeed_zero3+offload_optimizer=cpu`, `fsdp_full_shard`."""
         if self.kind == "deepspeed":

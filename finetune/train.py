@@ -38,7 +38,8 @@ def train(recipe: Recipe) -> dict:
     set_seed(args.seed)
 
     tokenizer = load_tokenizer(recipe.model)
-    model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora)
+    model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
+                       strategy=recipe.strategy)
     if recipe.lora.use_lora:
         model = apply_lora(model, recipe.lora)
 

@@ -73,6 +73,11 @@ class FinetuneTrainer(Trainer):
         super()._save_checkpoint(model, trial)
         folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         self.accelerator.wait_for_everyone()  # every rank has written its part
+        peft_config = getattr(self.accelerator.unwrap_model(model), "peft_config", {}).get("default")
+        if self.is_world_process_zero() and folder.is_dir() and self._fsdp_sharded() and peft_config is not None:
+            # The shards hold the adapters but Trainer writes no adapter_config.json beside them: `finetune export`
+            # needs it to rebuild the adapted model.
+            peft_config.save_pretrained(folder)
         if self.is_world_process_zero() and folder.is_dir():
             mark_complete(folder, self.state.global_step, checkpoint_layout(self), self.recipe_values)
             rotate_complete_checkpoints(folder.parent, self.save_total_limit, self.state.best_model_checkpoint)
@@ -86,8 +91,7 @@ class FinetuneTrainer(Trainer):
         state_dict = None
         if self.is_fsdp_enabled and self.args.save_on_each_node:
             state_dict = self._gather_full_state_dict(keep=self.args.should_save)  # a collective: every rank
-        sharded = self.is_fsdp_enabled and "SHARDED" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
-        if sharded:
+        if self._fsdp_sharded():
             # With a sharded state dict Trainer writes no weights at all: save the full one as any model is saved,
             # loadable by from_pretrained (gathered above, or by Accelerate on rank 0: a collective too).
             if not self.args.save_on_each_node:
@@ -95,6 +99,10 @@ class FinetuneTrainer(Trainer):
             self._save(output_dir, state_dict=state_dict)
         if other_node:
             self._save_weights_on_this_node(output_dir, state_dict)
+
+    def _fsdp_sharded(self) -> bool:
+        """FSDP saving a sharded state dict: Trainer then writes no weights of its own."""
+        return self.is_fsdp_enabled and "SHARDED" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
 
     def _gather_full_state_dict(self, keep: bool) -> dict | None:
         """FSDP2's parameters gathered whole one at a time (a collective, on every rank), kept in host memory where

@@ -177,11 +177,13 @@ def test_two_nodes_under_fsdp_each_save_the_whole_trained_model(tmp_path):
     assert any(not torch.equal(first[name], start[name]) for name in first)  # trained
 
 
-def test_lora_under_fsdp_shard_grad_op_trains_adapters_only_and_saves_them_whole(tmp_path):
+def test_lora_under_fsdp_shard_grad_op_trains_adapters_only_saves_them_whole_and_exports(tmp_path):
+    from peft import PeftModel
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     output_dir = tmp_path / "lora"
-    run = [*LORA_DEMO_RUN, "--max_steps", "6", "--logging_steps", "3"]
+    run = [*LORA_DEMO_RUN, "--max_steps", "6", "--logging_steps", "3", "--save_strategy", "steps", "--save_steps", "6"]
     assert_succeeded(launch_demo(FSDP_SHARD_GRAD_OP_ON_CPU, output_dir, *run))
     running = outputs.read_record(output_dir, outputs.EFFECTIVE_CONFIG)["strategy"]["running"]
     assert (running["strategy"], running["fsdp_sharding"]) == ("fsdp", "shard_grad_op")
@@ -194,3 +196,18 @@ def test_lora_under_fsdp_shard_grad_op_trains_adapters_only_and_saves_them_whole
               and name.startswith("model.layers")]
     assert len(adapter) == 2 * len(linear)  # lora_A and lora_B of every linear layer of the blocks
     assert all(tensor.abs().sum() > 0 for name, tensor in adapter.items() if "lora_B" in name)  # they trained
+
+    # The step-6 checkpoint's shards hold the adapters: exported as an adapter and merged, the same model.
+    base = presets.build_model(presets.build_tokenizer(), seed=0)
+    tokens = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = base(tokens).logits
+        final = PeftModel.from_pretrained(base, output_dir)(tokens).logits
+        adapter_dir = export(output_dir / "checkpoint-6", tmp_path / "adapter")
+        assert json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+        exported = PeftModel.from_pretrained(presets.build_model(presets.build_tokenizer(), seed=0), adapter_dir)
+        merged = AutoModelForCausalLM.from_pretrained(export(output_dir / "checkpoint-6", tmp_path / "merged",
+                                                             merge_lora=True))
+        assert torch.equal(exported(tokens).logits, final)
+        assert torch.allclose(merged(tokens).logits, final, atol=1e-4)
+        assert not torch.allclose(final, base_logits, atol=1e-3)  # the adapters changed the model

@@ -1,5 +1,5 @@
 """`finetune bench`: the plain Trainer baseline and the toolkit's variants (defaults, packing, fused kernels,
-DDP and every ZeRO stage) side by side on one model, data and sequence length; prints useful tokens/s with
+DDP, every ZeRO stage and FSDP) side by side on one model, data and sequence length; prints useful tokens/s with
 ratios to the baseline, 1 → N process scaling and the callbacks' overhead, and writes
 benchmarks/results/<device>.json."""
 

@@ -1,0 +1,88 @@
+"""The paths only a GPU runs, in one command, for the day one is lent (CPU twins of each are in tests/):
+
+    python benchmarks/gpu_check.py            # every visible GPU; QLoRA rows need `pip install 'finetune[qlora]'`
+
+- FSDP2 full shard in bf16 over NCCL: trains, ledger = prediction per rank (tests/test_fsdp.py runs it over gloo);
+- QLoRA on one GPU in bf16, and in fp16 as on a T4 (`torch_dtype: float16`, `fp16: true`);
+- QLoRA under FSDP2 full shard and under ZeRO-3: the 4-bit weights stored in bf16 and sharded (tests/test_qlora.py
+  checks the loading options and refusals without CUDA).
+
+Each row: the exit status, first and last logged loss, and the largest gap between measured and predicted model-state
+bytes on any rank. Results go to benchmarks/results/gpu-check-<device>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from finetune import outputs  # noqa: E402
+from finetune.launching import run  # noqa: E402
+from finetune.strategies import SHIPPED_BY_NAME  # noqa: E402
+
+SHORT = ["--max_steps", "20", "--logging_steps", "5", "--save_strategy", "no", "--eval_on_start", "false",
+         "--generation_eval_samples", "0"]
+QLORA = ["--use_qlora", "true", "--lora_r", "8", "--learning_rate", "1e-3"]
+CHECKS = {
+    "fsdp_full_shard_bf16": ("fsdp_full_shard", ["--bf16", "true"]),
+    "qlora_single_bf16": ("single", [*QLORA, "--bf16", "true"]),
+    "qlora_single_fp16_t4": ("single", [*QLORA, "--torch_dtype", "float16", "--fp16", "true"]),
+    "qlora_fsdp_full_shard_bf16": ("fsdp_full_shard", [*QLORA, "--torch_dtype", "bfloat16", "--bf16", "true"]),
+    "qlora_zero3_bf16": ("zero3", [*QLORA, "--torch_dtype", "bfloat16", "--bf16", "true"]),
+}
+
+
+def check(name: str, strategy: str, extra: list[str], scratch: Path) -> dict:
+    gpus = 1 if strategy == "single" else torch.cuda.device_count()
+    output_dir = scratch / name
+    command = SHIPPED_BY_NAME[strategy].launch(cpu=False).command(
+        "train", "recipes/demo.yaml", "--output_dir", str(output_dir), *SHORT, *extra, num_processes=gpus)
+    result = run(command, timeout=1800, cwd=ROOT)
+    row: dict = {"strategy": strategy, "gpus": gpus, "returncode": result.returncode}
+    if result.returncode != 0:
+        errors = [line for line in result.output.splitlines() if re.search("error|Error", line)]
+        return {**row, "error": (errors or result.output.splitlines() or ["no output"])[-1][:400]}
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    row.update(first_loss=losses[0], last_loss=losses[-1])
+    memory = outputs.read_record(output_dir, outputs.MEMORY_REPORT, missing=None)
+    if memory is not None:
+        row["max_state_gap_bytes"] = max(
+            abs(rank["measured"][key] - rank["predicted"][key]) for rank in memory["ranks"]
+            for key in ("params_bytes", "grads_bytes", "optimizer_bytes"))
+        row["peak_bytes"] = max(rank["measured"]["peak_bytes"] for rank in memory["ranks"])
+    return row
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU visible; the CPU twins of these paths run in `make test`.", file=sys.stderr)
+        return 2
+    device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    rows = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, (strategy, extra) in CHECKS.items():
+            print(f"running {name}", flush=True)
+            rows[name] = check(name, strategy, extra, Path(scratch))
+            print(f"  {rows[name]}", flush=True)
+    record = {"date": date.today().isoformat(), "device": device, "gpus": torch.cuda.device_count(),
+              "command": "python benchmarks/gpu_check.py", "checks": rows}
+    path = ROOT / "benchmarks" / "results" / f"gpu-check-{device}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+    failed = [name for name, row in rows.items() if row["returncode"] != 0 or row["last_loss"] >= row["first_loss"]]
+    print("all checks passed" if not failed else f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
