@@ -64,6 +64,10 @@ def check(name: str, strategy: str, extra: list[str], scratch: Path) -> dict:
 
 
 def main() -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU visible; the CPU twins of these paths run in `make test`.", file=sys.stderr)
         return 2

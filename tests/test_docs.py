@@ -202,9 +202,9 @@ def check_script(argv: list[str], places: dict) -> None:
 
 
 def split_launch(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Launcher options, then the `finetune train` arguments."""
+    """Launcher options, then the `finetune train` arguments (`finetune.fsdp_on_cpu train` for FSDP on CPU)."""
     module = argv.index("-m")
-    assert argv[module + 1:module + 3] == ["finetune", "train"], argv
+    assert argv[module + 1] in ("finetune", "finetune.fsdp_on_cpu") and argv[module + 2] == "train", argv
     return argv[:module], argv[module + 3:]
 
 
