@@ -83,12 +83,18 @@ def rotate_complete_checkpoints(output_dir, save_total_limit: int | None, best: 
     return deleted
 
 
+def read_marker(checkpoint: str | Path) -> dict:
+    """What `mark_complete` recorded in `checkpoint`; empty for a checkpoint this toolkit did not write."""
+    marker = Path(checkpoint) / COMPLETE_MARKER
+    return json.loads(marker.read_text()) if marker.is_file() else {}
+
+
 def recipe_changes(checkpoint: Path, now: dict[str, str]) -> list[str]:
     """`key: then → now` for every recipe key that differs from the one the checkpoint was trained with."""
-    marker = checkpoint / COMPLETE_MARKER
-    if not marker.is_file():
+    saved = read_marker(checkpoint)
+    if not saved:
         return []
-    then = json.loads(marker.read_text()).get("recipe", {})
+    then = saved.get("recipe", {})
     changed = [key for key in sorted(set(then) | set(now))
                if then.get(key) != now.get(key) and PLANNED not in (then.get(key), now.get(key))]
     return [f"{key}: {then.get(key, 'default')} → {now.get(key, 'default')}" for key in changed]
@@ -137,8 +143,7 @@ def resume_needs_universal(checkpoint: Path, now: dict) -> bool:
     the whole state; FSDP, whose distributed checkpoint PyTorch reshards to any world size), only through DeepSpeed's
     universal format (True: a ZeRO-1/2/3 checkpoint saved with another world size, same stage), or not at all
     (RecipeError: another global batch, strategy or ZeRO stage)."""
-    marker = checkpoint / COMPLETE_MARKER
-    saved = json.loads(marker.read_text()) if marker.is_file() else {}
+    saved = read_marker(checkpoint)
     if "sequences_per_step" not in saved:  # not written by this toolkit: nothing to compare
         return False
     if saved["sequences_per_step"] != now["sequences_per_step"]:
@@ -206,10 +211,8 @@ class SeparateOptimizerStepsCallback(TrainerCallback):
 def prepare_resume(trainer, checkpoint: str) -> None:
     """Stops before training if this launch cannot continue from `checkpoint`; converts a DeepSpeed checkpoint saved
     with another world size to DeepSpeed's universal format and has the engine load that."""
-    now, accelerator = checkpoint_layout(trainer), trainer.accelerator
+    now, accelerator, saved = checkpoint_layout(trainer), trainer.accelerator, read_marker(checkpoint)
     if not resume_needs_universal(Path(checkpoint), now):
-        marker = Path(checkpoint) / COMPLETE_MARKER
-        saved = json.loads(marker.read_text()) if marker.is_file() else {}
         if now["strategy"] == "fsdp" and saved.get("world_size", now["world_size"]) != now["world_size"] \
                 and accelerator.is_main_process:
             print(f"{checkpoint} was saved by {describe_layout(saved)}; continuing on {describe_layout(now)} through "
@@ -221,7 +224,6 @@ def prepare_resume(trainer, checkpoint: str) -> None:
     accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     trainer.add_callback(SeparateOptimizerStepsCallback())
     if accelerator.is_main_process:
-        saved = json.loads((Path(checkpoint) / COMPLETE_MARKER).read_text())
         print(f"{checkpoint} was saved by {describe_layout(saved)}; continuing on {describe_layout(now)} through "
               "DeepSpeed's universal checkpoint format")
 

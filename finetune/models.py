@@ -53,6 +53,11 @@ class QLoRALoad:
     prepare_for_kbit: bool       # peft's prepare_model_for_kbit_training (upcasts the unquantized weights to fp32)
 
 
+def qlora_compute_dtype(torch_dtype: str) -> torch.dtype:
+    """QLoRA computes in bf16, or in fp16 with `torch_dtype: float16` (GPUs without bf16, such as the T4)."""
+    return torch.float16 if torch_dtype == "float16" else torch.bfloat16
+
+
 def qlora_load(strategy: Strategy, torch_dtype: str, local_rank: int = 0) -> QLoRALoad:
     """NF4 weights with double quantization (Dettmers et al. 2023), computing in bf16, or in fp16 with `torch_dtype:
     float16` (GPUs without bf16, such as the T4).
@@ -62,7 +67,7 @@ def qlora_load(strategy: Strategy, torch_dtype: str, local_rank: int = 0) -> QLo
     up front (the strategy shards, then places), and peft's k-bit preparation is skipped: its fp32 upcast would mix
     dtypes inside an FSDP unit, as in the Hugging Face FSDP-QLoRA and DeepSpeed-QLoRA guides. Elsewhere each process
     loads the whole quantized model onto its own GPU."""
-    compute = torch.float16 if torch_dtype == "float16" else torch.bfloat16
+    compute = qlora_compute_dtype(torch_dtype)
     quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
                     "bnb_4bit_compute_dtype": compute}
     if strategy.shards_parameters:

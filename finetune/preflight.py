@@ -51,19 +51,21 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
 
 def training_precision(training_inputs: dict[str, Any]) -> str:
     """The mixed precision Trainer will run: `bf16`/`fp16` from the recipe, else what `accelerate launch` set."""
+    if is_true(training_inputs.get("fp16")):  # in TrainingArguments' order
+        return "fp16"
     if is_true(training_inputs.get("bf16")):
         return "bf16"
-    if is_true(training_inputs.get("fp16")):
-        return "fp16"
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
 
 
 def check_qlora(torch_dtype: str, training_inputs: dict[str, Any], strategy: Strategy) -> None:
     """QLoRA under a strategy that shards parameters stores the packed 4-bit weights in the compute dtype
     (finetune.models.qlora_load); a mixed precision of the other half dtype would cast those bytes as numbers."""
+    from finetune.models import qlora_compute_dtype
+
     if not strategy.shards_parameters:
         return
-    storage = "fp16" if torch_dtype == "float16" else "bf16"
+    storage = {torch.float16: "fp16", torch.bfloat16: "bf16"}[qlora_compute_dtype(torch_dtype)]
     precision = training_precision(training_inputs)
     if precision in ("bf16", "fp16") and precision != storage:
         fix = "`bf16: true`" if storage == "bf16" else "`fp16: true`"

@@ -73,12 +73,12 @@ class FinetuneTrainer(Trainer):
         super()._save_checkpoint(model, trial)
         folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         self.accelerator.wait_for_everyone()  # every rank has written its part
-        peft_config = getattr(self.accelerator.unwrap_model(model), "peft_config", {}).get("default")
-        if self.is_world_process_zero() and folder.is_dir() and self._fsdp_sharded() and peft_config is not None:
-            # The shards hold the adapters but Trainer writes no adapter_config.json beside them: `finetune export`
-            # needs it to rebuild the adapted model.
-            peft_config.save_pretrained(folder)
         if self.is_world_process_zero() and folder.is_dir():
+            peft_config = getattr(self.accelerator.unwrap_model(model), "peft_config", {}).get("default")
+            if self._fsdp_sharded() and peft_config is not None:
+                # The shards hold the adapters but Trainer writes no adapter_config.json beside them: `finetune
+                # export` needs it to rebuild the adapted model.
+                peft_config.save_pretrained(folder)
             mark_complete(folder, self.state.global_step, checkpoint_layout(self), self.recipe_values)
             rotate_complete_checkpoints(folder.parent, self.save_total_limit, self.state.best_model_checkpoint)
 
