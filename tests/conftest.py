@@ -61,3 +61,12 @@ def lora_runs(tmp_path_factory):
         assert PLANTED_TOKEN not in result.output
         runs[name] = output_dir
     return runs
+
+
+@pytest.fixture(scope="session")
+def hub_model_dir(tmp_path_factory):
+    """A hub-like checkpoint (tests/hub_fixtures.py): Qwen2-shaped, bf16 safetensors, BPE tokenizer, ChatML template
+    with tools."""
+    from hub_fixtures import save_hub_model
+
+    return save_hub_model(tmp_path_factory.mktemp("hub_chatml"), "chatml")
