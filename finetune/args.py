@@ -186,6 +186,12 @@ class FinetuneTrainingArguments(TrainingArguments):
     warmup_tokens: int | None = field(
         default=None, metadata={"help": "Warm up over this many tokens (sets warmup_steps from the batch plan)."}
     )
+    pure_bf16: bool = field(
+        default=False,
+        metadata={"help": "Hold trainable weights, gradients and Adam states in bf16 (8 bytes/param instead of 16): "
+                          "less memory, but updates smaller than half a bf16 step are rounded away. Off: trainable "
+                          "weights are fp32 masters whatever the checkpoint's dtype (single process and DDP only)."},
+    )
     loss_normalization: Literal["tokens", "micro_batch_mean"] = field(
         default="tokens",
         metadata={"help": "tokens: every answer token weighs the same across accumulation steps and ranks "

@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 from finetune import outputs
 from finetune.errors import RecipeError
 from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
+from finetune.models import trainable_dtype
 from finetune.strategies import Strategy, running_strategy
 
 # Trainer argument → the DeepSpeed key Trainer fills from it when the config says "auto".
@@ -72,6 +73,9 @@ def describe_effective_config(trainer, recipe) -> dict:
     if (deepspeed.get("bf16") or {}).get("enabled") == "auto":
         precision_source += " → DeepSpeed \"auto\""
     add("precision", precision_key or "fp32", precision_source)
+    held = trainable_dtype(requested, args.mixed_precision, args.pure_bf16)
+    add("trainable_weights", "fp32 (DeepSpeed's master copy)" if held is None else str(held).removeprefix("torch."),
+        "pure_bf16" if args.pure_bf16 else "fp32 master weights under any precision (finetune.models.trainable_dtype)")
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "max_grad_norm"):
         source = sources.get(key, "default")
         deepspeed_value = deepspeed.get(DEEPSPEED_KEYS.get(key, ""), None)

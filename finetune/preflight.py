@@ -74,3 +74,17 @@ def check_qlora(torch_dtype: str, training_inputs: dict[str, Any], strategy: Str
             f"can be sharded (`torch_dtype: {torch_dtype}`), and {precision} mixed precision would cast them as "
             f"numbers, destroying them. Train with {fix}, or set `torch_dtype` to match {precision} "
             f"({'bfloat16' if precision == 'bf16' else 'float16'}).")
+
+
+def check_pure_bf16(training_inputs: dict[str, Any], strategy: Strategy) -> None:
+    """`pure_bf16` (finetune.models.trainable_dtype) is asked for by name and means what it says where the model's
+    own tensors are stepped: one process and DDP. DeepSpeed keeps fp32 masters of its own, and Accelerate's FSDP
+    path upcasts trainable parameters, so there the key would silently do nothing."""
+    if not is_true(training_inputs.get("pure_bf16")):
+        return
+    if strategy.kind not in ("single", "ddp"):
+        raise RecipeError(f"`pure_bf16: true` under {strategy.describe()}: it applies to one process and DDP only "
+                          "(DeepSpeed and FSDP keep fp32 master weights of their own); drop it or launch with DDP.")
+    if training_precision(training_inputs) == "fp16":
+        raise RecipeError("`pure_bf16: true` with fp16 mixed precision: choose one (`fp16: false`, or drop "
+                          "`pure_bf16`).")

@@ -25,7 +25,7 @@ from finetune.args import (
     ModelArguments,
 )
 from finetune.errors import RecipeError, did_you_mean
-from finetune.preflight import check_qlora, preflight_launch
+from finetune.preflight import check_pure_bf16, check_qlora, preflight_launch
 from finetune.scaling import BatchPlan, plan_from_recipe
 from finetune.strategies import Strategy
 
@@ -127,6 +127,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     strategy, deepspeed_config = preflight_launch(training_inputs)
     if lora.use_qlora:
         check_qlora(model.torch_dtype, training_inputs, strategy)
+    check_pure_bf16(training_inputs, strategy)
     batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
     _apply_batch_plan(batch_plan, training_inputs, sources)
     training = build(FinetuneTrainingArguments, training_inputs)

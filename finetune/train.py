@@ -25,7 +25,14 @@ from finetune.effective import report_and_guard_launch
 from finetune.errors import RecipeError
 from finetune.evaluation import ExactMatchCallback, print_before_after, summarize_evaluations
 from finetune.memory import MemoryReportCallback
-from finetune.models import FrozenWeightsCallback, apply_lora, load_model, load_tokenizer
+from finetune.models import (
+    FrozenWeightsCallback,
+    apply_lora,
+    hold_trainable_parameters,
+    load_model,
+    load_tokenizer,
+    trainable_dtype,
+)
 from finetune.recipe import Recipe, parse_recipe
 from finetune.scaling import print_batch_plan, write_batch_plan
 from finetune.throughput import ThroughputCallback
@@ -42,6 +49,8 @@ def train(recipe: Recipe) -> dict:
                        strategy=recipe.strategy)
     if recipe.lora.use_lora:
         model = apply_lora(model, recipe.lora)
+    # fp32 master weights under mixed precision, whatever dtype the checkpoint was stored in
+    hold_trainable_parameters(model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
 
     data = prepare_data(recipe, tokenizer, model)
     if data.eval is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, gather_object
 from transformers import TrainerCallback
@@ -45,10 +46,15 @@ def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, S
     else:
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     config = model.config
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    trainable_parameters = [p for p in model.parameters() if p.requires_grad]
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters)
+    # What the trainable weights are really held in (finetune.models.trainable_dtype), read off the model.
+    pure_bf16 = state.distributed_type != DistributedType.DEEPSPEED and precision != "fp16" \
+        and bool(trainable_parameters) and all(p.dtype == torch.bfloat16 for p in trainable_parameters)
     return strategy, Setup(
         **strategy.estimator_options(),
         precision=precision,
+        pure_bf16=pure_bf16 and strategy.kind in ("single", "ddp"),
         num_gpus=args.world_size,
         gpus_per_node=local_processes,
         optimizer=optimizer_kind(args.optim) or "adamw",

@@ -11,8 +11,11 @@ Model states follow what DeepSpeed and Trainer really allocate, measured on real
   DeepSpeed's ZeRO-1 partitions gradients just as ZeRO-2 does (measured: same bytes per rank).
 - In fp32, DeepSpeed still clones the fp32 partition for the optimizer (4Ψ/N more than the paper's 16Ψ).
 - Without DeepSpeed (single GPU, DDP, FSDP), Trainer's mixed precision is autocast: weights, gradients
-  and Adam states stay fp32 (4 + 4 + 8 = 16 bytes/param); DDP adds its gradient buckets (4Ψ, a copy of
-  the gradients, `gradient_as_bucket_view=False`).
+  and Adam states stay fp32 (4 + 4 + 8 = 16 bytes/param), because the toolkit holds trainable parameters in fp32
+  whatever the checkpoint's dtype (`finetune.models.trainable_dtype`; Trainer alone would train a bf16 checkpoint
+  in pure bf16); frozen weights stay in the loaded dtype. DDP adds its gradient buckets (4Ψ, a copy of
+  the gradients, `gradient_as_bucket_view=False`). `pure_bf16` holds all three in bf16: torch's AdamW keeps its
+  moments in the parameter's dtype (`torch/optim/adamw.py`, `zeros_like(p)`), so 2 + 2 + 4 = 8 bytes/param.
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models"), counted tensor by tensor for today's decoder block (RMSNorm, gated MLP, grouped-query attention,
@@ -53,6 +56,7 @@ class Setup:
     offload_param: str | None = None          # "cpu" or "nvme" (DeepSpeed ZeRO-3)
     fsdp_sharding: str = "full_shard"
     precision: str = "bf16"                   # "fp32", or mixed "bf16"/"fp16"
+    pure_bf16: bool = False                   # trainable weights, gradients and Adam states in bf16 (no fp32 master)
     optimizer: str = "adamw"
     lora_rank: int = 0                        # 0: full fine-tuning
     lora_target_modules: tuple[str, ...] | None = None  # None: every linear layer in the blocks
@@ -98,6 +102,8 @@ class Setup:
             raise RecipeError("offload is modelled for DeepSpeed only (strategy: deepspeed).")
         if self.offload_param and self.zero_stage != 3:
             raise RecipeError("offload_param needs ZeRO stage 3: only stage 3 partitions parameters.")
+        if self.pure_bf16 and (self.strategy not in ("single", "ddp") or self.precision == "fp16"):
+            raise RecipeError("pure_bf16 is modelled for one process and DDP without fp16 (finetune.preflight).")
         if self.qlora and not self.lora_rank:
             raise RecipeError("QLoRA trains LoRA adapters on a 4-bit base: set lora_rank too.")
 
@@ -206,11 +212,19 @@ def _deepspeed_states(trainable: int, frozen_bytes: float, setup: Setup):
     return params, grads, optimizer, offloaded
 
 
+def _trainable_bytes(setup: Setup) -> int:
+    """Bytes of one trainable weight (and of its gradient) outside DeepSpeed: fp32 masters, or bf16 by name."""
+    return 2 if setup.pure_bf16 else 4
+
+
 def _torch_states(trainable: int, frozen_bytes: float, setup: Setup):
-    """Single GPU, DDP, FSDP: trainable weights fp32 under autocast, adapters fp32 (peft's default)."""
-    n, k = setup.shard_degree, OPTIMIZER_STATE_BYTES[setup.optimizer]
-    params = (4 * trainable + frozen_bytes) / n
-    return params, 4 * trainable / n, k * trainable / n, {}
+    """Single GPU, DDP, FSDP: trainable weights fp32 whatever the checkpoint's dtype, adapters too; `pure_bf16`
+    halves weights, gradients and fp32-sized optimizer moments (8-bit states are 8-bit either way)."""
+    n, k, w = setup.shard_degree, OPTIMIZER_STATE_BYTES[setup.optimizer], _trainable_bytes(setup)
+    if setup.pure_bf16 and setup.optimizer == "adamw":
+        k = 2 * w
+    params = (w * trainable + frozen_bytes) / n
+    return params, w * trainable / n, k * trainable / n, {}
 
 
 def activation_bytes(shape: ModelShape, setup: Setup) -> float:
@@ -240,7 +254,7 @@ def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:
     """Communication buffers and gathered weights that come and go around each step."""
     w = _half_or_fp32(setup)
     if setup.strategy == "ddp" and setup.num_gpus > 1:
-        return 4 * trainable  # DDP's reducer buckets: a flat copy of the fp32 gradients
+        return _trainable_bytes(setup) * trainable  # DDP's reducer buckets: a flat copy of the gradients
     if setup.strategy == "fsdp":
         # Two gathered blocks (the running one and the prefetched one) in the compute dtype plus one block's
         # fp32 gradients before the reduce-scatter; SHARD_GRAD_OP keeps the whole gathered model

@@ -1,0 +1,143 @@
+"""Precision on the path real users take: a hub checkpoint stored in bf16 (tests/hub_fixtures.py) trained under bf16
+mixed precision keeps fp32 master weights (finetune.models.trainable_dtype), so every weight moves as it does from
+the same model stored in fp32; `pure_bf16` is asked for by name; the ledger equals the prediction in both."""
+
+import json
+
+import pytest
+import torch
+from hub_fixtures import save_hub_model
+from safetensors.torch import load_file
+from support import CPU_LAUNCHES, assert_succeeded, finetune_command, launch_demo, run
+
+from finetune.errors import RecipeError
+from finetune.models import hold_trainable_parameters, trainable_dtype
+from finetune.recipe import parse_recipe
+from finetune.strategies import Strategy
+
+STATES = ("params_bytes", "grads_bytes", "optimizer_bytes")
+# lr 2e-5 on weights of ~0.02: each update is far below half a bf16 step, the case pure bf16 rounds away.
+FIVE_SMALL_STEPS = ["--max_steps", "5", "--learning_rate", "2e-5", "--warmup_steps", "0", "--logging_steps", "1",
+                    "--per_device_train_batch_size", "4", "--eval_on_start", "false", "--generation_eval_samples", "0",
+                    "--bf16", "true"]
+
+
+@pytest.fixture(scope="module")
+def fp32_model_dir(tmp_path_factory):
+    """The same model as `hub_model_dir` (same seed), stored in fp32."""
+    return save_hub_model(tmp_path_factory.mktemp("hub_fp32"), "chatml", dtype="float32")
+
+
+def train_single(model_dir, output_dir, *extra):
+    command = finetune_command("train", "recipes/demo.yaml", "--model_name_or_path", str(model_dir),
+                               "--output_dir", str(output_dir), *FIVE_SMALL_STEPS, *extra)
+    assert_succeeded(run(command))
+    return output_dir
+
+
+def moved_fraction(model_dir, output_dir) -> dict[str, float]:
+    """Per tensor, the fraction of weights the run changed (compared in fp32)."""
+    before, after = load_file(model_dir / "model.safetensors"), load_file(output_dir / "model.safetensors")
+    return {name: (before[name].float() != after[name].float()).float().mean().item() for name in before}
+
+
+def ledger(output_dir) -> list[dict]:
+    return json.loads((output_dir / "memory_report.json").read_text())["ranks"]
+
+
+def test_a_bf16_checkpoint_trains_with_fp32_master_weights_as_the_fp32_checkpoint_does(
+        hub_model_dir, fp32_model_dir, tmp_path):
+    from_bf16 = train_single(hub_model_dir, tmp_path / "bf16")
+    from_fp32 = train_single(fp32_model_dir, tmp_path / "fp32")
+    moved_bf16, moved_fp32 = moved_fraction(hub_model_dir, from_bf16), moved_fraction(fp32_model_dir, from_fp32)
+    for name, fraction in moved_fp32.items():  # only embedding rows of unseen tokens keep still, in both
+        assert moved_bf16[name] == pytest.approx(fraction, abs=1e-3), name
+    assert sum(moved_bf16.values()) / len(moved_bf16) > 0.9
+    assert {tensor.dtype for tensor in load_file(from_bf16 / "model.safetensors").values()} == {torch.float32}
+
+    effective = json.loads((from_bf16 / "effective_config.json").read_text())["values"]
+    assert effective["precision"]["value"] == "bf16" and effective["trainable_weights"]["value"] == "float32"
+    (record,) = ledger(from_bf16)
+    parameters = sum(tensor.numel() for tensor in load_file(hub_model_dir / "model.safetensors").values())
+    assert record["measured"]["params_bytes"] == 4 * parameters  # fp32 weights,
+    assert record["measured"]["optimizer_bytes"] == 8 * parameters  # fp32 Adam moments
+    for key in STATES:
+        assert record["measured"][key] == record["predicted"][key], key
+
+
+def test_pure_bf16_is_asked_for_by_name_holds_8_bytes_per_parameter_and_rounds_small_updates_away(
+        hub_model_dir, tmp_path):
+    output_dir = train_single(hub_model_dir, tmp_path / "pure", "--pure_bf16", "true")
+    moved = moved_fraction(hub_model_dir, output_dir)
+    assert sum(moved.values()) / len(moved) < 0.5  # why it is not the default
+    (record,) = ledger(output_dir)
+    parameters = sum(tensor.numel() for tensor in load_file(hub_model_dir / "model.safetensors").values())
+    assert record["measured"]["params_bytes"] == 2 * parameters
+    assert record["measured"]["optimizer_bytes"] == 4 * parameters
+    for key in STATES:
+        assert record["measured"][key] == record["predicted"][key], key
+
+
+@pytest.mark.distributed
+def test_ddp_on_a_bf16_checkpoint_holds_fp32_states_equal_to_the_prediction_on_every_rank(hub_model_dir, tmp_path):
+    output_dir = tmp_path / "ddp"
+    assert_succeeded(launch_demo(CPU_LAUNCHES["ddp"], output_dir, "--model_name_or_path", str(hub_model_dir),
+                                 *FIVE_SMALL_STEPS, "--per_device_train_batch_size", "2"))
+    parameters = sum(tensor.numel() for tensor in load_file(hub_model_dir / "model.safetensors").values())
+    records = ledger(output_dir)
+    assert [record["rank"] for record in records] == [0, 1]
+    for record in records:
+        assert record["strategy"] == "ddp"
+        assert record["measured"]["params_bytes"] == 4 * parameters
+        assert record["measured"]["optimizer_bytes"] == 8 * parameters
+        for key in STATES:
+            assert record["measured"][key] == record["predicted"][key], (record["rank"], key)
+    moved = moved_fraction(hub_model_dir, output_dir)
+    for name, fraction in moved.items():
+        if "embed_tokens" not in name:  # pure bf16 moved ~20% of these
+            assert fraction > 0.95, name
+
+
+def test_lora_on_a_bf16_checkpoint_keeps_the_base_in_bf16_and_trains_fp32_adapters(hub_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from finetune.args import LoraArguments
+    from finetune.models import apply_lora
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(hub_model_dir), LoraArguments(use_lora=True, lora_r=4))
+    hold_trainable_parameters(model, trainable_dtype(Strategy("ddp"), "bf16"))
+    dtypes = {(parameter.requires_grad, parameter.dtype) for parameter in model.parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+
+
+@pytest.mark.parametrize("strategy, precision, pure, held", [
+    (Strategy("single"), "bf16", False, torch.float32),
+    (Strategy("ddp"), "fp16", False, torch.float32),
+    (Strategy("ddp"), "no", False, torch.float32),  # fp32 training of a bf16 checkpoint is fp32 too
+    (Strategy("fsdp", fsdp_sharding="full_shard"), "bf16", False, torch.float32),
+    (Strategy("deepspeed", zero_stage=2), "bf16", False, None),  # DeepSpeed keeps its own fp32 master
+    (Strategy("deepspeed", zero_stage=3), "no", False, torch.float32),
+    (Strategy("ddp"), "bf16", True, torch.bfloat16),
+])
+def test_trainable_parameters_are_held_in_fp32_unless_the_strategy_keeps_masters_or_pure_bf16(
+        strategy, precision, pure, held):
+    assert trainable_dtype(strategy, precision, pure) == held
+
+
+def test_tied_weights_stay_tied_when_upcast():
+    from finetune import presets
+
+    tokenizer = presets.build_tokenizer()
+    model = presets.build_model(tokenizer, dtype=torch.bfloat16)
+    assert hold_trainable_parameters(model, torch.float32) == model.num_parameters()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--pure_bf16", "true", "--deepspeed", "deepspeed_configs/zero2.json"], "DeepSpeed ZeRO-2"),
+    (["--pure_bf16", "true", "--fp16", "true"], "fp16"),
+])
+def test_pure_bf16_is_refused_where_it_would_do_nothing_or_contradict(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe("recipes/demo.yaml", overrides)
