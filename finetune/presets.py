@@ -14,14 +14,15 @@ SYNTHETIC_DATASET = "synthetic"
 # Role markers and the end-of-turn marker are single special tokens, so a turn costs few tokens.
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 
-# A ChatML-like template without newlines: every character counts on a byte-level vocabulary.
+# A ChatML-like template without newlines: every character counts on a byte-level vocabulary. Turns end with the
+# tokenizer's EOS (`<|end|>` for the tiny tokenizer), so a base model given this template learns to stop.
 # `{% generation %}` marks the assistant's tokens so `return_assistant_tokens_mask` can find them.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "<|assistant|>{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}"
+    "<|assistant|>{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
     "{% else %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

@@ -1,9 +1,15 @@
 """Tokenization with completion-only labels, the over-long and answer-less policies, and the data summary.
 
-Conversations: each assistant turn's tokens are found by rendering the conversation up to that turn with
-the tokenizer's own chat template (prompt with `add_generation_prompt`, then prompt + answer) and taking
-the difference; this works for any template that renders a conversation as a prefix of its continuation,
-which is checked. Prompt/completion pairs learn the completion and EOS; plain text learns every token.
+Conversations: each assistant turn is rendered with the tokenizer's own chat template (tools passed as
+`apply_chat_template(..., tools=...)`), and its learned tokens start where the conversation rendered up to the turn
+stops agreeing with the prompt rendered with `add_generation_prompt`: not at the generation prompt's length, which
+is wrong for templates whose generation prompt is not a prefix of the rendered turn (reasoning templates open the
+answer with `<think>`; tokens the prompt supplies at inference are not the model's to learn). They end at the last
+special token of the turn (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, EOS), so the model learns to stop. Each span
+is verified (it holds the answer, or the tool calls, and ends with that token) and a template it cannot align is
+refused by name instead of trained on shifted labels. Tool results, the tool list and user turns are not learned.
+Prompt/completion pairs learn the completion and EOS; plain text learns every token. `finetune labels` shows what
+is learned.
 """
 
 from __future__ import annotations
@@ -14,34 +20,120 @@ from pathlib import Path
 
 import numpy as np
 from datasets import Dataset, concatenate_datasets, interleave_datasets
+from jinja2.exceptions import TemplateError
 
-from finetune.data.formats import CONVERSATION_FORMATS, detect_format, to_messages
+from finetune import presets
+from finetune.data.formats import CONVERSATION_FORMATS, detect_format, to_messages, to_tools, tool_name
 from finetune.errors import RecipeError
 
 IGNORE_INDEX = -100
+TOOLS_FIX = ("use a model whose chat template supports tools (Qwen2.5, Llama-3.1, Mistral v0.3 and later, ...), or "
+             "`tokenizer_name_or_path` naming a tokenizer whose template does")
 
 
-def _render_ids(tokenizer, messages, add_generation_prompt=False) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def template_name(tokenizer) -> str:
+    """How errors name the template at fault: by the tokenizer's `name_or_path`."""
+    name = f"`{tokenizer.name_or_path}`" if tokenizer.name_or_path else f"this {type(tokenizer).__name__}"
+    default = " (the default template given to tokenizers without one)" if (
+        tokenizer.chat_template == presets.CHAT_TEMPLATE) else ""
+    return f"the chat template of {name}{default}"
 
 
-def encode_conversation(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
-    """`(input_ids, labels)` of a whole conversation, every assistant turn labelled."""
-    input_ids = _render_ids(tokenizer, messages)
+def _render(tokenizer, messages, tools=None, add_generation_prompt=False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except (TemplateError, TypeError) as error:
+        hint = ""
+        if uses_tools(messages, tools):
+            hint = f" (the conversation has tool calls or results, which it may not support: {TOOLS_FIX})"
+        raise RecipeError(f"{template_name(tokenizer)} cannot render the conversation: {error}{hint}.") from None
+
+
+def uses_tools(messages: list[dict], tools: list[dict] | None) -> bool:
+    """Whether a conversation lists tools, calls one or carries a result."""
+    return bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+
+
+def _token_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]  # templates write BOS themselves
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    """Ids that can close a turn: the special tokens (EOS, `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...)."""
+    added = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return added | set(tokenizer.all_special_ids)
+
+
+def encode_conversation(messages: list[dict], tokenizer, tools: list[dict] | None = None
+                        ) -> tuple[list[int], list[int]]:
+    """`(input_ids, labels)` of a whole conversation, every assistant turn labelled (its answer or tool calls and
+    the token that ends it)."""
+    text = _render(tokenizer, messages, tools)
+    missing = [tool_name(tool) for tool in tools or [] if tool_name(tool) not in text]
+    if missing:
+        raise RecipeError(f"{template_name(tokenizer)} does not render the `tools` list (`{missing[0]}` is missing "
+                          f"from the rendered conversation): it has no tool support; {TOOLS_FIX}.")
+    input_ids = _token_ids(tokenizer, text)
     labels = [IGNORE_INDEX] * len(input_ids)
+    special_ids = _special_ids(tokenizer)
     for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start = len(_render_ids(tokenizer, messages[:index], add_generation_prompt=True))
-        upto = _render_ids(tokenizer, messages[: index + 1])
-        if upto != input_ids[: len(upto)]:
-            raise RecipeError(
-                "the tokenizer's chat template does not render a conversation as a prefix of its continuation, "
-                "so assistant tokens cannot be located; set a template that does (`chat_template` in the tokenizer)."
-            )
-        labels[start : len(upto)] = input_ids[start : len(upto)]
+        if message["role"] == "assistant":
+            start, end = _assistant_span(messages, index, tokenizer, tools, input_ids, special_ids)
+            labels[start:end] = input_ids[start:end]
     return input_ids, labels
+
+
+def _assistant_span(messages, index, tokenizer, tools, input_ids, special_ids) -> tuple[int, int]:
+    """`[start, end)` of assistant turn `index`'s learned tokens in `input_ids`, verified."""
+    upto = _token_ids(tokenizer, _render(tokenizer, messages[: index + 1], tools))
+    if upto != input_ids[: len(upto)]:
+        raise RecipeError(
+            f"{template_name(tokenizer)} does not render a conversation as a prefix of its continuation, so assistant "
+            "tokens cannot be located; use a template that does (`chat_template` in tokenizer_config.json)."
+        )
+    prompt = _render(tokenizer, messages[:index], tools, add_generation_prompt=True)
+    prompt_ids = _token_ids(tokenizer, prompt)
+    start = next((i for i, (a, b) in enumerate(zip(prompt_ids, upto)) if a != b), min(len(prompt_ids), len(upto)))
+    end = next((i + 1 for i in range(len(upto) - 1, start - 1, -1) if upto[i] in special_ids), None)
+    turn = f"assistant turn {sum(m['role'] == 'assistant' for m in messages[:index]) + 1}"
+    if end is None:
+        raise RecipeError(
+            f"{template_name(tokenizer)} ends {turn} ({_decode(tokenizer, upto[start:])!r:.120}) without a special "
+            "token such as EOS, so the model would never learn to stop; use a template that closes each assistant "
+            "turn with `{{ eos_token }}` or an end-of-turn token (`chat_template` in tokenizer_config.json)."
+        )
+    _check_learned(messages[index], _decode(tokenizer, upto[start : end - 1]), prompt, tokenizer, turn)
+    return start, end
+
+
+def _collapsed(text: str) -> str:
+    return " ".join(text.split())  # templates trim or re-space an answer's edges (Llama-3, Gemma `| trim`)
+
+
+def _check_learned(message: dict, learned: str, prompt: str, tokenizer, turn: str) -> None:
+    """The span learns the answer: all of it, or all but an opening the generation prompt itself writes (a
+    reasoning template's `<think>`); and every tool call, by its function name. A span shifted into the answer
+    (labels counted from a generation prompt longer than the shared header) leaves out words no prompt writes."""
+    content, learned = _collapsed(message["content"]), _collapsed(learned)
+    supplied = content[: len(content) - len(learned)].strip() if learned and content.endswith(learned) else None
+    if content not in learned and not (supplied is not None and _collapsed(prompt).endswith(supplied)):
+        raise RecipeError(
+            f"{template_name(tokenizer)}: the tokens found for {turn} ({learned!r:.120}) do not hold its answer "
+            f"({content!r:.120}); the template renders the turn in a way its generation prompt does not line up "
+            "with, and training on shifted labels is refused; use a template whose generation prompt opens the "
+            "rendered assistant turn (`chat_template` in tokenizer_config.json, or `tokenizer_name_or_path`)."
+        )
+    for call in message.get("tool_calls") or []:
+        if call["function"]["name"] not in learned:
+            raise RecipeError(
+                f"{template_name(tokenizer)} does not render tool calls (the call to `{call['function']['name']}` "
+                f"in {turn} is missing from the rendered turn {learned!r:.120}); {TOOLS_FIX}."
+            )
 
 
 def _with_eos(ids: list[int], tokenizer) -> list[int]:
@@ -61,9 +153,9 @@ def _text(value, what: str) -> str:
 def encode_example(example: dict, dataset_format: str, tokenizer) -> tuple[list[int], list[int]]:
     """`(input_ids, labels)` of one example, before truncation."""
     if dataset_format in CONVERSATION_FORMATS:
-        messages = [{"role": m["role"], "content": _text(m["content"], f"a {m['role']} turn")}
+        messages = [{**m, "content": _text(m["content"], f"a {m['role']} turn")}
                     for m in to_messages(example, dataset_format)]
-        return encode_conversation(messages, tokenizer)
+        return encode_conversation(messages, tokenizer, tools=to_tools(example))
     if dataset_format == "prompt_completion":
         prompt_ids = tokenizer(_text(example["prompt"], "`prompt`"))["input_ids"]
         completion = _text(example["completion"], "`completion`")
@@ -75,11 +167,31 @@ def encode_example(example: dict, dataset_format: str, tokenizer) -> tuple[list[
     raise RecipeError(f"unknown dataset format `{dataset_format}`.")
 
 
-def encode_messages(messages: list[dict], tokenizer, max_seq_length: int) -> dict[str, list[int]]:
+def encode_messages(messages: list[dict], tokenizer, max_seq_length: int,
+                    tools: list[dict] | None = None) -> dict[str, list[int]]:
     """`input_ids`, `attention_mask` and `labels` for one conversation, truncated to `max_seq_length`."""
-    input_ids, labels = encode_conversation(messages, tokenizer)
+    input_ids, labels = encode_conversation(messages, tokenizer, tools)
     input_ids, labels = input_ids[:max_seq_length], labels[:max_seq_length]
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
+
+
+def apply_length_policies(input_ids: list[int], labels: list[int], data_args, where: str
+                          ) -> tuple[list[int], list[int], str]:
+    """The example as training sees it under `overlong_policy` and `unlabeled_policy`: `(input_ids, labels,
+    drop)`, `drop` the reason it is left out (`overlong`, `no_answer_tokens`) or empty; `where` names it in errors."""
+    max_length, length, drop = data_args.max_seq_length, len(input_ids), ""
+    if length > max_length:
+        if data_args.overlong_policy == "error":
+            raise RecipeError(f"{where} has {length} tokens, more than `max_seq_length: {max_length}` "
+                              f"(`overlong_policy: error`; or truncate, drop).")
+        drop = "overlong" if data_args.overlong_policy == "drop" else ""
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    if not drop and all(label == IGNORE_INDEX for label in labels):
+        if data_args.unlabeled_policy == "error":
+            raise RecipeError(f"{where} has no answer token left after truncation to `max_seq_length: {max_length}` "
+                              f"(`unlabeled_policy: error`; or drop).")
+        drop = "no_answer_tokens"  # its loss would be 0/0
+    return input_ids, labels, drop
 
 
 @dataclass
@@ -88,31 +200,24 @@ class PreparedData:
     eval: Dataset | None
     # Raw eval conversations for generation: prompt messages, reference answer and task name.
     generation_examples: list[dict]
-    summary: dict  # per split: rows, tokens, length percentiles, truncated and dropped rows (data_summary.json)
+    # Per split: rows, tokens, labelled tokens, length percentiles, truncated and dropped rows (data_summary.json).
+    summary: dict
 
 
 def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_format: str) -> tuple[Dataset, dict]:
     max_length = data_args.max_seq_length
 
     def encode(example, index):
+        where = f"{name} example {index + 1}"
         try:
             input_ids, labels = encode_example(example, dataset_format, tokenizer)
         except RecipeError as error:
-            raise RecipeError(f"{name} example {index + 1}: {error}") from None
-        length, drop = len(input_ids), ""
-        if length > max_length:
-            if data_args.overlong_policy == "error":
-                raise RecipeError(f"{name} example {index + 1} has {length} tokens, more than `max_seq_length: "
-                                  f"{max_length}` (`overlong_policy: error`; or truncate, drop).")
-            drop = "overlong" if data_args.overlong_policy == "drop" else ""
-            input_ids, labels = input_ids[:max_length], labels[:max_length]
-        if not drop and all(label == IGNORE_INDEX for label in labels):
-            if data_args.unlabeled_policy == "error":
-                raise RecipeError(f"{name} example {index + 1} has no answer token left after truncation to "
-                                  f"`max_seq_length: {max_length}` (`unlabeled_policy: error`; or drop).")
-            drop = "no_answer_tokens"  # its loss would be 0/0
+            raise RecipeError(f"{where}: {error}") from None
+        length = len(input_ids)
+        input_ids, labels, drop = apply_length_policies(input_ids, labels, data_args, where)
         return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels,
-                "original_length": length, "drop": drop}
+                "original_length": length, "drop": drop,
+                "labelled": sum(label != IGNORE_INDEX for label in labels)}
 
     started = time.time()
     encoded = split.map(encode, with_indices=True, remove_columns=split.column_names, desc=f"tokenizing {name}")
@@ -120,15 +225,18 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
     from_cache = bool(encoded.cache_files) and Path(encoded.cache_files[0]["filename"]).stat().st_mtime < started
     lengths = np.asarray(encoded["original_length"])
     reasons = encoded["drop"]
-    kept = encoded.filter(lambda drop: drop == "", input_columns="drop").remove_columns(["original_length", "drop"])
-    kept_lengths = np.minimum(lengths[np.asarray(reasons) == ""], max_length)
+    is_kept = np.asarray(reasons) == ""
+    kept = encoded.filter(lambda drop: drop == "", input_columns="drop")
+    kept = kept.remove_columns(["original_length", "drop", "labelled"])
+    kept_lengths = np.minimum(lengths[is_kept], max_length)
     summary = {
         "rows": len(split),
         "rows_kept": len(kept),
         "tokens": int(kept_lengths.sum()),
+        "labelled_tokens": int(np.asarray(encoded["labelled"])[is_kept].sum()),
         "length_percentiles": {f"p{q}": int(np.percentile(lengths, q)) for q in (50, 90, 99)}
         | {"max": int(lengths.max())},
-        "truncated_rows": int(((lengths > max_length) & (np.asarray(reasons) == "")).sum())
+        "truncated_rows": int(((lengths > max_length) & is_kept).sum())
         if data_args.overlong_policy == "truncate" else 0,
         "dropped": {reason: reasons.count(reason) for reason in ("overlong", "no_answer_tokens") if reason in reasons},
         "from_cache": from_cache,
@@ -137,14 +245,15 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
 
 
 def generation_examples(split: Dataset, dataset_format: str, limit: int) -> list[dict]:
-    """Eval conversations cut before their last assistant turn, for exact-match generation."""
+    """Eval conversations cut before their last assistant turn, for exact-match generation; those with tools are
+    left out (the answer is a call, and generation renders prompts without the tool list)."""
     if dataset_format not in CONVERSATION_FORMATS:
         return []
     examples = []
     for example in split.select(range(min(limit, len(split)))):
         messages = to_messages(example, dataset_format)
         answers = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
-        if answers:
+        if answers and not uses_tools(messages, to_tools(example)):
             examples.append({"prompt": messages[: answers[-1]], "reference": messages[answers[-1]]["content"],
                              "task": example.get("task") or "all"})
     return examples
