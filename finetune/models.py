@@ -89,13 +89,20 @@ class QLoRALoad:
 
 
 def qlora_compute_dtype(torch_dtype: str) -> torch.dtype:
-    """QLoRA computes in bf16, or in fp16 with `torch_dtype: float16` (GPUs without bf16, such as the T4)."""
-    return torch.float16 if torch_dtype == "float16" else torch.bfloat16
+    """The dtype QLoRA dequantizes and computes in: the half dtype `torch_dtype` names, else (`auto`, `float32`) the
+    visible GPU's (`finetune.devices`): bf16, or fp16 on a GPU without native bf16 such as the T4, as the mixed
+    precision there must be fp16 too (`preflight.check_precision_on_gpu`). No GPU visible (planning, tests): bf16."""
+    from finetune.devices import visible_gpu
+
+    if torch_dtype in ("float16", "bfloat16"):
+        return DTYPES[torch_dtype]
+    gpu = visible_gpu()
+    return torch.float16 if gpu is not None and not gpu.supports_bf16 else torch.bfloat16
 
 
 def qlora_load(strategy: Strategy, torch_dtype: str, local_rank: int = 0) -> QLoRALoad:
-    """NF4 weights with double quantization (Dettmers et al. 2023), computing in bf16, or in fp16 with `torch_dtype:
-    float16` (GPUs without bf16, such as the T4).
+    """NF4 weights with double quantization (Dettmers et al. 2023), computing in `qlora_compute_dtype`: bf16, or fp16
+    with `torch_dtype: float16` or on a GPU without bf16 (a T4).
 
     Where parameters are sharded (FSDP, ZeRO-3) the packed 4-bit weights are stored in the compute dtype
     (`bnb_4bit_quant_storage`), because FSDP and ZeRO-3 shard floating-point tensors only; nothing is placed on a GPU

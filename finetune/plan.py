@@ -4,13 +4,14 @@ Every shipped strategy is estimated; the recommendation is the first that fits i
 tree (fits on one GPU → DDP, then ZeRO-1; a little short → ZeRO-2; far short → ZeRO-3 / FSDP; still short →
 CPU offload, then NVMe), each step trading speed for memory. The micro-batch is the largest that still fits
 the recommended strategy; accumulation makes up the target global batch and the learning rate is scaled
-by `finetune.scaling`.
+by `finetune.scaling`. The precision is the GPU's (`finetune.devices`): bf16 where it has it, else fp16 (a T4).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from finetune.devices import Gpu, default_precision
 from finetune.errors import RecipeError
 from finetune.memory.estimate import GiB, MemoryEstimate, Setup, estimate, parallel_3d
 from finetune.memory.shapes import ALIASES, model_shape
@@ -42,7 +43,8 @@ class PlanRequest:
     gpus: int
     gpu_memory_gib: float
     host_memory_gib: float | None = None
-    precision: str = "bf16"
+    precision: str = "auto"  # fp32, bf16, fp16, or auto: the GPU's (`plan_precision`)
+    gpu: Gpu | None = None  # the GPU planned for; None: unknown, taken to do bf16
     optimizer: str = "adamw"
     lora_rank: int = 0
     qlora: bool = False
@@ -87,6 +89,7 @@ def make_plan(request: PlanRequest) -> dict:
     if request.nodes < 1 or request.gpus % request.nodes:
         raise RecipeError(f"`--gpus {request.gpus}` counts the GPUs of all nodes: it must be a multiple of "
                           f"`--nodes {request.nodes}`.")
+    request = replace(request, precision=plan_precision(request))
     shape = model_shape(request.model)
     rows = []
     for candidate in candidates_for(request.gpus):
@@ -100,6 +103,8 @@ def make_plan(request: PlanRequest) -> dict:
         "trainable_parameters": rows[0]["estimate"].trainable_parameters,
         "gpus": request.gpus,
         "gpu_memory_gib": request.gpu_memory_gib,
+        "gpu": request.gpu and request.gpu.describe(),
+        "precision": request.precision,
         "strategies": rows,
         "recommended": recommended and recommended["name"],
         "batch_plan": None,
@@ -119,6 +124,18 @@ def make_plan(request: PlanRequest) -> dict:
     if not any(row["fits"] and "offload" not in row["name"] for row in rows):
         plan["parallel_3d"] = smallest_3d_fit(request, shape)
     return plan
+
+
+def plan_precision(request: PlanRequest) -> str:
+    """The mixed precision planned: `auto` is bf16 on a GPU that has it and fp16 on one that does not (a T4, compute
+    capability 7.5); asking bf16 by name for such a GPU is refused, since `finetune train` would refuse it there
+    (`finetune.preflight.check_precision_on_gpu`)."""
+    if request.precision == "auto":
+        return default_precision(request.gpu)
+    if request.precision == "bf16" and request.gpu is not None and not request.gpu.supports_bf16:
+        raise RecipeError(f"`--precision bf16` for {request.gpu.describe()}: it has no bf16 (compute capability 8.0, "
+                          "Ampere, or newer); use `--precision fp16` or `auto`.")
+    return request.precision
 
 
 def inter_node_traffic(request: PlanRequest, shape, trainable: int) -> dict:
@@ -197,9 +214,11 @@ def launch_command(request: PlanRequest, candidate: Candidate, batch: dict) -> s
         f"--learning_rate {batch['learning_rate']:.3g}",
         f"--max_seq_length {request.sequence_length}",
     ]
-    if request.precision != "fp32":
+    if request.precision != "fp32":  # the recipe key wins over the Accelerate config's mixed_precision
         parts.append(f"--{request.precision} true")
-    if request.lora_rank:
+    if request.qlora:  # the 4-bit base the memory was estimated for; `use_qlora` implies LoRA
+        parts.append(f"--use_qlora true --lora_r {request.lora_rank}")
+    elif request.lora_rank:
         parts.append(f"--use_lora true --lora_r {request.lora_rank}")
     if request.gradient_checkpointing:
         parts.append("--gradient_checkpointing true")

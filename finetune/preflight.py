@@ -1,8 +1,9 @@
 """Launch preflight: what this process was asked to run, checked before `TrainingArguments` starts a process group.
 
 The DeepSpeed config (a file, or the one Accelerate builds from inline keys) is linted; combinations that cannot
-work (per-node saving under ZeRO-3 or FSDP1, a bf16 comm hook without NCCL, more processes than GPUs, a half-written
-checkpoint to resume) stop with a `RecipeError` that says what to change.
+work (per-node saving under ZeRO-3 or FSDP1, a bf16 comm hook without NCCL, more processes than GPUs, several GPUs
+but one process, bf16 on a GPU without it, a half-written checkpoint to resume) stop with a `RecipeError` that says
+what to change.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from finetune.configs.lint import lint_deepspeed
+from finetune.devices import visible_gpu
 from finetune.errors import RecipeError
 from finetune.strategies import Strategy, is_true, launched_strategy
 
@@ -46,7 +48,59 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
             and local_processes > torch.cuda.device_count():
         raise RecipeError(f"{local_processes} processes per machine but {torch.cuda.device_count()} visible GPU(s); "
                           "launch with --num_processes equal to the GPU count or fix CUDA_VISIBLE_DEVICES.")
+    check_one_process_per_gpu(training_inputs)
+    check_precision_on_gpu(training_inputs)
     return strategy, deepspeed
+
+
+def check_one_process_per_gpu(training_inputs: dict[str, Any]) -> None:
+    """One process that sees several GPUs would train on all of them through `nn.DataParallel`: with no launcher
+    (no WORLD_SIZE or LOCAL_RANK), Accelerate's state is not distributed and `TrainingArguments._setup_devices` sets
+    `n_gpu = torch.cuda.device_count()` ("nn.DataParallel handles n_gpu > 1", transformers/training_args.py), then
+    Trainer wraps the model and multiplies the batch by n_gpu (`train_batch_size`). The batch plan counted one
+    process with one GPU, so every step would take n_gpu times the planned global batch, through the slowest
+    data-parallel path there is."""
+    if "WORLD_SIZE" in os.environ or "LOCAL_RANK" in os.environ:
+        return
+    if is_true(training_inputs.get("use_cpu")) or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if gpus > 1:
+        raise RecipeError(
+            f"{gpus} GPUs are visible to one process (no launcher set WORLD_SIZE): Trainer would wrap the model in "
+            f"nn.DataParallel and every step would take {gpus}× the planned batch. Launch one process per GPU: "
+            f"`accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes {gpus} -m finetune train "
+            "RECIPE.yaml [--key value ...]`, or train on one GPU: `CUDA_VISIBLE_DEVICES=0 finetune train RECIPE.yaml`.")
+
+
+def check_precision_on_gpu(training_inputs: dict[str, Any]) -> None:
+    """bf16 asked for on a GPU without it (compute capability below 8.0: T4, V100) stops with the fix, fp16.
+
+    Stopping, rather than switching to fp16 with a warning: fp16 is not bf16 with fewer bits. Its range ends at
+    65504, so it needs loss scaling and can overflow where the bf16 run would not; the recipe's bf16 also reaches
+    QLoRA's storage check (`check_qlora`), `pure_bf16` and what `finetune.effective` and checkpoints record, and a
+    silent switch would leave those disagreeing with what runs. Transformers would not stop it either: it asks
+    `torch.cuda.is_bf16_supported()` counting emulation (`_validate_args` in transformers/training_args.py), which a
+    T4 passes, and trains bf16 emulated, or raises a bare ValueError where even emulation fails. The GPU is
+    `finetune.devices.visible_gpu`, the one Trainer trains on."""
+    if is_true(training_inputs.get("use_cpu")):
+        return
+    asked = [key for key in ("bf16", "bf16_full_eval", "pure_bf16") if is_true(training_inputs.get(key))]
+    from_launcher = not asked and training_precision(training_inputs) == "bf16"
+    if not asked and not from_launcher:
+        return
+    gpu = visible_gpu()
+    if gpu is None or gpu.supports_bf16:
+        return
+    if from_launcher:
+        raise RecipeError(f"the Accelerate config asks for bf16 mixed precision (`mixed_precision: bf16`) but "
+                          f"{gpu.describe()} has no bf16 (Ampere, 8.0, or newer): launch with `accelerate launch "
+                          "--mixed_precision fp16 ...` or add `--fp16 true` to the recipe.")
+    fixes = {"bf16": "`--bf16 false --fp16 true`", "bf16_full_eval": "`--bf16_full_eval false --fp16_full_eval true`",
+             "pure_bf16": "drop `pure_bf16`"}
+    keys, fix = ", ".join(f"`{key}: true`" for key in asked), "; ".join(fixes[key] for key in asked)
+    raise RecipeError(f"{keys} but {gpu.describe()} has no bf16 (compute capability 8.0, Ampere, or newer): train in "
+                      f"fp16 instead ({fix}).")
 
 
 def training_precision(training_inputs: dict[str, Any]) -> str:
@@ -59,10 +113,15 @@ def training_precision(training_inputs: dict[str, Any]) -> str:
 
 
 def check_qlora(torch_dtype: str, training_inputs: dict[str, Any], strategy: Strategy) -> None:
-    """QLoRA under a strategy that shards parameters stores the packed 4-bit weights in the compute dtype
+    """QLoRA computes in `finetune.models.qlora_compute_dtype`: bf16 named by `torch_dtype` on a GPU without it
+    stops here. Under a strategy that shards parameters the packed 4-bit weights are stored in the compute dtype
     (finetune.models.qlora_load); a mixed precision of the other half dtype would cast those bytes as numbers."""
     from finetune.models import qlora_compute_dtype
 
+    gpu = visible_gpu()
+    if qlora_compute_dtype(torch_dtype) == torch.bfloat16 and gpu is not None and not gpu.supports_bf16:
+        raise RecipeError(f"`use_qlora: true` with `torch_dtype: {torch_dtype}` computes in bf16, which "
+                          f"{gpu.describe()} does not have: set `torch_dtype: float16` or `auto`.")
     if not strategy.shards_parameters:
         return
     storage = {torch.float16: "fp16", torch.bfloat16: "bf16"}[qlora_compute_dtype(torch_dtype)]

@@ -69,7 +69,7 @@ def train(recipe: Recipe) -> dict:
         args=args,
         train_dataset=data.train,
         eval_dataset=data.eval,
-        data_collator=data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free),
+        data_collator=data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free, model=model),
         processing_class=tokenizer,
         callbacks=callbacks,
         recipe_values=recipe_values(recipe),

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 import torch
+from gpu_simulation import A100, T4, simulate_gpus
 from support import PROJECT_ROOT, run
 from transformers import BitsAndBytesConfig
 
 from finetune.errors import RecipeError
-from finetune.models import qlora_load
+from finetune.models import qlora_compute_dtype, qlora_load
 from finetune.recipe import parse_recipe
 from finetune.strategies import SHIPPED, SHIPPED_BY_NAME
 
@@ -38,8 +39,7 @@ def test_sharded_strategies_store_the_4bit_weights_in_the_compute_dtype(row):
 def qlora_possible(monkeypatch):
     """As on a CUDA machine with bitsandbytes: the recipe checks that follow the hardware check are reached."""
     monkeypatch.chdir(PROJECT_ROOT)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    simulate_gpus(monkeypatch, A100, count=8)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "bitsandbytes"
                         else find_spec(name, *a))
@@ -82,3 +82,20 @@ def test_unsharded_strategies_take_any_mixed_precision_with_qlora(qlora_possible
 def test_the_gpu_check_says_it_needs_a_gpu_here():
     result = run([sys.executable, "benchmarks/gpu_check.py"], timeout=120)
     assert result.returncode == 2 and "no CUDA GPU visible" in result.output
+
+
+@pytest.mark.parametrize("gpu, compute", [(T4, torch.float16), (A100, torch.bfloat16)], ids=["T4", "A100"])
+def test_qlora_computes_in_the_half_dtype_the_gpu_has(monkeypatch, gpu, compute):
+    """`torch_dtype: auto` (and float32) on a T4: the 4-bit base reaches BitsAndBytesConfig computing in fp16."""
+    simulate_gpus(monkeypatch, gpu)
+    for torch_dtype in ("auto", "float32"):
+        load = qlora_load(SHIPPED_BY_NAME["single"].strategy, torch_dtype)
+        assert BitsAndBytesConfig(**load.quantization).bnb_4bit_compute_dtype == compute and load.dtype == compute
+    assert qlora_compute_dtype("float16") == torch.float16 and qlora_compute_dtype("bfloat16") == torch.bfloat16
+
+
+def test_qlora_asked_to_compute_in_bf16_on_a_t4_is_refused_while_parsing(qlora_possible):
+    simulate_gpus(qlora_possible, T4)
+    with pytest.raises(RecipeError, match=r"`torch_dtype: bfloat16` computes in bf16, which Tesla T4 \(compute "
+                                          r"capability 7.5\) does not have: set `torch_dtype: float16` or `auto`"):
+        parse_recipe("recipes/demo.yaml", ["--use_qlora", "true", "--torch_dtype", "bfloat16"])

@@ -1,10 +1,11 @@
-"""`finetune plan --model M --gpus N --gpu-memory GiB`: predicted memory per strategy, the recommendation, the
-batch plan and the launch command. `--json` prints the same for machines."""
+"""`finetune plan --model M --gpus N --gpu-memory GiB` (or `--gpu t4`): predicted memory per strategy, the
+recommendation, the batch plan and the launch command. `--json` prints the same for machines."""
 
 from __future__ import annotations
 
 import json
 
+from finetune.devices import KNOWN_GPUS
 from finetune.memory.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, GiB
 
 
@@ -18,9 +19,16 @@ def plan_command_parser(subparsers) -> None:
                         help="tiny, a known shape (llama-3-8b, llama-3-70b, qwen2.5-0.5b, qwen2.5-7b, mistral-7b), "
                              "a local model directory or config.json, or a hub id (fetches config.json only)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs (processes) in all")
-    parser.add_argument("--gpu-memory", type=float, required=True, help="memory per GPU in GiB (e.g. 24, 80)")
+    parser.add_argument("--gpu-memory", type=float,
+                        help="memory per GPU in GiB (e.g. 24, 80); default: that of --gpu or of the visible GPU")
+    parser.add_argument("--gpu", help=f"the GPU model planned for ({', '.join(KNOWN_GPUS)}): sets the precision "
+                                      "(bf16 needs compute capability 8.0) and the default --gpu-memory; default: "
+                                      "the visible GPU")
+    parser.add_argument("--compute-capability", metavar="MAJOR.MINOR",
+                        help="instead of --gpu: the GPU's compute capability (7.5 for a T4: no bf16)")
     parser.add_argument("--host-memory", type=float, help="CPU RAM per node in GiB, checked for CPU offload")
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help="fp32, or bf16/fp16 mixed")
+    parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
+                        help="fp32, or bf16/fp16 mixed; auto (default): bf16 where the GPU has it, else fp16")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on every linear layer (0: full)")
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
@@ -42,11 +50,19 @@ def plan_command_parser(subparsers) -> None:
 
 
 def plan_command(args) -> int:
+    from finetune.devices import gpu_named
+    from finetune.errors import RecipeError
     from finetune.plan import PlanRequest, make_plan
 
+    if args.gpu is not None and args.compute_capability is not None:
+        raise RecipeError("give `--gpu` or `--compute-capability`, not both.")
+    gpu = gpu_named(args.gpu, args.compute_capability)
+    gpu_memory = args.gpu_memory if args.gpu_memory is not None else gpu and gpu.memory_gib
+    if gpu_memory is None:
+        raise RecipeError("`--gpu-memory` (GiB per GPU) is needed: no GPU is visible and `--gpu` names none.")
     request = PlanRequest(
-        model=args.model, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, host_memory_gib=args.host_memory,
-        precision=args.precision, optimizer=args.optimizer, lora_rank=args.lora_rank, qlora=args.qlora,
+        model=args.model, gpus=args.gpus, gpu_memory_gib=gpu_memory, host_memory_gib=args.host_memory,
+        precision=args.precision, gpu=gpu, optimizer=args.optimizer, lora_rank=args.lora_rank, qlora=args.qlora,
         sequence_length=args.seq_len, gradient_checkpointing=args.gradient_checkpointing,
         global_batch_size=args.global_batch_size, max_micro_batch_size=args.max_micro_batch_size,
         learning_rate=args.learning_rate, base_batch_size=args.base_batch_size, lr_scaling=args.lr_scaling,
@@ -80,7 +96,8 @@ def print_plan(plan: dict) -> None:
         console = Console(width=130)
     table = Table(title=f"{plan['model']}: {plan['num_parameters'] / 1e9:.2f}B parameters "
                         f"({plan['trainable_parameters'] / 1e9:.3g}B trained) on {plan['gpus']} × "
-                        f"{plan['gpu_memory_gib']:g} GiB — GiB per GPU")
+                        f"{plan['gpu_memory_gib']:g} GiB{' ' + plan['gpu'] if plan['gpu'] else ''}, "
+                        f"{plan['precision']} — GiB per GPU")
     for column in ("strategy", "params", "grads", "optimizer", "activations", "buffers", "total / GPU",
                    "offloaded / node", "fits"):
         table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)

@@ -7,11 +7,17 @@
 - `padding_free: true` flattens each micro-batch into one row (Transformers' `DataCollatorWithFlattening`).
 
 Transformers turns restarting `position_ids` into per-example attention (`masking_utils`'
-`find_packed_sequence_indices` for sdpa/eager; sequence lengths for flash_attention_2), so no custom attention
-path is needed, with one trap: it reads packing from `position_ids` only when no KV cache is passed, and with
-the config's default `use_cache: true` the model builds one even in training, so packed examples would silently
-attend to each other (measured on the tiny model: logits off by 0.95 instead of 4e-7).
-`prepare_model_for_packing` turns the training-time cache off.
+`find_packed_sequence_indices` for sdpa/eager/flex, per row; sequence lengths for flash attention), so no custom
+attention path is needed, with two traps:
+- it reads packing from `position_ids` only when no KV cache is passed, and with the config's default
+  `use_cache: true` the model builds one even in training, so packed examples would silently attend to each other
+  (measured on the tiny model: logits off by 0.95 instead of 4e-7). `prepare_model_for_packing` turns the
+  training-time cache off.
+- flash attention derives sequence lengths from `position_ids` only for a batch of ONE row (`_is_packed_sequence`
+  in transformers/modeling_flash_attention_utils.py: `batch_size != 1` → not packed), so a micro-batch of several
+  packed rows would run plain causal attention across the examples of each row. Under any flash kind (flash
+  attention 2/3 and kernels-hub flash variants, `is_flash_attention_requested`) the packed rows of a micro-batch
+  are therefore concatenated into one row (`FlattenedRowsCollator`), as `padding_free` already does.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import replace
 import torch
 from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+from transformers.utils.generic import is_flash_attention_requested
 
 from finetune.data.tokenize import IGNORE_INDEX
 from finetune.errors import RecipeError
@@ -94,8 +101,31 @@ class PackedRowsCollator:
         return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
 
 
-def data_collator(tokenizer, packing: bool = False, padding_free: bool = False):
+class FlattenedRowsCollator:
+    """Concatenates the packed rows of a micro-batch into one row, for flash attention (see module doc): no filler,
+    `position_ids` restarting at each example as packed, and -100 as the first label of every row, as `pack_examples`
+    puts at every example's start, so no token is predicted across a boundary whatever made the rows."""
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        batch = {"input_ids": [], "labels": [], "position_ids": []}
+        for feature in features:
+            batch["input_ids"] += list(feature["input_ids"])
+            batch["labels"] += [IGNORE_INDEX] + list(feature["labels"])[1:]
+            batch["position_ids"] += list(feature["position_ids"])
+        return {key: torch.tensor([value], dtype=torch.long) for key, value in batch.items()}
+
+
+def attention_implementation(model) -> str | None:
+    """The attention the model runs (what Transformers dispatches on: `config._attn_implementation`)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def data_collator(tokenizer, packing: bool = False, padding_free: bool = False, model=None):
+    """The collator for the batching asked for; with `packing`, `model`'s attention decides the layout: several
+    rows for sdpa/eager/flex, one flattened row for flash attention (module doc). Without `model`, rows."""
     if packing:
+        if is_flash_attention_requested(requested_attention_implementation=attention_implementation(model)):
+            return FlattenedRowsCollator()
         return PackedRowsCollator(tokenizer.pad_token_id)
     if padding_free:
         return DataCollatorWithFlattening(separator_id=IGNORE_INDEX)
@@ -104,8 +134,10 @@ def data_collator(tokenizer, packing: bool = False, padding_free: bool = False):
 
 def prepare_model_for_packing(model) -> None:
     """Makes packed rows safe: no training-time KV cache (see module doc) and an attention that isolates examples."""
-    attention = getattr(model.config, "_attn_implementation", None)
-    if attention not in PACKING_ATTENTION:
+    attention = attention_implementation(model)
+    if attention not in PACKING_ATTENTION and not is_flash_attention_requested(
+            requested_attention_implementation=attention):  # kernels-hub flash variants: varlen from position_ids
         raise RecipeError(f"packing needs an attention implementation that keeps packed examples apart "
-                          f"({', '.join(PACKING_ATTENTION)}); this model uses {attention}.")
+                          f"({', '.join(PACKING_ATTENTION)} or a flash kernel); this model uses {attention}: set "
+                          "`attn_implementation: sdpa`.")
     model.config.use_cache = False

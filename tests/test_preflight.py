@@ -1,0 +1,87 @@
+"""Launch checks that depend on the machine's GPUs, on simulated GPUs: bf16 on a GPU without it, and several GPUs
+seen by one process. Both stop while the recipe is parsed, before `TrainingArguments` exists."""
+
+import pytest
+from gpu_simulation import A100, T4, simulate_gpus
+from support import PROJECT_ROOT
+from transformers import TrainingArguments
+
+from finetune.errors import RecipeError
+from finetune.recipe import parse_recipe
+
+ON_GPU = ["--use_cpu", "false"]  # the parser's default on a machine with a GPU
+
+
+@pytest.fixture
+def reaches_training_arguments(monkeypatch):
+    """parse_recipe through every check up to `TrainingArguments`, whose own checks and device set-up are skipped
+    (they would reach for the simulated CUDA device): returns the training arguments."""
+    monkeypatch.chdir(PROJECT_ROOT)
+    monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: None)
+
+    def parse(*overrides):
+        return parse_recipe("recipes/demo.yaml", [*ON_GPU, *overrides]).training
+
+    return parse
+
+
+def test_bf16_on_a_t4_stops_with_the_fp16_fix(monkeypatch, reaches_training_arguments):
+    simulate_gpus(monkeypatch, T4)
+    with pytest.raises(RecipeError, match=r"^`bf16: true` but Tesla T4 \(compute capability 7\.5\) has no bf16 .*: "
+                                          r"train in fp16 instead \(`--bf16 false --fp16 true`\)\.$"):
+        reaches_training_arguments("--bf16", "true")
+    training = reaches_training_arguments("--fp16", "true")  # the fix, as the message gives it
+    assert training.fp16 and not training.bf16
+
+
+def test_bf16_from_the_accelerate_config_on_a_t4_names_the_launcher_fix(monkeypatch, reaches_training_arguments):
+    simulate_gpus(monkeypatch, T4)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate_configs/single_gpu.yaml
+    with pytest.raises(RecipeError, match=r"Accelerate config asks for bf16 .* `accelerate launch --mixed_precision "
+                                          r"fp16 \.\.\.` or add `--fp16 true`"):
+        reaches_training_arguments()
+    assert reaches_training_arguments("--fp16", "true").fp16  # the recipe key wins, as in TrainingArguments
+
+
+def test_bf16_passes_on_an_a100_and_on_cpu(monkeypatch, reaches_training_arguments):
+    simulate_gpus(monkeypatch, A100)
+    assert reaches_training_arguments("--bf16", "true").bf16
+    simulate_gpus(monkeypatch, T4)
+    assert reaches_training_arguments("--bf16", "true", "--use_cpu", "true").bf16  # the CPU trains it, not the T4
+
+
+def test_two_gpus_without_a_launcher_stop_with_the_launch_command(monkeypatch, reaches_training_arguments):
+    simulate_gpus(monkeypatch, A100, count=2)
+    with pytest.raises(RecipeError) as error:
+        reaches_training_arguments()
+    message = str(error.value)
+    assert "2 GPUs are visible to one process" in message and "nn.DataParallel" in message
+    assert ("`accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 -m finetune train "
+            "RECIPE.yaml" in message and "`CUDA_VISIBLE_DEVICES=0 finetune train RECIPE.yaml`" in message)
+    simulate_gpus(monkeypatch, A100, count=4)
+    with pytest.raises(RecipeError, match="--num_processes 4"):
+        reaches_training_arguments()
+
+
+def test_one_gpu_a_launcher_or_use_cpu_pass_the_one_process_check(monkeypatch, reaches_training_arguments):
+    simulate_gpus(monkeypatch, A100, count=1)
+    assert reaches_training_arguments().use_cpu is False
+    simulate_gpus(monkeypatch, A100, count=2)
+    assert reaches_training_arguments("--use_cpu", "true").use_cpu is True
+    for variable, value in (("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):  # what torchrun / accelerate launch set
+        simulate_gpus(monkeypatch, A100, count=2)
+        monkeypatch.setenv(variable, value)
+        assert reaches_training_arguments().use_cpu is False
+
+
+def test_the_single_gpu_config_pins_one_gpu_through_accelerates_own_launcher():
+    """The plan's one-GPU launch must pass the one-process check on a box with several GPUs: Accelerate's simple
+    launcher turns the config's `gpu_ids` into CUDA_VISIBLE_DEVICES."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+
+    args = launch_command_parser().parse_args(
+        ["--config_file", "accelerate_configs/single_gpu.yaml", "-m", "finetune", "train", "recipes/demo.yaml"])
+    _validate_launch_command(args)
+    _, environment = prepare_simple_launcher_cmd_env(args)
+    assert environment["CUDA_VISIBLE_DEVICES"] == "0"
