@@ -22,6 +22,7 @@ class Gpu:
     name: str
     compute_capability: tuple[int, int]
     memory_gib: float | None = None
+    peak_tflops: float | None = None  # dense bf16 (fp16 on a T4) peak, for MFU; None where not recorded
 
     @property
     def supports_bf16(self) -> bool:
@@ -37,18 +38,28 @@ class Gpu:
         return f"{self.name} (compute capability {major}.{minor})"
 
 
-# For `finetune plan --gpu NAME`: compute capabilities from NVIDIA's CUDA GPUs table, memory as the GPU reports it.
+# For `finetune plan --gpu NAME` and MFU: compute capabilities from NVIDIA's CUDA GPUs table, memory as the GPU
+# reports it, dense peaks from the vendors' datasheets (shared/REFERENCE.md; None where none is recorded).
 KNOWN_GPUS = {
-    "t4": Gpu("Tesla T4", (7, 5), 15.0),
+    "t4": Gpu("Tesla T4", (7, 5), 15.0, 65.0),
     "v100": Gpu("Tesla V100", (7, 0), 32.0),
     "a10g": Gpu("NVIDIA A10G", (8, 6), 22.0),
     "l4": Gpu("NVIDIA L4", (8, 9), 22.0),
     "rtx4090": Gpu("NVIDIA GeForce RTX 4090", (8, 9), 24.0),
-    "a100": Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 80.0),
-    "a100-40gb": Gpu("NVIDIA A100-SXM4-40GB", (8, 0), 40.0),
-    "h100": Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80.0),
-    "h200": Gpu("NVIDIA H200", (9, 0), 141.0),
+    "a100": Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 80.0, 312.0),
+    "a100-40gb": Gpu("NVIDIA A100-SXM4-40GB", (8, 0), 40.0, 312.0),
+    "h100-pcie": Gpu("NVIDIA H100 PCIe", (9, 0), 80.0, 756.0),
+    "h100": Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80.0, 989.0),
+    "h200": Gpu("NVIDIA H200", (9, 0), 141.0, 989.0),
 }
+# How a device name (`torch.cuda.get_device_name`) is recognised, most specific first.
+_NAME_MARKERS = (("H100 PCIe", "h100-pcie"), ("H100", "h100"), ("H200", "h200"), ("A100", "a100"), ("T4", "t4"),
+                 ("V100", "v100"), ("A10G", "a10g"), ("L4", "l4"), ("4090", "rtx4090"))
+
+
+def known_gpu(device_name: str) -> Gpu | None:
+    """The table's entry for a device name as CUDA reports it, or None (a CPU, an unknown GPU)."""
+    return next((KNOWN_GPUS[key] for marker, key in _NAME_MARKERS if marker in device_name), None)
 
 
 def visible_gpu() -> Gpu | None:

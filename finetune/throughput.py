@@ -15,9 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from finetune import outputs
-
-# Dense bf16 peaks in TFLOP/s (T4: fp16), matched against torch.cuda.get_device_name(); most specific name first.
-PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "T4": 65.0}
+from finetune.devices import known_gpu
 
 
 def device_name() -> str:
@@ -25,8 +23,10 @@ def device_name() -> str:
 
 
 def peak_tflops_of(name: str) -> float | None:
-    """The dense bf16 peak of a known accelerator, or None (a CPU, an unknown GPU: pass `peak_tflops`)."""
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+    """The dense bf16 peak of a known accelerator (`finetune.devices.KNOWN_GPUS`), or None (a CPU, an unknown GPU:
+    pass `peak_tflops`)."""
+    gpu = known_gpu(name)
+    return gpu.peak_tflops if gpu is not None else None
 
 
 @dataclass(frozen=True)
