@@ -100,7 +100,7 @@ def check_precision_on_gpu(training_inputs: dict[str, Any]) -> None:
              "pure_bf16": "drop `pure_bf16`"}
     keys, fix = ", ".join(f"`{key}: true`" for key in asked), "; ".join(fixes[key] for key in asked)
     raise RecipeError(f"{keys} but {gpu.describe()} has no bf16 (compute capability 8.0, Ampere, or newer): train in "
-                      f"fp16 instead ({fix}).")
+                      f"fp16 instead ({fix}), or let `bf16: auto` pick per GPU.")
 
 
 def training_precision(training_inputs: dict[str, Any]) -> str:

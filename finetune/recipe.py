@@ -102,6 +102,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     for key in values:
         if key not in known:
             raise RecipeError(f"unknown key `{key}` in {source}{did_you_mean(key, known)}.")
+    auto_precision = _resolve_auto_precision(values, overrides)
     parser.set_defaults(**{key: _as_argparse_default(value) for key, value in values.items()})
     namespace, remaining = parser.parse_known_args(args=overrides)
     if remaining:
@@ -109,6 +110,9 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
         raise RecipeError(f"unknown option `{remaining[0]}`{did_you_mean(name, known)}.")
     sources = {key: f"recipe {recipe_path}" for key in values}
     sources.update({_option_name(token): COMMAND_LINE for token in overrides if token.startswith("--")})
+    if auto_precision:
+        for key in ("bf16", "fp16"):
+            sources[key] = f"{sources.get('bf16', 'the recipe')}: {auto_precision}"
 
     def build(section_type, inputs: dict[str, Any]):
         try:
@@ -133,6 +137,28 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     training = build(FinetuneTrainingArguments, training_inputs)
     return Recipe(model=model, data=data, lora=lora, training=training, sources=sources, batch_plan=batch_plan,
                   strategy=strategy, deepspeed_config=deepspeed_config)
+
+
+def _resolve_auto_precision(values: dict[str, Any], overrides: list[str]) -> str | None:
+    """`bf16: auto` (axolotl's habit): bf16 mixed precision where the visible GPU has it, fp16 where it does not (a
+    T4, a V100), none on CPU; written into `values`/`overrides` as plain booleans before parsing. Returns how it was
+    resolved, which the effective config records as the source of `bf16` and `fp16`."""
+    from finetune.devices import training_precision_here, visible_gpu
+
+    flags = [index for index, token in enumerate(overrides[:-1]) if token == "--bf16"]
+    given = overrides[flags[-1] + 1] if flags else values.get("bf16")
+    if str(given).lower() != "auto":
+        return None
+    precision = training_precision_here()
+    chosen = {"bf16": "true", "fp16": "false"} if precision == "bf16" else \
+        {"bf16": "false", "fp16": "true" if precision == "fp16" else "false"}
+    if flags:
+        overrides[flags[-1] + 1] = chosen["bf16"]
+        overrides += ["--fp16", chosen["fp16"]]
+    else:
+        values.update(chosen)
+    gpu = visible_gpu()
+    return f"auto → {precision} ({gpu.describe() if gpu is not None else 'no GPU visible'})"
 
 
 def _apply_batch_plan(plan: BatchPlan, training_inputs: dict[str, Any], sources: dict[str, str]) -> None:

@@ -28,7 +28,8 @@ def reaches_training_arguments(monkeypatch):
 def test_bf16_on_a_t4_stops_with_the_fp16_fix(monkeypatch, reaches_training_arguments):
     simulate_gpus(monkeypatch, T4)
     with pytest.raises(RecipeError, match=r"^`bf16: true` but Tesla T4 \(compute capability 7\.5\) has no bf16 .*: "
-                                          r"train in fp16 instead \(`--bf16 false --fp16 true`\)\.$"):
+                                          r"train in fp16 instead \(`--bf16 false --fp16 true`\), "
+                                          r"or let `bf16: auto` pick per GPU\.$"):
         reaches_training_arguments("--bf16", "true")
     training = reaches_training_arguments("--fp16", "true")  # the fix, as the message gives it
     assert training.fp16 and not training.bf16
@@ -85,3 +86,22 @@ def test_the_single_gpu_config_pins_one_gpu_through_accelerates_own_launcher():
     _validate_launch_command(args)
     _, environment = prepare_simple_launcher_cmd_env(args)
     assert environment["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+@pytest.mark.parametrize("gpu, bf16, fp16", [(T4, False, True), (A100, True, False)])
+def test_bf16_auto_picks_fp16_on_a_t4_and_bf16_where_the_gpu_has_it_and_records_why(
+        monkeypatch, reaches_training_arguments, gpu, bf16, fp16):
+    simulate_gpus(monkeypatch, gpu)
+    training = reaches_training_arguments("--bf16", "auto")
+    assert (training.bf16, training.fp16) == (bf16, fp16)
+    recipe = parse_recipe("recipes/demo.yaml", [*ON_GPU, "--bf16", "auto"])
+    assert recipe.sources["bf16"] == f"command line: auto → {'bf16' if bf16 else 'fp16'} ({gpu[0]} (compute " \
+                                     f"capability {gpu[1][0]}.{gpu[1][1]}))"
+
+
+def test_bf16_auto_in_a_recipe_file_trains_without_mixed_precision_on_cpu(tmp_path):
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text((PROJECT_ROOT / "recipes/demo.yaml").read_text() + "bf16: auto\n")
+    recipe = parse_recipe(recipe_file, [])
+    assert not recipe.training.bf16 and not recipe.training.fp16
+    assert recipe.sources["fp16"].endswith("auto → fp32 (no GPU visible)")
