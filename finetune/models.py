@@ -36,12 +36,20 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strate
         return model
     if qlora:
         return _load_4bit(model_args, tokenizer, seed, strategy or Strategy("single"))
-    return AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path,
-        dtype=DTYPES[model_args.torch_dtype],
-        attn_implementation=model_args.attn_implementation,
-        trust_remote_code=model_args.trust_remote_code,
-    )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            model_args.model_name_or_path,
+            dtype=DTYPES[model_args.torch_dtype],
+            attn_implementation=model_args.attn_implementation,
+            trust_remote_code=model_args.trust_remote_code,
+        )
+    except (ImportError, ValueError) as error:
+        if model_args.attn_implementation is None or "attn" not in str(error).lower().replace("attention", "attn"):
+            raise
+        # Transformers' own refusal (an unknown name, flash-attn not installed or no CUDA), said in one line.
+        raise RecipeError(f"`attn_implementation: {model_args.attn_implementation}` cannot be used here: "
+                          f"{str(error).splitlines()[0]} Use `sdpa` (any device), or install the kernel's package on "
+                          "a CUDA GPU (flash_attention_2: `pip install flash-attn`).") from None
 
 
 def trainable_dtype(strategy: Strategy, precision: str, pure_bf16: bool = False) -> torch.dtype | None:

@@ -154,3 +154,14 @@ def test_packing_refuses_an_attention_that_cannot_keep_examples_apart(tokenizer)
     prepare_model_for_packing(model_with(tokenizer, "kernels-community/flash-attn2"))  # a hub flash kernel: fine
     with pytest.raises(RecipeError, match=r"this model uses my_attention: set `attn_implementation: sdpa`"):
         prepare_model_for_packing(model_with(tokenizer, "my_attention"))
+
+
+@pytest.mark.parametrize("attention, said", [("flash_attention_2", "not installed|CUDA|toggled"),
+                                              ("sdpaa", "not supported")])
+def test_an_attention_kernel_that_cannot_load_is_refused_in_one_line_naming_the_key(hub_model_dir, attention, said):
+    from finetune.args import ModelArguments
+    from finetune.models import load_model, load_tokenizer
+
+    model_args = ModelArguments(model_name_or_path=str(hub_model_dir), attn_implementation=attention)
+    with pytest.raises(RecipeError, match=rf"^`attn_implementation: {attention}` cannot be used here: .*({said})"):
+        load_model(model_args, load_tokenizer(model_args))
