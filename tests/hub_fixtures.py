@@ -2,7 +2,8 @@
 
 A small Qwen2-shaped model saved in bf16 safetensors (as hub checkpoints are), with a byte-level BPE tokenizer trained
 here (real merges, special tokens) and the chat template of one of the families people fine-tune: ChatML (Qwen, with
-tool calls), ChatML opening the answer with `<think>` (reasoning models), Llama-3, Mistral, Gemma, or none (a base
+tool calls), ChatML opening the answer with `<think>` (reasoning models), ChatML writing an empty `<think>`
+block before the latest answers only (Qwen3), Llama-3, Mistral, Gemma, or none (a base
 model). The templates are written for these fixtures in the style of each family; the token layout (role headers,
 end-of-turn tokens, BOS in the template) is what matters to label masking.
 """
@@ -54,6 +55,21 @@ CHATML_THINK = (
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
 )
 
+# Qwen3-style: the answers after the last user turn open with an empty <think></think> block, earlier answers do
+# not; so a turn renders differently once the conversation goes on.
+CHATML_THINK_LATEST = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
 LLAMA3 = (
     "{{ bos_token }}"
     "{%- for message in messages %}"
@@ -103,6 +119,8 @@ FAMILIES = {
     "chatml": Family(CHATML, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), eos="<|im_end|>", pad="<|endoftext|>"),
     "chatml_think": Family(CHATML_THINK, ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
                            eos="<|im_end|>", pad="<|endoftext|>"),
+    "chatml_think_latest": Family(CHATML_THINK_LATEST, ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>",
+                                                         "</think>"), eos="<|im_end|>", pad="<|endoftext|>"),
     "llama3": Family(LLAMA3, ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                               "<|eot_id|>"), eos="<|eot_id|>", bos="<|begin_of_text|>"),
     "mistral": Family(MISTRAL, ("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), eos="</s>", bos="<s>"),

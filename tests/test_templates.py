@@ -18,6 +18,7 @@ from finetune.models import load_tokenizer
 AFTER_ANSWER = {
     "chatml": ("<|im_end|>", "<|im_end|>\n"),
     "chatml_think": ("<|im_end|>", "<|im_end|>\n"),
+    "chatml_think_latest": ("<|im_end|>", "<|im_end|>\n"),
     "llama3": ("<|eot_id|>", "<|eot_id|>"),
     "mistral": ("</s>", "</s>"),
     "gemma": ("<end_of_turn>", "<end_of_turn>\n"),
@@ -25,6 +26,7 @@ AFTER_ANSWER = {
 }
 # What the template writes just before an answer (the end of the prompt the model sees).
 BEFORE_ANSWER = {"chatml": "<|im_start|>assistant\n", "chatml_think": "<|im_start|>assistant\n",
+                 "chatml_think_latest": "<|im_start|>assistant\n",
                  "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n", "mistral": " [/INST]",
                  "gemma": "<start_of_turn>model\n", "base": "<|assistant|>"}
 ANSWERS = ["the answer is cba", "ok, sorted: abc"]
@@ -70,13 +72,18 @@ def test_exactly_each_answer_and_its_end_of_turn_token_are_learned(tokenizers, f
     messages = conversation(family, turns)
     input_ids, labels = encode_conversation(messages, tokenizer)
     end_token, after = AFTER_ANSWER[family]
-    expected = [tokenizer(answer + end_token, add_special_tokens=False)["input_ids"] for answer in ANSWERS[:turns]]
+    # Qwen3-style: the latest answer opens with the empty thinking block the template writes there, which the model
+    # must produce too; earlier answers are rendered (and learned) without it.
+    opening = ["<think>\n\n</think>\n\n" if family == "chatml_think_latest" and turn == turns - 1 else ""
+               for turn in range(turns)]
+    learned = [opening[turn] + answer + end_token for turn, answer in enumerate(ANSWERS[:turns])]
+    expected = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in learned]
     runs = learned_runs(tokenizer, input_ids, labels)
-    assert [tokenizer.decode(run) for run in runs] == [answer + end_token for answer in ANSWERS[:turns]]
+    assert [tokenizer.decode(run) for run in runs] == learned
     assert runs == expected  # token by token, not only as text
     text = tokenizer.decode(input_ids)
-    for answer in ANSWERS[:turns]:
-        assert BEFORE_ANSWER[family] + answer + after in text  # the masked prompt ends right before the answer
+    for turn, answer in enumerate(ANSWERS[:turns]):
+        assert BEFORE_ANSWER[family] + opening[turn] + answer + after in text  # the prompt ends before the answer
     if family != "gemma":
         assert "be brief" in text and "be brief" not in tokenizer.decode([t for run in runs for t in run])
 
@@ -137,11 +144,24 @@ def test_a_span_without_the_answer_is_refused_rather_than_trained_on(tmp_path):
         encode_conversation(TURNS[:2], tokenizer)
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
-    tokenizer = saved_with_template(tmp_path, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                                              "{% if loop.last %} (last){% endif %}<|im_end|>{% endfor %}")
-    with pytest.raises(RecipeError, match="does not render a conversation as a prefix of its continuation"):
+def test_a_template_that_rewrites_earlier_answers_beyond_recognition_is_refused(tmp_path):
+    tokenizer = saved_with_template(tmp_path, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                                              "{{ m['content'] if loop.last else m['content'][:4] }}<|im_end|>"
+                                              "{% endfor %}")
+    with pytest.raises(RecipeError, match="does not render a conversation as a prefix of its continuation, and the "
+                                          "answers cannot be found"):
         encode_conversation(TURNS, tokenizer)
+
+
+def test_a_turn_rendered_differently_once_the_conversation_goes_on_is_found_in_the_whole_rendering(tokenizers):
+    """Qwen3's template writes `<think>\n\n</think>\n\n` before the latest answer only: the first answer, rendered
+    as the last, is not a prefix of the whole conversation, and is found in it instead."""
+    tokenizer = tokenizers["chatml_think_latest"]
+    first_as_last = tokenizer.apply_chat_template(TURNS[:2], tokenize=False)
+    assert not tokenizer.apply_chat_template(TURNS, tokenize=False).startswith(first_as_last)
+    input_ids, labels = encode_conversation(TURNS, tokenizer)
+    assert [tokenizer.decode(run) for run in learned_runs(tokenizer, input_ids, labels)] == [
+        "the answer is cba<|im_end|>", "<think>\n\n</think>\n\nok, sorted: abc<|im_end|>"]
 
 
 def test_a_template_error_is_a_recipe_error_naming_the_template(tokenizers):

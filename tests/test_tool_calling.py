@@ -155,21 +155,26 @@ class OneProcess:
 CITIES = ["Paris", "Rome", "Oslo", "Lima"]
 
 
-def write_tool_data(path, rows: int = 16):
-    """Tool-calling rows in both shapes, two tools, each row with its own city."""
+def write_tool_data(path, shape: str = "sharegpt", rows: int = 16):
+    """Tool-calling rows in LLaMA-Factory's ShareGPT or OpenAI's shape, two tools, each row with its own city."""
     lines = []
     for index in range(rows):
         city = CITIES[index % len(CITIES)]
-        call = json.dumps({"name": "get_weather", "arguments": {"city": city}})
-        row = sharegpt_row(tools=(WEATHER, TIME), call=call)
-        row["conversations"][0]["value"] = f"Weather in {city}?"
+        if shape == "sharegpt":
+            row = sharegpt_row(tools=(WEATHER, TIME),
+                               call=json.dumps({"name": "get_weather", "arguments": {"city": city}}))
+            row["conversations"][0]["value"] = f"Weather in {city}?"
+        else:
+            row = openai_row(arguments=json.dumps({"city": city}), tools=(WEATHER, TIME))
+            row["messages"][0]["content"] = f"Weather in {city}?"
         lines.append(json.dumps(row))
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def test_a_hub_like_model_trains_on_tool_calls(tmp_path, hub_model_dir):
-    data = write_tool_data(tmp_path / "tools.jsonl")
+@pytest.mark.parametrize("shape, dataset_format", [("sharegpt", "sharegpt"), ("openai", "messages")])
+def test_a_hub_like_model_trains_on_tool_calls(tmp_path, hub_model_dir, shape, dataset_format):
+    data = write_tool_data(tmp_path / "tools.jsonl", shape)
     output_dir = tmp_path / "out"
     status = main(["train", "recipes/demo.yaml", "--model_name_or_path", str(hub_model_dir), "--train_file", str(data),
                    "--max_seq_length", "512", "--per_device_train_batch_size", "4", "--max_steps", "6",
@@ -177,7 +182,7 @@ def test_a_hub_like_model_trains_on_tool_calls(tmp_path, hub_model_dir):
                    "--generation_eval_samples", "0", "--output_dir", str(output_dir), "--disable_tqdm", "true"])
     assert status == 0
     summary = json.loads((output_dir / "data_summary.json").read_text())["sources"][0]
-    assert summary["format"] == "sharegpt" and summary["train"]["dropped"] == {}
+    assert summary["format"] == dataset_format and summary["train"]["dropped"] == {}
     assert summary["train"]["rows_kept"] == 16 and summary["train"]["truncated_rows"] == 0
     # Exactly each row's call and answer with their end tokens: the tool list and the results carry no label.
     tokenizer = load_tokenizer(ModelArguments(model_name_or_path=str(hub_model_dir)))

@@ -81,21 +81,62 @@ def encode_conversation(messages: list[dict], tokenizer, tools: list[dict] | Non
     input_ids = _token_ids(tokenizer, text)
     labels = [IGNORE_INDEX] * len(input_ids)
     special_ids = _special_ids(tokenizer)
+    spans = []
     for index, message in enumerate(messages):
         if message["role"] == "assistant":
-            start, end = _assistant_span(messages, index, tokenizer, tools, input_ids, special_ids)
-            labels[start:end] = input_ids[start:end]
+            spans.append(_assistant_span(messages, index, tokenizer, tools, input_ids, special_ids))
+    if None in spans:  # an earlier turn renders differently once the conversation goes on (Qwen3's <think>)
+        found = _spans_in_whole_render(messages, text, tokenizer)
+        spans = [span if span is not None else found[turn] for turn, span in enumerate(spans)]
+    for start, end in spans:
+        labels[start:end] = input_ids[start:end]
     return input_ids, labels
 
 
-def _assistant_span(messages, index, tokenizer, tools, input_ids, special_ids) -> tuple[int, int]:
-    """`[start, end)` of assistant turn `index`'s learned tokens in `input_ids`, verified."""
+def _spans_in_whole_render(messages, text: str, tokenizer) -> list[tuple[int, int]]:
+    """Assistant spans found in the rendered conversation itself, for the turns a template renders one way while they
+    are the last and another once the conversation goes on (Qwen3 writes an empty `<think></think>` before the latest
+    answers only; the latest turn renders as itself and is found by rendering). Every message's text is looked up in
+    order, and an assistant span runs from its answer's first character to the special token that closes it, mapped
+    to tokens through the tokenizer's character offsets. Tool calls, which a template writes in a form of its own,
+    cannot be found this way and are refused."""
+    unfindable = RecipeError(
+        f"{template_name(tokenizer)} does not render a conversation as a prefix of its continuation, and the answers "
+        "cannot be found in the rendered text, so assistant tokens cannot be located; use a template that renders "
+        "earlier turns as it rendered them (`chat_template` in tokenizer_config.json).")
+    if not tokenizer.is_fast or any(m.get("tool_calls") for m in messages):
+        raise unfindable
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    closers = [token for token in tokenizer.all_special_tokens + [t.content for t in
+               tokenizer.added_tokens_decoder.values() if t.special] if token]
+    spans, cursor = [], 0
+    for message in messages:
+        content = message["content"].strip()
+        found = text.find(content, cursor) if content else -1
+        if found < 0:
+            if message["role"] == "assistant":
+                raise unfindable
+            continue  # a template may fold a system prompt elsewhere, or drop it
+        cursor = found + len(content)
+        if message["role"] != "assistant":
+            continue
+        closes = [(text.find(token, cursor), token) for token in closers if text.find(token, cursor) >= 0]
+        if not closes:
+            raise unfindable
+        position, token = min(closes)
+        start_char, cursor = found, position + len(token)
+        start = next(i for i, (_, end) in enumerate(offsets) if end > start_char)
+        end = max(i for i, (begin, _) in enumerate(offsets) if begin < cursor) + 1
+        spans.append((start, end))
+    return spans
+
+
+def _assistant_span(messages, index, tokenizer, tools, input_ids, special_ids) -> tuple[int, int] | None:
+    """`[start, end)` of assistant turn `index`'s learned tokens in `input_ids`, verified; None where the turn
+    rendered as the last differs from the same turn inside the whole conversation."""
     upto = _token_ids(tokenizer, _render(tokenizer, messages[: index + 1], tools))
     if upto != input_ids[: len(upto)]:
-        raise RecipeError(
-            f"{template_name(tokenizer)} does not render a conversation as a prefix of its continuation, so assistant "
-            "tokens cannot be located; use a template that does (`chat_template` in tokenizer_config.json)."
-        )
+        return None
     prompt = _render(tokenizer, messages[:index], tools, add_generation_prompt=True)
     prompt_ids = _token_ids(tokenizer, prompt)
     start = next((i for i, (a, b) in enumerate(zip(prompt_ids, upto)) if a != b), min(len(prompt_ids), len(upto)))
