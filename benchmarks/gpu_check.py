@@ -5,7 +5,11 @@
 - FSDP2 full shard in bf16 over NCCL: trains, ledger = prediction per rank (tests/test_fsdp.py runs it over gloo);
 - QLoRA on one GPU in bf16, and in fp16 as on a T4 (`torch_dtype: float16`, `fp16: true`);
 - QLoRA under FSDP2 full shard and under ZeRO-3: the 4-bit weights stored in bf16 and sharded (tests/test_qlora.py
-  checks the loading options and refusals without CUDA).
+  checks the loading options and refusals without CUDA);
+- a checkpoint stored in bf16 (as hub models are) trained under bf16 mixed precision on one GPU and under DDP over
+  NCCL: trainable weights held in fp32 (tests/test_precision.py runs both on CPU);
+- packing under flash attention 2 with 4 packed rows per micro-batch, flattened into one row (needs `flash-attn`;
+  tests/test_attention_packing.py checks Transformers' own varlen detection without CUDA).
 
 Each row: the exit status, first and last logged loss, and the largest gap between measured and predicted model-state
 bytes on any rank. Results go to benchmarks/results/gpu-check-<device>.json.
@@ -38,7 +42,21 @@ CHECKS = {
     "qlora_single_fp16_t4": ("single", [*QLORA, "--torch_dtype", "float16", "--fp16", "true"]),
     "qlora_fsdp_full_shard_bf16": ("fsdp_full_shard", [*QLORA, "--torch_dtype", "bfloat16", "--bf16", "true"]),
     "qlora_zero3_bf16": ("zero3", [*QLORA, "--torch_dtype", "bfloat16", "--bf16", "true"]),
+    "bf16_checkpoint_single": ("single", ["--model_name_or_path", "{bf16_checkpoint}", "--bf16", "true"]),
+    "bf16_checkpoint_ddp": ("ddp", ["--model_name_or_path", "{bf16_checkpoint}", "--bf16", "true"]),
+    "packing_flash_attention_2": ("single", ["--packing", "true", "--attn_implementation", "flash_attention_2",
+                                             "--per_device_train_batch_size", "4", "--bf16", "true"]),
 }
+
+
+def save_bf16_checkpoint(directory: Path) -> str:
+    """The tiny default saved as hub checkpoints are: bf16 safetensors with its tokenizer."""
+    from finetune import presets
+
+    tokenizer = presets.build_tokenizer()
+    presets.build_model(tokenizer, dtype=torch.bfloat16).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
 
 
 def check(name: str, strategy: str, extra: list[str], scratch: Path) -> dict:
@@ -54,6 +72,9 @@ def check(name: str, strategy: str, extra: list[str], scratch: Path) -> dict:
     history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
     losses = [entry["loss"] for entry in history if "loss" in entry]
     row.update(first_loss=losses[0], last_loss=losses[-1])
+    effective = outputs.read_record(output_dir, outputs.EFFECTIVE_CONFIG, missing=None)
+    if effective is not None:
+        row["trainable_weights"] = effective["values"]["trainable_weights"]["value"]
     memory = outputs.read_record(output_dir, outputs.MEMORY_REPORT, missing=None)
     if memory is not None:
         row["max_state_gap_bytes"] = max(
@@ -74,8 +95,10 @@ def main() -> int:
     device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
+        bf16_checkpoint = save_bf16_checkpoint(Path(scratch) / "bf16_checkpoint")
         for name, (strategy, extra) in CHECKS.items():
             print(f"running {name}", flush=True)
+            extra = [value.format(bf16_checkpoint=bf16_checkpoint) for value in extra]
             rows[name] = check(name, strategy, extra, Path(scratch))
             print(f"  {rows[name]}", flush=True)
     record = {"date": date.today().isoformat(), "device": device, "gpus": torch.cuda.device_count(),
