@@ -76,12 +76,15 @@ def test_zero2_model_states_equal_deepspeeds_estimator(name, gpus):
 def test_zero3_model_states_differ_from_deepspeeds_estimator_exactly_as_documented(gpus):
     shape = model_shape("mistral-7b")
     psi, largest = shape.num_parameters, shape.largest_layer_parameters
-    # No offload: DeepSpeed's 4·largest_layer is a gathered layer (our `temporary_bytes`) and its 18Ψ/N leaves
-    # out the 2Ψ/N bf16 parameter partition each rank holds.
+    # No offload: DeepSpeed's 4·largest_layer is a gathered layer (our `temporary_bytes`), its 18Ψ/N leaves
+    # out the 2Ψ/N bf16 parameter partition each rank holds, and counts the whole partition's fp32 gradients where
+    # the step holds one sub-group of them (1e9 elements by default, + one tensor's shard): less on 2 GPUs.
     ours = estimate(shape, Setup("deepspeed", gpus, zero_stage=3))
     _, gpu, largest_memory = estimate_zero3_model_states_mem_needs(psi, largest, gpus, cpu_offload=False)
     assert largest_memory == 4 * largest
-    assert model_states(ours) == pytest.approx(gpu - largest_memory + 2 * psi / gpus, abs=4)
+    fp32_not_held = 4 * max(0, psi / gpus - (1e9 + largest / gpus))
+    assert (fp32_not_held > 0) == (gpus == 2)
+    assert model_states(ours) == pytest.approx(gpu - largest_memory + 2 * psi / gpus - fp32_not_held, abs=4)
     # Optimizer offload: only the bf16 parameter partition stays, exactly as DeepSpeed counts it.
     optimizer_offload = estimate(shape, Setup("deepspeed", gpus, zero_stage=3, offload_optimizer="cpu"))
     _, gpu, _ = estimate_zero3_model_states_mem_needs(psi, largest, gpus, cpu_offload=True, cpu_offload_params=False)
@@ -299,3 +302,60 @@ def test_plan_across_nodes_under_lora_still_gathers_the_frozen_base_under_zero3(
     base, trained = lora["num_parameters"], lora["trainable_parameters"]
     assert traffic["ZeRO-2"]["bytes_per_node"] == pytest.approx(2 * trained * 2 / 2)
     assert traffic["ZeRO-3"]["bytes_per_node"] == pytest.approx((2 * base + trained) * 2 / 2)
+
+
+def test_zero1_under_accumulation_holds_full_gradients_between_micro_steps():
+    shape = model_shape("llama-3-8b")
+    psi = shape.num_parameters
+    once = {stage: estimate(shape, Setup("deepspeed", 8, zero_stage=stage)) for stage in (1, 2, 3)}
+    accumulate = {stage: estimate(shape, Setup("deepspeed", 8, zero_stage=stage, gradient_accumulation_steps=4))
+                  for stage in (1, 2, 3)}
+    assert all(result.grads_between_micro_steps_bytes == 0 for result in once.values())
+    # ZeRO-1 reduces only at the boundary: 2Ψ of bf16 gradients, more than the step's (2 + 4)Ψ/8.
+    assert accumulate[1].grads_between_micro_steps_bytes == 2 * psi
+    assert accumulate[1].grads_peak_bytes == 2 * psi > accumulate[1].grads_bytes == once[1].grads_bytes
+    assert accumulate[1].total_bytes - once[1].total_bytes == 2 * psi - once[1].grads_bytes
+    # ZeRO-2/3 keep their bf16 partition: below the step's figure, so the peak is the step's.
+    for stage in (2, 3):
+        assert accumulate[stage].grads_between_micro_steps_bytes == 2 * psi // 8
+        assert accumulate[stage].total_bytes == once[stage].total_bytes
+    assert estimate(shape, Setup("deepspeed", 8, zero_stage=1, gradient_accumulation_steps=4,
+                                 offload_optimizer="cpu")).grads_between_micro_steps_bytes == 2 * psi
+    per_gpu = accumulate[1].to_dict()["per_gpu"]
+    assert per_gpu["grads_between_micro_steps_bytes"] == per_gpu["grads_peak_bytes"] == 2 * psi
+    with pytest.raises(RecipeError, match="gradient_accumulation_steps must be positive"):
+        estimate(shape, Setup("deepspeed", 8, zero_stage=1, gradient_accumulation_steps=0))
+
+
+def test_zero3_fp32_gradients_are_bounded_by_the_sub_group_for_a_7b_on_2_gpus():
+    shape = model_shape("mistral-7b")
+    psi, shard = shape.num_parameters, shape.largest_layer_parameters / 2
+    default = estimate(shape, Setup("deepspeed", 2, zero_stage=3))
+    # bf16 partition + one sub-group of fp32 gradients (DeepSpeed's default 1e9 elements, overshooting by at most
+    # one tensor's shard), not the whole 3.6e9-element partition in fp32.
+    assert default.grads_bytes == pytest.approx(2 * psi / 2 + 4 * (1e9 + shard), abs=8)
+    assert default.grads_bytes < (2 + 4) * psi / 2 - 9 * GiB
+    small = estimate(shape, Setup("deepspeed", 2, zero_stage=3, sub_group_size=100_000_000))
+    assert small.grads_bytes == pytest.approx(2 * psi / 2 + 4 * (1e8 + shard), abs=8)
+    # A sub-group larger than the partition: the whole partition, as DeepSpeed's own estimator counts it.
+    assert estimate(shape, Setup("deepspeed", 8, zero_stage=3, sub_group_size=10**10)).grads_bytes == \
+        pytest.approx(6 * psi / 8, abs=8)
+    with pytest.raises(RecipeError, match="sub_group_size: 0"):
+        estimate(shape, Setup("deepspeed", 2, zero_stage=3, sub_group_size=0))
+
+
+def test_host_ram_at_load_is_one_model_per_local_rank_without_zero3_init():
+    shape = model_shape("llama-3-70b")
+    psi = shape.num_parameters
+    per_node = estimate(shape, Setup("deepspeed", 2, gpus_per_node=2, zero_stage=3)).host_load_bytes_per_node
+    assert per_node == 2 * 2 * psi and per_node == pytest.approx(2 * 141e9, rel=0.01)
+    # zero3_init: only rank 0 reads the checkpoint; offloaded parameters add each rank's partition.
+    assert estimate(shape, Setup("deepspeed", 2, zero_stage=3, zero3_init=True)).host_load_bytes_per_node == 2 * psi
+    offload = estimate(shape, Setup("deepspeed", 2, zero_stage=3, zero3_init=True, offload_param="cpu",
+                                    offload_optimizer="cpu"))
+    assert offload.host_load_bytes_per_node == 2 * psi + 2 * psi
+    # zero3_init means nothing below stage 3; 16 GPUs on 2 nodes load 8 models per node; DDP loads fp32 masters.
+    assert estimate(shape, Setup("deepspeed", 2, zero_stage=2, zero3_init=True)).host_load_bytes_per_node == 4 * psi
+    assert estimate(shape, Setup("deepspeed", 16, gpus_per_node=8, zero_stage=3)).to_dict()[
+        "host_load_bytes_per_node"] == 8 * 2 * psi
+    assert estimate(model_shape("tiny"), Setup("ddp", 2)).host_load_bytes_per_node == 2 * 4 * 525_824

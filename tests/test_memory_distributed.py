@@ -13,16 +13,23 @@ pytestmark = pytest.mark.distributed
 STATES = ("params_bytes", "grads_bytes", "optimizer_bytes")
 RUNS = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero2_bf16", "zero3_bf16"]
 ALIGNMENT = 1024  # bytes: DeepSpeed pads each flat partition to an alignment boundary
+# Trainer's second parameter group (no weight decay: the tiny model's 2·3 + 1 RMSNorm weights of 128) is stepped after
+# the first group's fp32 gradients are freed, so the step holds the larger group's fp32 copy, not both; the estimator
+# counts the whole partition (the norms are a negligible share of any real model). Its fp32 shard per rank:
+NO_DECAY_FP32 = 4 * (2 * model_shape("tiny").num_layers + 1) * model_shape("tiny").hidden_size // 2
 
 
 def slack(key: str, run: str) -> int:
-    """Allowed difference: alignment padding, and for ZeRO-1/2 gradients one whole parameter tensor: DeepSpeed
-    sizes a rank's gradient buffer by the whole tensors its partition touches (stage_1_and_2.py
-    `grads_in_partition`), so the rank whose boundary cuts the embedding holds up to that tensor more."""
-    if key == "grads_bytes" and run[:5] in ("zero1", "zero2") and "offload" not in run:
+    """Allowed difference: alignment padding; for gradients the no-decay group's fp32 shard, and for ZeRO-1/2 one
+    whole parameter tensor: DeepSpeed sizes a rank's gradient buffer by the whole tensors its partition touches
+    (stage_1_and_2.py `grads_in_partition`), so the rank whose boundary cuts the embedding holds up to that tensor
+    more."""
+    if key != "grads_bytes":
+        return ALIGNMENT
+    if run[:5] in ("zero1", "zero2") and "offload" not in run:
         element = 2 if run.endswith("bf16") else 4
-        return ALIGNMENT + model_shape("tiny").largest_layer_parameters * element
-    return ALIGNMENT
+        return ALIGNMENT + NO_DECAY_FP32 + model_shape("tiny").largest_layer_parameters * element
+    return ALIGNMENT + NO_DECAY_FP32
 
 
 def memory_report(output_dir) -> list[dict]:
@@ -41,6 +48,9 @@ def test_measured_model_states_equal_the_prediction_on_every_rank(deepspeed_runs
         for key in STATES:
             assert abs(measured[key] - predicted[key]) <= slack(key, run), (record["rank"], key, measured, predicted)
         assert measured["peak_bytes"] > 0 and measured["peak_kind"] == "cpu_max_rss"
+        # No accumulation: nothing is held between micro-steps, and the step is the gradients' peak.
+        assert measured["grads_between_micro_steps_bytes"] == predicted["grads_between_micro_steps_bytes"] == 0
+        assert measured["grads_peak_bytes"] == measured["grads_bytes"]
 
 
 def test_bf16_deepspeed_holds_an_fp32_gradient_copy_as_its_own_estimator_assumes(deepspeed_runs):
@@ -50,7 +60,7 @@ def test_bf16_deepspeed_holds_an_fp32_gradient_copy_as_its_own_estimator_assumes
     for run in ("zero2_bf16", "zero3_bf16"):
         for record in memory_report(deepspeed_runs[run]["output_dir"]):
             measured = record["measured"]
-            assert measured["grads_bytes"] >= (2 + 4) * half - ALIGNMENT
+            assert measured["grads_bytes"] >= (2 + 4) * half - ALIGNMENT - NO_DECAY_FP32
             assert abs(measured["optimizer_bytes"] - (4 + 8) * half) <= ALIGNMENT
     zero2 = memory_report(deepspeed_runs["zero2_bf16"]["output_dir"])[0]["measured"]["params_bytes"]
     zero3 = memory_report(deepspeed_runs["zero3_bf16"]["output_dir"])[0]["measured"]["params_bytes"]

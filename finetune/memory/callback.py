@@ -1,8 +1,9 @@
 """`MemoryReportCallback`: per rank, what is really held next to what the estimator predicted for the same run.
 
 Works in any `Trainer`: `Trainer(..., callbacks=[MemoryReportCallback(sequence_length=2048)])`. At the first
-optimizer step it reads the ledger (`finetune.memory.ledger`), then stays idle; at the end of training it
-adds the peak, gathers every rank's record and rank 0 writes `memory_report.json`, `.md` and `.png`.
+optimizer step it reads the ledger (`finetune.memory.ledger`), and between the micro-steps of the first
+`PROBED_STEPS` accumulation windows the gradients held there, then stays idle; at the end of training it adds
+the peak, gathers every rank's record and rank 0 writes `memory_report.json`, `.md` and `.png`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ from transformers.utils import logging
 
 from finetune.errors import RecipeError
 from finetune.memory.estimate import Setup, estimate
-from finetune.memory.ledger import GradientProbe, measure_states, peak_memory
+from finetune.memory.ledger import GradientProbe, PhasePeaks, gradient_peaks, measure_states, peak_memory
 from finetune.memory.report import write_memory_report
 from finetune.memory.shapes import shape_of
 from finetune.strategies import Strategy, prepared_strategy
 
 logger = logging.get_logger(__name__)
 STATE_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
+GRADIENT_PEAK_KEYS = ("grads_between_micro_steps_bytes", "grads_peak_bytes")
+# Accumulation windows whose micro-steps are probed: the first (before DeepSpeed allocates its buffers) and one
+# after a step (steady state).
+PROBED_STEPS = 2
 
 
 def optimizer_kind(optim: str) -> str | None:
@@ -39,10 +44,14 @@ def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, S
     state = AcceleratorState()
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
     strategy = prepared_strategy(state, args.world_size, nodes=max(1, args.world_size // local_processes))
+    sub_group_size, zero3_init = None, False
     if state.distributed_type == DistributedType.DEEPSPEED:
-        config = state.deepspeed_plugin.deepspeed_config
+        plugin = state.deepspeed_plugin
+        config = plugin.deepspeed_config
         half = config.get("bf16", {}).get("enabled") is True or config.get("fp16", {}).get("enabled") is True
         precision = "bf16" if half else "fp32"
+        sub_group_size = config.get("zero_optimization", {}).get("sub_group_size")
+        zero3_init = bool(plugin.zero3_init_flag)
     else:
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     config = model.config
@@ -63,6 +72,9 @@ def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, S
         gradient_checkpointing=bool(args.gradient_checkpointing),
         attention="eager" if getattr(config, "_attn_implementation", "sdpa") == "eager" else "sdpa",
         trainable_parameters=trainable,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        sub_group_size=None if sub_group_size is None else int(sub_group_size),
+        zero3_init=zero3_init,
     )
 
 
@@ -71,6 +83,8 @@ def predicted_ledger(model, args, sequence_length: int | None) -> tuple[Strategy
     prediction = estimate(shape_of(model), setup)
     offloaded = prediction.offloaded
     ledger = {key: getattr(prediction, key) + offloaded.get(key, 0) for key in STATE_KEYS}
+    ledger["grads_between_micro_steps_bytes"] = prediction.grads_between_micro_steps_bytes
+    ledger["grads_peak_bytes"] = max(ledger["grads_bytes"], prediction.grads_between_micro_steps_bytes)
     ledger["offloaded_bytes"] = sum(offloaded.values())
     ledger["peak_bytes"] = prediction.total_bytes
     ledger["estimate"] = prediction.to_dict()
@@ -90,18 +104,38 @@ class MemoryReportCallback(TrainerCallback):
         self.probe: GradientProbe | None = None
         self.measured: dict | None = None
         self.pending_log: dict | None = None
+        self.phases = PhasePeaks()
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if optimizer is not None and self.measured is None:
             self.probe = GradientProbe(model, optimizer)
 
+    def on_substep_end(self, args, state, control, **kwargs):
+        """After a micro-step that is not an accumulation boundary (transformers/trainer.py calls it then)."""
+        if self.probe is not None:
+            self.probe.between_micro_steps()
+            self.phases.record("micro_step")
+
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.probe is None or not self.probe.done:
             return
-        self.measured = measure_states(model, optimizer, self.probe.by_device())
-        self.probe.remove()
-        self.probe = None
-        self.pending_log = {f"memory/{key}": value for key, value in self.measured.items() if key in STATE_KEYS}
+        self.phases.record("step")
+        if self.measured is None:
+            self.measured = measure_states(model, optimizer, self.probe.by_device())
+            self.probe.remove()
+            keys = (*STATE_KEYS, *GRADIENT_PEAK_KEYS)
+            self.pending_log = {f"memory/{key}": value for key, value in self.measured.items() if key in keys}
+        if state.global_step >= PROBED_STEPS or args.gradient_accumulation_steps == 1:
+            self._finish_probe()
+
+    def _finish_probe(self) -> None:
+        if self.probe is not None:
+            self.probe.remove()
+            self.measured = gradient_peaks(self.measured, self.probe.between)
+            for key in GRADIENT_PEAK_KEYS:
+                if self.pending_log is not None:
+                    self.pending_log[f"memory/{key}"] = self.measured[key]
+            self.probe = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.pending_log and logs is not None:  # once: into the printed logs and the log history
@@ -111,7 +145,9 @@ class MemoryReportCallback(TrainerCallback):
             self.pending_log = None
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        if self.probe is not None:
+        if self.probe is not None and self.measured is not None:
+            self._finish_probe()
+        elif self.probe is not None:
             self.probe.remove()
         try:
             strategy, predicted = predicted_ledger(model, args, self.sequence_length)
@@ -119,7 +155,9 @@ class MemoryReportCallback(TrainerCallback):
         except RecipeError as error:  # a model the estimator cannot read: report the measurement alone
             logger.warning("memory report: no prediction for this run (%s)", error)
             strategy, predicted = AcceleratorState().distributed_type.value.lower(), None
-        measured = None if self.measured is None else {**self.measured, **peak_memory()}
+        measured = None if self.measured is None else {**self.measured, **peak_memory(self.phases.by_phase)}
+        if measured is not None and self.phases.by_phase:
+            measured["peak_bytes_by_phase"] = dict(self.phases.by_phase)
         record = {"rank": args.process_index, "world_size": args.world_size, "strategy": strategy,
                   "measured": measured, "predicted": predicted}
         records = gather_object([record]) if args.world_size > 1 else [record]

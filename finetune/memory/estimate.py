@@ -8,7 +8,13 @@ Model states follow what DeepSpeed and Trainer really allocate, measured on real
   `stage3.py::_prepare_fp32_grad_for_sub_group`). With Ψ trainable parameters, N ranks and Adam:
   ZeRO-1/2 = 2Ψ + (2 + 4 + 4 + 8)Ψ/N, ZeRO-3 = (2 + 2 + 4 + 4 + 8)Ψ/N. This is DeepSpeed's own
   18 bytes/param (`estimate_zero2_model_states_mem_needs`), not the paper's 12 (arXiv 1910.02054).
-  DeepSpeed's ZeRO-1 partitions gradients just as ZeRO-2 does (measured: same bytes per rank).
+  At the step DeepSpeed's ZeRO-1 holds gradients just as ZeRO-2 does (measured: same bytes per rank); ZeRO-3 makes
+  the fp32 copy one `sub_group_size` group at a time, so it holds 4·min(sub_group_size, Ψ/N).
+- The step is not always the peak: under gradient accumulation ZeRO-1 keeps the full gradients in the model dtype
+  between micro-steps (it reduces only at the boundary), ZeRO-2/3 only their partition
+  (`grads_between_micro_steps_bytes`; measured in tests/test_memory_peaks.py).
+- Loading comes before sharding: without `zero3_init_flag` every local rank materialises the whole model in host
+  RAM (`host_load_bytes_per_node`).
 - In fp32, DeepSpeed still clones the fp32 partition for the optimizer (4Ψ/N more than the paper's 16Ψ).
 - Without DeepSpeed (single GPU, DDP, FSDP), Trainer's mixed precision is autocast: weights, gradients
   and Adam states stay fp32 (4 + 4 + 8 = 16 bytes/param), because the toolkit holds trainable parameters in fp32
@@ -42,6 +48,7 @@ OPTIMIZER_STATE_BYTES = {
 # (double quantization, Dettmers et al. 2023, "QLoRA").
 NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
 GiB = 1024**3
+DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000  # deepspeed/runtime/zero/config.py: `sub_group_size: int = pp_int(1e9)`
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,9 @@ class Setup:
                                               # "auto", which Trainer fills with hidden²)
     overlap_comm: bool = True
     trainable_parameters: int | None = None   # exact count from a live model; otherwise derived from LoRA
+    gradient_accumulation_steps: int = 1      # micro-batches per optimizer step (Trainer's name)
+    sub_group_size: int | None = None         # DeepSpeed ZeRO-3, elements; None: DeepSpeed's default (1e9)
+    zero3_init: bool = False                  # ZeRO-3 partitions while loading (Accelerate's `zero3_init_flag`)
 
     @property
     def nodes(self) -> int:
@@ -94,8 +104,11 @@ class Setup:
                 raise RecipeError(f"`{key}: {value}` is not one of {', '.join(allowed)}.")
         if self.zero_stage not in (0, 1, 2, 3):
             raise RecipeError(f"`zero_stage: {self.zero_stage}` must be 0, 1, 2 or 3.")
-        if self.num_gpus < 1 or self.micro_batch_size < 1 or self.sequence_length < 1:
-            raise RecipeError("num_gpus, micro_batch_size and sequence_length must be positive.")
+        if min(self.num_gpus, self.micro_batch_size, self.sequence_length, self.gradient_accumulation_steps) < 1:
+            raise RecipeError("num_gpus, micro_batch_size, sequence_length and gradient_accumulation_steps must be "
+                              "positive.")
+        if self.sub_group_size is not None and self.sub_group_size < 1:
+            raise RecipeError(f"`sub_group_size: {self.sub_group_size}` must be a positive number of elements.")
         if self.strategy == "single" and self.num_gpus != 1:
             raise RecipeError("strategy `single` runs on one GPU; use ddp, deepspeed or fsdp for more.")
         if (self.offload_optimizer or self.offload_param) and self.strategy != "deepspeed":
@@ -121,16 +134,25 @@ class MemoryEstimate:
     activations_bytes: int
     temporary_bytes: int
     offloaded: dict = field(default_factory=dict)
+    grads_between_micro_steps_bytes: int = 0  # on the GPU between two micro-steps of one accumulation window
+    host_load_bytes_per_node: int = 0         # host RAM one node needs while loading, before sharding
 
     @property
     def model_states_bytes(self) -> int:
+        """Parameters, gradients and optimizer states held at the optimizer step."""
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
+    def grads_peak_bytes(self) -> int:
+        """Gradients at their peak: at the step, or between micro-steps where accumulation holds more."""
+        return max(self.grads_bytes, self.grads_between_micro_steps_bytes)
+
+    @property
     def total_bytes(self) -> int:
-        """Predicted peak allocated on one GPU: every part counted as live at once (an upper bound: in
-        practice activations shrink as gradients appear)."""
-        return self.model_states_bytes + self.activations_bytes + self.temporary_bytes
+        """Predicted peak allocated on one GPU: every part counted as live at once, gradients at their peak (an
+        upper bound: in practice activations shrink as gradients appear)."""
+        return (self.params_bytes + self.grads_peak_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.temporary_bytes)
 
     @property
     def host_bytes_per_node(self) -> int:
@@ -147,10 +169,13 @@ class MemoryEstimate:
             "num_parameters": self.num_parameters,
             "trainable_parameters": self.trainable_parameters,
             "per_gpu": {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
+                        "grads_between_micro_steps_bytes": self.grads_between_micro_steps_bytes,
+                        "grads_peak_bytes": self.grads_peak_bytes,
                         "optimizer_bytes": self.optimizer_bytes, "activations_bytes": self.activations_bytes,
                         "temporary_bytes": self.temporary_bytes, "total_bytes": self.total_bytes},
             "offloaded_per_rank": dict(self.offloaded),
             "host_bytes_per_node": self.host_bytes_per_node,
+            "host_load_bytes_per_node": self.host_load_bytes_per_node,
         }
 
 
@@ -166,7 +191,8 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     frozen_bytes = (frozen - quantized) * _half_or_fp32(setup) + quantized * NF4_BYTES_PER_PARAMETER
 
     if setup.strategy == "deepspeed":
-        params, grads, optimizer, offloaded = _deepspeed_states(trainable, frozen_bytes, setup)
+        params, grads, optimizer, offloaded = _deepspeed_states(trainable, frozen_bytes, setup,
+                                                                shape.largest_layer_parameters)
     else:
         params, grads, optimizer, offloaded = _torch_states(trainable, frozen_bytes, setup)
     return MemoryEstimate(
@@ -179,6 +205,8 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         activations_bytes=int(activation_bytes(shape, setup)),
         temporary_bytes=int(temporary_bytes(shape, setup, trainable)),
         offloaded={key: int(value) for key, value in offloaded.items() if value},
+        grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
+        host_load_bytes_per_node=int(host_load_bytes_per_node(trainable, frozen_bytes, setup)),
     )
 
 
@@ -186,7 +214,7 @@ def _half_or_fp32(setup: Setup) -> int:
     return 4 if setup.precision == "fp32" else 2
 
 
-def _deepspeed_states(trainable: int, frozen_bytes: float, setup: Setup):
+def _deepspeed_states(trainable: int, frozen_bytes: float, setup: Setup, largest_tensor: int):
     """DeepSpeed casts the module to the half dtype (w bytes) and keeps an fp32 master copy (see module doc)."""
     w, n, k = _half_or_fp32(setup), setup.shard_degree, OPTIMIZER_STATE_BYTES[setup.optimizer]
     offloaded = {"params_bytes": 0, "grads_bytes": 0, "optimizer_bytes": 0}
@@ -198,12 +226,22 @@ def _deepspeed_states(trainable: int, frozen_bytes: float, setup: Setup):
     params = w * trainable + frozen_bytes
     if setup.zero_stage == 3:
         params /= n
-    grads = (w + 4) * trainable / n   # the partition in the model dtype + its fp32 copy at the step
+    # The partition in the model dtype + its fp32 copy at the step. ZeRO-3 builds the fp32 copy one sub-group at a
+    # time and frees it before the next (stage3.py::step: `_prepare_sub_group` → `_prepare_fp32_grad_for_sub_group`,
+    # then `_release_sub_group` sets `.grad = None`); sub-groups close once they reach `sub_group_size` elements
+    # (`_create_fp16_sub_groups`; default 1e9, deepspeed/runtime/zero/config.py).
+    # A sub-group closes on the tensor that takes it to `sub_group_size` or past it, so it can hold up to one more
+    # tensor's partition (measured on the tiny model: 50,000 asked, 65,856 held).
+    fp32_copy = trainable / n
+    if setup.zero_stage == 3:
+        largest_tensor = min(largest_tensor, trainable) / n
+        fp32_copy = min(fp32_copy, (setup.sub_group_size or DEEPSPEED_SUB_GROUP_SIZE) + largest_tensor)
+    grads = w * trainable / n + 4 * fp32_copy
     optimizer = (4 + k) * trainable / n  # fp32 master partition + states
     if setup.offload_optimizer:
         # ZeRO-1/2 reduce straight into pinned fp32 host buffers; ZeRO-3 keeps its gradient partition
         # buffer on the optimizer's device (stage3.py: grad_partitions_flat_buffer, device=self.device).
-        host_grads = grads if setup.zero_stage == 3 else 4 * trainable / n
+        host_grads = (w + 4) * trainable / n if setup.zero_stage == 3 else 4 * trainable / n
         offloaded.update(grads_bytes=host_grads, optimizer_bytes=optimizer)
         grads, optimizer = 0, 0
     if setup.offload_param:
@@ -225,6 +263,47 @@ def _torch_states(trainable: int, frozen_bytes: float, setup: Setup):
         k = 2 * w
     params = (w * trainable + frozen_bytes) / n
     return params, w * trainable / n, k * trainable / n, {}
+
+
+def grads_between_micro_steps(trainable: int, grads_at_step: float, setup: Setup) -> float:
+    """Gradient bytes on the GPU between two micro-steps of one accumulation window (none without accumulation).
+
+    DeepSpeed ZeRO-1 reduces only at the accumulation boundary (engine.py::allreduce_gradients, "Communicate only at
+    gradient accumulation boundaries"; stage_1_and_2.py::reduce_ready_partitions_and_remove_grads reduces when
+    `partition_gradients or is_gradient_accumulation_boundary()`), so autograd accumulates every trainable gradient
+    at full size in the model dtype: wΨ, offload or not. ZeRO-2 reduce-scatters each micro-step and keeps its
+    partition (`copy_grads_in_partition` into `grads_in_partition`), ZeRO-3 its `grad_partitions_flat_buffer`: wΨ/N;
+    under optimizer offload both land in host buffers instead. ZeRO-0, DDP and single GPU keep `p.grad` as at the
+    step. FSDP is counted as at the step (its unsharded accumulation under `no_sync` is not modelled yet).
+    """
+    if setup.gradient_accumulation_steps == 1:
+        return 0
+    if setup.strategy != "deepspeed" or setup.zero_stage == 0:
+        return grads_at_step
+    w = _half_or_fp32(setup)
+    if setup.zero_stage == 1:
+        return w * trainable
+    return 0 if setup.offload_optimizer else w * trainable / setup.shard_degree
+
+
+def host_load_bytes_per_node(trainable: int, frozen_bytes: float, setup: Setup) -> float:
+    """Host RAM one node needs while `from_pretrained` loads the model, before any sharding.
+
+    Transformers 5 builds the model on the meta device and materialises each weight from the checkpoint on the CPU
+    when no `device_map` is given (`low_cpu_mem_usage` is gone: modeling_utils.py::from_pretrained pops it unused).
+    So without ZeRO-3's `zero3_init_flag` every local rank holds the whole model in the load dtype (trainable
+    weights cast as the strategy holds them, `finetune.models.hold_trainable_parameters`) until Trainer moves it
+    to its GPU or DeepSpeed partitions it: GPUs per node × model bytes. Under `zero3_init` only global rank 0 reads
+    the checkpoint (modeling_utils.py: `map_location = "cpu" if rank == 0 else "meta"`), memory-mapped, and each
+    module is gathered on the GPU to be filled (integrations/deepspeed.py::_load_state_dict_into_zero3_model): one
+    model on the first node, plus each rank's partition where parameters are offloaded to the host.
+    """
+    weight = _half_or_fp32(setup) if setup.strategy == "deepspeed" else _trainable_bytes(setup)
+    model = weight * trainable + frozen_bytes
+    ranks = setup.gpus_per_node or setup.num_gpus
+    if setup.strategy == "deepspeed" and setup.zero_stage == 3 and setup.zero3_init:
+        return model + (ranks * model / setup.shard_degree if setup.offload_param else 0)
+    return ranks * model
 
 
 def activation_bytes(shape: ModelShape, setup: Setup) -> float:

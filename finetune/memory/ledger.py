@@ -2,9 +2,11 @@
 
 Bytes are counted per storage, not per tensor, so a flat buffer that many parameters view (DeepSpeed's
 flattened groups, alignment padding included) counts once, and a tensor two owners share counts once.
-Gradients are read when the optimizer steps, the only moment they all exist: a pre-hook on the innermost
-torch optimizer sees each gradient partition DeepSpeed hands it (DeepSpeed steps one parameter group at
-a time and frees each fp32 partition right after), plus the gradients still held in the model dtype.
+Gradients are read where they peak. At the optimizer step a pre-hook on the innermost torch optimizer sees each
+gradient partition DeepSpeed hands it, plus the gradients still held in the model dtype; DeepSpeed steps one
+parameter group (ZeRO-3: one sub-group) at a time and frees each fp32 partition right after, so the step holds the
+largest of those at once. Under gradient accumulation the gradients held between micro-steps are read too (ZeRO-1
+keeps them at full size until the boundary): the callback calls `GradientProbe.between_micro_steps`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import torch
 
 # Where DeepSpeed's ZeRO optimizers keep gradient partitions in the model dtype between backward and step
-# (stage_1_and_2.py: averaged_gradients; stage3.py: grad_partitions_flat_buffer).
-DEEPSPEED_GRADIENT_ATTRIBUTES = ("averaged_gradients", "grad_partitions_flat_buffer")
+# (stage_1_and_2.py: averaged_gradients at the boundary, all_grad_tensors between micro-steps,
+# independent_gradient_partition_epilogue; stage3.py: grad_partitions_flat_buffer).
+DEEPSPEED_GRADIENT_ATTRIBUTES = ("averaged_gradients", "all_grad_tensors", "grads_in_partition",
+                                 "grad_partitions_flat_buffer")
 
 
 def _local(tensor):
@@ -91,27 +95,45 @@ def optimizer_tensors(optimizer, model_storage: set) -> list:
     return held + [p for p in stepped if _storage_key(p) not in model_storage]
 
 
+def held_gradients(model, optimizer) -> StorageCount:
+    """Gradients held now: `p.grad`, DeepSpeed's fp32 accumulation attribute `p.grad_accum` (stage_1_and_2.py
+    `_fill_param_grad_accum_attribute`) and its partition buffers."""
+    parameters = list(model.parameters())
+    held = StorageCount().add([p.grad for p in parameters if p.grad is not None])
+    held.add([p.grad_accum for p in parameters if getattr(p, "grad_accum", None) is not None])
+    for wrapper in optimizer_chain(optimizer):
+        for name in DEEPSPEED_GRADIENT_ATTRIBUTES:
+            held.add(getattr(wrapper, name, None))
+    return held
+
+
 class GradientProbe:
-    """Counts gradient bytes at the next optimizer step through a step pre-hook on the torch optimizer."""
+    """Counts gradient bytes at the next optimizer step (a step pre-hook on the torch optimizer) and, each time
+    `between_micro_steps` is called, the gradients held between two micro-steps; keeps the largest of those."""
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
         self.held: StorageCount | None = None  # gradients in the model dtype, read at the step's first call
-        self.stepped: dict[str, int] = {}       # gradients each stepped group was handed, summed over the step
+        self.stepped: dict[str, int] = {}       # the largest set of gradients one stepped group was handed
+        self.between: dict[str, int] = {}       # the most held between micro-steps so far
         self.handle = optimizer_chain(optimizer)[-1].register_step_pre_hook(self._before_step)
 
     def _before_step(self, base, args, kwargs) -> None:
         if self.held is None:
-            self.held = StorageCount().add([p.grad for p in self.model.parameters() if p.grad is not None])
-            for wrapper in optimizer_chain(self.optimizer):
-                for name in DEEPSPEED_GRADIENT_ATTRIBUTES:
-                    self.held.add(getattr(wrapper, name, None))
-        # DeepSpeed narrows param_groups to the group it steps now and frees that group's fp32 gradients
-        # after; counting each call on its own keeps a reused address from hiding the next group's bytes.
+            self.held = held_gradients(self.model, self.optimizer)
+        # DeepSpeed narrows param_groups to the (sub-)group it steps now and frees that group's fp32 gradients after
+        # (stage_1_and_2.py::step "Step 4: get rid of the fp32 gradients"; stage3.py::_release_sub_group): one
+        # group's copy is held at a time. Each call is counted on its own so a reused address hides nothing.
         group = StorageCount(seen=set(self.held.seen))
         group.add([p.grad for g in base.param_groups for p in g["params"] if p.grad is not None])
-        for device, nbytes in group.by_device.items():
-            self.stepped[device] = self.stepped.get(device, 0) + nbytes
+        if group.total > sum(self.stepped.values()):
+            self.stepped = dict(group.by_device)
+
+    def between_micro_steps(self) -> None:
+        """Reads the gradients held after a micro-step that is not an accumulation boundary."""
+        held = held_gradients(self.model, self.optimizer)
+        if held.total > sum(self.between.values()):
+            self.between = dict(held.by_device)
 
     @property
     def done(self) -> bool:
@@ -122,6 +144,7 @@ class GradientProbe:
         return {d: self.held.by_device.get(d, 0) + self.stepped.get(d, 0) for d in sorted(devices)}
 
     def remove(self) -> None:
+        """Stops counting optimizer steps (the first one is measured); `between_micro_steps` still works."""
         self.handle.remove()
 
 
@@ -134,10 +157,34 @@ def measure_states(model, optimizer, gradients: dict[str, int]) -> dict:
     return {**{key: sum(devices.values()) for key, devices in by_device.items()}, "by_device": by_device}
 
 
-def peak_memory() -> dict:
-    """Peak device memory on an accelerator (allocated and reserved), else the process's peak RSS."""
+def gradient_peaks(ledger: dict, between: dict[str, int]) -> dict:
+    """The ledger's gradient figures besides the step: between micro-steps (0 without accumulation) and the peak."""
+    between_bytes = sum(between.values())
+    ledger["by_device"]["grads_between_micro_steps_bytes"] = dict(between)
+    return {**ledger, "grads_between_micro_steps_bytes": between_bytes,
+            "grads_peak_bytes": max(ledger["grads_bytes"], between_bytes)}
+
+
+class PhasePeaks:
+    """`torch.cuda.max_memory_allocated` per training phase ("micro_step": a forward and backward that ends between
+    micro-steps; "step": the boundary micro-step with the optimizer step), read and reset at each phase's end; does
+    nothing without CUDA."""
+
+    def __init__(self):
+        self.by_phase: dict[str, int] = {}
+
+    def record(self, phase: str) -> None:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        self.by_phase[phase] = max(self.by_phase.get(phase, 0), torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(phases: dict[str, int] | None = None) -> dict:
+    """Peak device memory on an accelerator (allocated, over the whole run when `phases` holds the peaks read before
+    a reset, and reserved since the last reset), else the process's peak RSS."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return {"peak_bytes": torch.cuda.max_memory_allocated(),
+        return {"peak_bytes": max(torch.cuda.max_memory_allocated(), *(phases or {}).values()),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                 "peak_kind": "cuda_max_allocated"}
     import resource

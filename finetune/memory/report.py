@@ -10,6 +10,9 @@ from finetune import outputs
 from finetune.errors import RecipeError
 
 PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"))
+# Gradients where they can peak besides the step (rows shown when a record has them).
+GRADIENT_PEAKS = (("grads_between_micro_steps_bytes", "gradients between micro-steps"),
+                  ("grads_peak_bytes", "gradients at their peak"))
 MiB = 1024**2
 
 
@@ -52,7 +55,8 @@ def markdown_table(records: list[dict]) -> str:
     ]
     for record in records:
         predicted, measured = record["predicted"] or {}, record["measured"] or {}
-        rows = [*PARTS, ("peak_bytes", f"peak ({measured.get('peak_kind', 'not measured')})")]
+        peaks = [row for row in GRADIENT_PEAKS if row[0] in predicted or row[0] in measured]
+        rows = [*PARTS, *peaks, ("peak_bytes", f"peak ({measured.get('peak_kind', 'not measured')})")]
         for key, label in rows:
             want, got = predicted.get(key), measured.get(key)
             comparable = key != "peak_bytes" or measured.get("peak_kind", "").startswith("cuda")
@@ -61,8 +65,9 @@ def markdown_table(records: list[dict]) -> str:
     lines += [
         "",
         "Parameters, gradients and optimizer states are counted per storage on each rank at the first optimizer",
-        "step (offloaded bytes included). The predicted peak is per GPU; on a CPU-only run the measured peak is",
-        "the process's resident memory (Python, libraries, data), which the estimator does not model.",
+        "step (offloaded bytes included); gradients also between the micro-steps of gradient accumulation. The",
+        "predicted peak is per GPU; on a CPU-only run the measured peak is the process's resident memory (Python,",
+        "libraries, data), which the estimator does not model.",
         "",
     ]
     return "\n".join(lines)
