@@ -3,22 +3,31 @@
 Every shipped strategy is estimated; the recommendation is the first that fits in the classic decision
 tree (fits on one GPU → DDP, then ZeRO-1; a little short → ZeRO-2; far short → ZeRO-3 / FSDP; still short →
 CPU offload, then NVMe), each step trading speed for memory. The micro-batch is the largest that still fits
-the recommended strategy; accumulation makes up the target global batch and the learning rate is scaled
-by `finetune.scaling`. The precision is the GPU's (`finetune.devices`): bf16 where it has it, else fp16 (a T4).
+the recommended strategy; the batch plan is `finetune.scaling.plan_from_recipe`, the one `finetune train` runs, with
+its defaults, and the launch command passes the global batch (not micro-batch × accumulation) so `finetune train`
+re-plans for whatever world size it is launched with. A default global batch is adapted to the GPU count; one the
+user gave is split exactly or refused. The precision is the GPU's (`finetune.devices`): bf16 where it has it, else
+fp16 (a T4). Each strategy is estimated with the accumulation it would run (ZeRO-1 holds full-size gradients between
+micro-steps) and checked against host RAM at load as well as under offload. `finetune.plan_recipe` fills a request
+from a recipe and its data's token lengths.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from finetune.devices import Gpu, default_precision
 from finetune.errors import RecipeError
 from finetune.memory.estimate import GiB, MemoryEstimate, Setup, estimate, parallel_3d
 from finetune.memory.shapes import ALIASES, model_shape
-from finetune.scaling import plan_batch, scale_learning_rate
-from finetune.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy
+from finetune.scaling import plan_batch, plan_from_recipe, reachable_global_batch
+from finetune.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy, Strategy
 
 HEADROOM = 0.9  # of GPU memory the estimate may fill; the rest: CUDA context, allocator fragmentation
+DEFAULT_GLOBAL_BATCH_SIZE = 32  # sequences per step when neither the user nor a recipe gives one
+# A micro-batch is padded to its longest row: the planned length is the one a micro-batch reaches at this quantile.
+LENGTH_QUANTILE = 0.99
 
 
 @dataclass(frozen=True)
@@ -26,10 +35,11 @@ class Candidate:
     name: str
     config: str  # the shipped Accelerate config that launches it
     options: dict  # the estimator's strategy fields, read from the shipped config
+    deepspeed: str | None = None  # its DeepSpeed JSON
 
 
 def _candidate(row: ShippedStrategy) -> Candidate:
-    return Candidate(row.label, row.accelerate_file, row.strategy.estimator_options())
+    return Candidate(row.label, row.accelerate_file, row.strategy.estimator_options(), row.deepspeed_file)
 
 
 # In decision-tree order (the shipped table's): the first that fits is recommended.
@@ -50,12 +60,25 @@ class PlanRequest:
     qlora: bool = False
     sequence_length: int = 2048
     gradient_checkpointing: bool = False
-    global_batch_size: int = 32
+    global_batch_size: int | None = None  # None: DEFAULT_GLOBAL_BATCH_SIZE, adapted to the GPU count
     max_micro_batch_size: int = 64
     learning_rate: float | None = None  # at base_batch_size; default 2e-5 full, 2e-4 LoRA
     base_batch_size: int | None = None
-    lr_scaling: str = "sqrt"
+    lr_scaling: str | None = None  # None: the recipe's default (finetune.scaling.DEFAULT_LR_SCALING)
     recipe: str = "RECIPE.yaml"
+    # Planned from a recipe (finetune.plan_recipe): the launch leaves model, precision, LoRA, lengths and learning
+    # rate to it and passes only the keys in `launch_keys`, besides the batch.
+    from_recipe: bool = False
+    launch_keys: tuple[str, ...] = ()
+    lora_target_modules: tuple[str, ...] | None = None
+    attention: str = "sdpa"
+    # Token count of every training row after truncation (and packing); None: every row is `sequence_length` long.
+    token_lengths: tuple[int, ...] | None = None
+    padding_free: bool = False  # each micro-batch flattened into one row (its tokens, no padding)
+    your_strategy: Strategy | None = None  # the strategy the recipe or `--config` launches, checked beside the tree
+    your_config: str | None = None
+    recipe_sets_deepspeed: bool = False  # the recipe's `deepspeed` key, which wins over the launch config
+    gpu_overhead_bytes: int = 0  # measured beyond the prediction on this GPU (`finetune plan --calibrate`)
     nodes: int = 1
     inter_node_gbps: float = 100.0  # network bandwidth of one node, Gb/s per direction
     tflops_per_gpu: float = 400.0  # achieved, not peak: about 40% MFU on an H100
@@ -67,20 +90,78 @@ def candidates_for(gpus: int) -> tuple[Candidate, ...]:
     return CANDIDATES
 
 
-def _setup(request: PlanRequest, candidate: Candidate, micro_batch_size: int) -> Setup:
+def accumulation_steps(request: PlanRequest, micro_batch_size: int) -> int:
+    """Micro-steps per optimizer step at this micro-batch: what the global batch leaves to accumulation."""
+    return math.ceil(request.global_batch_size / request.gpus / micro_batch_size)
+
+
+def planned_sequence_length(request: PlanRequest, micro_batch_size: int) -> int:
+    """Tokens per row of a micro-batch, from the data when its lengths are known: rows are padded to the longest of
+    the micro-batch, and the longest of b rows stays at or under the q^(1/b) quantile of one row's length with
+    probability q (`LENGTH_QUANTILE`). Padding-free batches have no padding: one row of b examples, counted here as
+    b rows of the mean length (the same tokens). Without data: `sequence_length`."""
+    lengths = request.token_lengths
+    if not lengths:
+        return request.sequence_length
+    if request.padding_free:
+        return math.ceil(sum(lengths) / len(lengths))
+    ordered = sorted(lengths)
+    rank = math.ceil(LENGTH_QUANTILE ** (1 / micro_batch_size) * len(ordered)) - 1
+    return ordered[min(max(rank, 0), len(ordered) - 1)]
+
+
+def _setup(request: PlanRequest, options: dict, micro_batch_size: int) -> Setup:
     return Setup(
-        **candidate.options, num_gpus=request.gpus, precision=request.precision, optimizer=request.optimizer,
+        **options, num_gpus=request.gpus, precision=request.precision, optimizer=request.optimizer,
         lora_rank=request.lora_rank, qlora=request.qlora, micro_batch_size=micro_batch_size,
-        sequence_length=request.sequence_length, gradient_checkpointing=request.gradient_checkpointing,
+        lora_target_modules=request.lora_target_modules, attention=request.attention,
+        sequence_length=planned_sequence_length(request, micro_batch_size),
+        gradient_checkpointing=request.gradient_checkpointing,
         gpus_per_node=request.gpus // request.nodes if request.nodes > 1 else None,
+        gradient_accumulation_steps=accumulation_steps(request, micro_batch_size),
     )
 
 
+def shortfall(request: PlanRequest, result: MemoryEstimate) -> str | None:
+    """Why a strategy does not fit (None: it fits): GPU memory (with any calibrated overhead), host RAM for the
+    offloaded states, or host RAM while the model loads."""
+    usable = HEADROOM * request.gpu_memory_gib * GiB
+    if result.total_bytes + request.gpu_overhead_bytes > usable:
+        return "gpu"
+    if request.host_memory_gib is None:
+        return None
+    host = HEADROOM * request.host_memory_gib * GiB
+    if result.setup.offload_optimizer == "cpu" and result.host_bytes_per_node > host:
+        return "host offload"
+    if result.host_load_bytes_per_node > host:
+        return "host load"
+    return None
+
+
 def fits(request: PlanRequest, result: MemoryEstimate) -> bool:
-    if not result.fits(request.gpu_memory_gib * GiB, HEADROOM):
-        return False
-    host_limited = request.host_memory_gib is not None and result.setup.offload_optimizer == "cpu"
-    return not host_limited or result.host_bytes_per_node <= HEADROOM * request.host_memory_gib * GiB
+    return shortfall(request, result) is None
+
+
+def _row(request: PlanRequest, name: str, config: str | None, result: MemoryEstimate) -> dict:
+    reason = shortfall(request, result)
+    return {"name": name, "config": config, "fits": reason is None, "shortfall": reason, "estimate": result}
+
+
+def resolve_global_batch(request: PlanRequest) -> tuple[int, str | None]:
+    """The global batch planned and, when a default was adapted to the GPU count, a note saying so. A batch the
+    user gave must split over the GPUs (the same check `finetune train` makes)."""
+    if request.global_batch_size is not None:
+        try:
+            plan_batch(request.global_batch_size, request.gpus, 1)  # refuses an uneven split, naming the key
+        except RecipeError as error:
+            raise RecipeError(f"{error} Give a multiple of {request.gpus} (`--global-batch-size`), or none: the "
+                              "default is then rounded up to the GPU count.") from None
+        return request.global_batch_size, None
+    adapted = reachable_global_batch(DEFAULT_GLOBAL_BATCH_SIZE, request.gpus)
+    if adapted == DEFAULT_GLOBAL_BATCH_SIZE:
+        return adapted, None
+    return adapted, (f"global batch {adapted}: the default {DEFAULT_GLOBAL_BATCH_SIZE} rounded up to a multiple of "
+                     f"{request.gpus} GPUs (give --global-batch-size to choose)")
 
 
 def make_plan(request: PlanRequest) -> dict:
@@ -89,14 +170,19 @@ def make_plan(request: PlanRequest) -> dict:
     if request.nodes < 1 or request.gpus % request.nodes:
         raise RecipeError(f"`--gpus {request.gpus}` counts the GPUs of all nodes: it must be a multiple of "
                           f"`--nodes {request.nodes}`.")
-    request = replace(request, precision=plan_precision(request))
+    global_batch, batch_note = resolve_global_batch(request)
+    request = replace(request, precision=plan_precision(request), global_batch_size=global_batch)
     shape = model_shape(request.model)
-    rows = []
-    for candidate in candidates_for(request.gpus):
-        result = estimate(shape, _setup(request, candidate, 1))
-        rows.append({"name": candidate.name, "config": candidate.config, "fits": fits(request, result),
-                     "estimate": result})
+    rows = [_row(request, candidate.name, candidate.config, estimate(shape, _setup(request, candidate.options, 1)))
+            for candidate in candidates_for(request.gpus)]
     recommended = next((row for row in rows if row["fits"]), None)
+    yours = None
+    if request.your_strategy is not None:
+        options = request.your_strategy.for_world_size(request.gpus).estimator_options()
+        micro = min(request.max_micro_batch_size, max(1, global_batch // request.gpus))
+        yours = _row(request, f"yours: {request.your_strategy.label}", request.your_config,
+                     estimate(shape, _setup(request, options, micro)))
+        yours["micro_batch_size"] = micro
     plan = {
         "model": request.model,
         "num_parameters": shape.num_parameters,
@@ -105,10 +191,17 @@ def make_plan(request: PlanRequest) -> dict:
         "gpu_memory_gib": request.gpu_memory_gib,
         "gpu": request.gpu and request.gpu.describe(),
         "precision": request.precision,
+        "global_batch_size": global_batch,
+        "global_batch_note": batch_note,
+        "gpu_overhead_bytes": request.gpu_overhead_bytes,
         "strategies": rows,
+        "your_strategy": yours,
         "recommended": recommended and recommended["name"],
+        "recommended_estimate": None,
+        "sequence_length": None,
         "batch_plan": None,
         "launch_command": None,
+        "launch_note": None,
         "parallel_3d": None,
         "inter_node": None,
     }
@@ -120,7 +213,13 @@ def make_plan(request: PlanRequest) -> dict:
     candidate = next(c for c in candidates_for(request.gpus) if c.name == recommended["name"])
     micro = largest_micro_batch(request, shape, candidate)
     plan["batch_plan"] = batch_plan(request, micro)
+    planned_micro = plan["batch_plan"]["micro_batch_size"]
+    plan["recommended_estimate"] = estimate(shape, _setup(request, candidate.options, planned_micro))
+    plan["sequence_length"] = planned_sequence_length(request, planned_micro)
     plan["launch_command"] = launch_command(request, candidate, plan["batch_plan"])
+    if request.recipe_sets_deepspeed and not candidate.deepspeed:
+        plan["launch_note"] = ("the recipe's `deepspeed` key would run DeepSpeed whatever the launch config: remove "
+                               f"it to run {candidate.name}")
     if not any(row["fits"] and "offload" not in row["name"] for row in rows):
         plan["parallel_3d"] = smallest_3d_fit(request, shape)
     return plan
@@ -167,7 +266,8 @@ def decision_path(plan: dict) -> list[str]:
         if row["fits"]:
             lines.append(f"{row['name']}: {_size(total)} ≤ {_size(usable)} usable → recommended")
             return lines
-        reason = f"{_size(total)} > {_size(usable)} usable" if total > usable else "host RAM short for offload"
+        reason = {"gpu": f"{_size(total)} > {_size(usable)} usable", "host offload": "host RAM short for offload",
+                  "host load": "host RAM short while every rank loads the model"}[row.get("shortfall") or "gpu"]
         lines.append(f"{row['name']}: {reason} → next")
     lines.append("nothing fits: more or larger GPUs, LoRA/QLoRA, gradient checkpointing or shorter sequences")
     return lines
@@ -181,39 +281,44 @@ def largest_micro_batch(request: PlanRequest, shape, candidate: Candidate) -> in
     """The largest power-of-two micro-batch (up to the per-GPU share of the global batch) that still fits."""
     limit = min(request.max_micro_batch_size, max(1, request.global_batch_size // request.gpus))
     micro = 1
-    while micro * 2 <= limit and fits(request, estimate(shape, _setup(request, candidate, micro * 2))):
+    while micro * 2 <= limit and fits(request, estimate(shape, _setup(request, candidate.options, micro * 2))):
         micro *= 2
     return micro
 
 
 def batch_plan(request: PlanRequest, max_micro_batch_size: int) -> dict:
-    micro, accumulation = plan_batch(request.global_batch_size, request.gpus, max_micro_batch_size)
+    """The batch plan `finetune train` makes for this global batch on `request.gpus` processes
+    (`finetune.scaling.plan_from_recipe`, the same defaults), capped at the micro-batch that fits."""
     base_lr = request.learning_rate or (2e-4 if request.lora_rank else 2e-5)
-    base_batch = request.base_batch_size or request.global_batch_size
-    return {
-        "micro_batch_size": micro,
-        "gradient_accumulation_steps": accumulation,
-        "global_batch_size": micro * request.gpus * accumulation,
-        "learning_rate": scale_learning_rate(base_lr, base_batch, request.global_batch_size, request.lr_scaling),
-        "lr_scaling": request.lr_scaling,
-        "base_learning_rate": base_lr,
-        "base_batch_size": base_batch,
-    }
+    training = {"per_device_train_batch_size": max_micro_batch_size, "gradient_accumulation_steps": 1,
+                "global_batch_size": request.global_batch_size, "max_micro_batch_size": max_micro_batch_size,
+                "learning_rate": base_lr, "base_batch_size": request.base_batch_size,
+                "lr_scaling": request.lr_scaling}
+    record = plan_from_recipe(training, request.sequence_length, request.gpus).to_dict()
+    record["max_micro_batch_size"] = max_micro_batch_size
+    return record
 
 
 def launch_command(request: PlanRequest, candidate: Candidate, batch: dict) -> str:
-    model = ALIASES.get(request.model.lower(), request.model)
+    """`accelerate launch` of `finetune train` with the global batch and the micro-batch cap that fits, so that the
+    recipe plans micro-batch × accumulation (and scales the learning rate) for whatever world size it gets."""
     parts = ["accelerate launch", f"--config_file {candidate.config}"]
     default_processes = 1 if candidate is SINGLE_GPU else 2
     if request.gpus != default_processes:
         parts.append(f"--num_processes {request.gpus}")
-    parts += [
-        "-m finetune train", request.recipe, f"--model_name_or_path {model}",
-        f"--per_device_train_batch_size {batch['micro_batch_size']}",
-        f"--gradient_accumulation_steps {batch['gradient_accumulation_steps']}",
-        f"--learning_rate {batch['learning_rate']:.3g}",
-        f"--max_seq_length {request.sequence_length}",
-    ]
+    parts += ["-m finetune train", request.recipe, f"--global_batch_size {batch['global_batch_size']}",
+              f"--max_micro_batch_size {batch['max_micro_batch_size']}"]
+    if request.from_recipe:
+        if request.recipe_sets_deepspeed and candidate.deepspeed:  # else the recipe's own JSON would win
+            parts.append(f"--deepspeed {candidate.deepspeed}")
+        return " ".join(parts + list(request.launch_keys))
+    parts.insert(-2, f"--model_name_or_path {ALIASES.get(request.model.lower(), request.model)}")
+    parts.append(f"--learning_rate {batch['base_learning_rate']:.3g}")
+    if request.lr_scaling not in (None, "none"):
+        parts.append(f"--lr_scaling {request.lr_scaling}")
+    if request.base_batch_size is not None:
+        parts.append(f"--base_batch_size {request.base_batch_size}")
+    parts.append(f"--max_seq_length {request.sequence_length}")
     if request.precision != "fp32":  # the recipe key wins over the Accelerate config's mixed_precision
         parts.append(f"--{request.precision} true")
     if request.qlora:  # the 4-bit base the memory was estimated for; `use_qlora` implies LoRA
@@ -228,7 +333,7 @@ def launch_command(request: PlanRequest, candidate: Candidate, batch: dict) -> s
 def smallest_3d_fit(request: PlanRequest, shape) -> dict | None:
     """The smallest tensor × pipeline split (ZeRO-1 over the rest) that fits, on paper: when data parallelism
     alone does not fit without offload, this says how far 3D parallelism (Megatron-style) would go."""
-    setup = replace(_setup(request, CANDIDATES[0], 1), strategy="deepspeed", zero_stage=1)
+    setup = replace(_setup(request, CANDIDATES[0].options, 1), strategy="deepspeed", zero_stage=1)
     micro_batches = max(1, request.global_batch_size // request.gpus)
     options = []
     for tensor in (1, 2, 4, 8):

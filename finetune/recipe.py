@@ -87,6 +87,20 @@ def load_recipe_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
+@dataclass
+class RecipeSections:
+    """A recipe as parsed, before any launch check: the model, data and LoRA sections and the training keys (not yet
+    `TrainingArguments`, whose construction starts the process group)."""
+
+    model: ModelArguments
+    data: DataArguments
+    lora: LoraArguments
+    training_inputs: dict[str, Any]
+    sources: dict[str, str]
+    values: dict[str, Any]  # the YAML's own values
+    overrides: list[str]
+
+
 def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
     """YAML values become the parser's defaults, then `overrides` (`--key value` strings) win over them.
 
@@ -94,6 +108,25 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     planned for its world size, and only then is `TrainingArguments` built, whose construction starts the process
     group.
     """
+    sections = read_recipe(recipe_path, overrides)
+    model, data, lora, training_inputs, sources = (sections.model, sections.data, sections.lora,
+                                                   sections.training_inputs, sections.sources)
+    strategy, deepspeed_config = preflight_launch(training_inputs)
+    if lora.use_qlora:
+        check_qlora(model.torch_dtype, training_inputs, strategy)
+    check_pure_bf16(training_inputs, strategy)
+    batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
+    _apply_batch_plan(batch_plan, training_inputs, sources)
+    training = _build(FinetuneTrainingArguments, training_inputs, sections.values, sections.overrides)
+    return Recipe(model=model, data=data, lora=lora, training=training, sources=sources, batch_plan=batch_plan,
+                  strategy=strategy, deepspeed_config=deepspeed_config)
+
+
+def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None,
+                auto_precision: str | None = None) -> RecipeSections:
+    """The recipe's sections and training keys, checked key by key but not as a launch (`finetune plan --recipe`
+    reads a recipe this way for a machine it does not run on). `bf16: auto` becomes `auto_precision` (bf16, fp16
+    or fp32; default: what the visible GPU does)."""
     parser = RecipeParser()
     values = load_recipe_file(recipe_path) if recipe_path is not None else {}
     overrides = list(overrides or [])
@@ -102,7 +135,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     for key in values:
         if key not in known:
             raise RecipeError(f"unknown key `{key}` in {source}{did_you_mean(key, known)}.")
-    auto_precision = _resolve_auto_precision(values, overrides)
+    resolved_auto = _resolve_auto_precision(values, overrides, auto_precision)
     parser.set_defaults(**{key: _as_argparse_default(value) for key, value in values.items()})
     namespace, remaining = parser.parse_known_args(args=overrides)
     if remaining:
@@ -110,36 +143,27 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
         raise RecipeError(f"unknown option `{remaining[0]}`{did_you_mean(name, known)}.")
     sources = {key: f"recipe {recipe_path}" for key in values}
     sources.update({_option_name(token): COMMAND_LINE for token in overrides if token.startswith("--")})
-    if auto_precision:
+    if resolved_auto:
         for key in ("bf16", "fp16"):
-            sources[key] = f"{sources.get('bf16', 'the recipe')}: {auto_precision}"
-
-    def build(section_type, inputs: dict[str, Any]):
-        try:
-            return section_type(**inputs)
-        except RecipeError:
-            raise
-        except (ValueError, TypeError) as error:  # Transformers' own checks
-            raise RecipeError(_name_the_culprit(str(error), values, overrides)) from None
-
+            sources[key] = f"{sources.get('bf16', 'the recipe')}: {resolved_auto}"
     inputs = {section: {f.name: getattr(namespace, f.name) for f in dataclasses.fields(section)
                         if f.init and hasattr(namespace, f.name)} for section in RECIPE_SECTIONS}
-    model = build(ModelArguments, inputs[ModelArguments])
-    data = build(DataArguments, inputs[DataArguments])
-    lora = build(LoraArguments, inputs[LoraArguments])
-    training_inputs = inputs[FinetuneTrainingArguments]
-    strategy, deepspeed_config = preflight_launch(training_inputs)
-    if lora.use_qlora:
-        check_qlora(model.torch_dtype, training_inputs, strategy)
-    check_pure_bf16(training_inputs, strategy)
-    batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
-    _apply_batch_plan(batch_plan, training_inputs, sources)
-    training = build(FinetuneTrainingArguments, training_inputs)
-    return Recipe(model=model, data=data, lora=lora, training=training, sources=sources, batch_plan=batch_plan,
-                  strategy=strategy, deepspeed_config=deepspeed_config)
+    model = _build(ModelArguments, inputs[ModelArguments], values, overrides)
+    data = _build(DataArguments, inputs[DataArguments], values, overrides)
+    lora = _build(LoraArguments, inputs[LoraArguments], values, overrides)
+    return RecipeSections(model, data, lora, inputs[FinetuneTrainingArguments], sources, values, overrides)
 
 
-def _resolve_auto_precision(values: dict[str, Any], overrides: list[str]) -> str | None:
+def _build(section_type, inputs: dict[str, Any], values: dict[str, Any], overrides: list[str]):
+    try:
+        return section_type(**inputs)
+    except RecipeError:
+        raise
+    except (ValueError, TypeError) as error:  # Transformers' own checks
+        raise RecipeError(_name_the_culprit(str(error), values, overrides)) from None
+
+
+def _resolve_auto_precision(values: dict[str, Any], overrides: list[str], precision: str | None = None) -> str | None:
     """`bf16: auto` (axolotl's habit): bf16 mixed precision where the visible GPU has it, fp16 where it does not (a
     T4, a V100), none on CPU; written into `values`/`overrides` as plain booleans before parsing. Returns how it was
     resolved, which the effective config records as the source of `bf16` and `fp16`."""
@@ -149,7 +173,8 @@ def _resolve_auto_precision(values: dict[str, Any], overrides: list[str]) -> str
     given = overrides[flags[-1] + 1] if flags else values.get("bf16")
     if str(given).lower() != "auto":
         return None
-    precision = training_precision_here()
+    planned = precision is not None
+    precision = precision or training_precision_here()
     chosen = {"bf16": "true", "fp16": "false"} if precision == "bf16" else \
         {"bf16": "false", "fp16": "true" if precision == "fp16" else "false"}
     if flags:
@@ -157,6 +182,8 @@ def _resolve_auto_precision(values: dict[str, Any], overrides: list[str]) -> str
         overrides += ["--fp16", chosen["fp16"]]
     else:
         values.update(chosen)
+    if planned:
+        return f"auto → {precision} (the GPU planned for)"
     gpu = visible_gpu()
     return f"auto → {precision} ({gpu.describe() if gpu is not None else 'no GPU visible'})"
 

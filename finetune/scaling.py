@@ -26,6 +26,7 @@ from finetune import outputs
 from finetune.errors import RecipeError
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
+DEFAULT_LR_SCALING = "none"  # the recipe key's default (`FinetuneTrainingArguments.lr_scaling`; a test checks)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,14 @@ def plan_batch(global_batch_size: int, world_size: int, max_micro_batch_size: in
     return micro, per_process // micro
 
 
+def reachable_global_batch(global_batch_size: int, world_size: int) -> int:
+    """The smallest global batch ≥ `global_batch_size` that `world_size` processes split evenly: for a default
+    batch, which a planner may adapt to the GPU count (a batch the user gave is split exactly or refused)."""
+    _positive("global_batch_size", global_batch_size)
+    _positive("world size", world_size)
+    return math.ceil(global_batch_size / world_size) * world_size
+
+
 def scale_learning_rate(base_learning_rate: float, base_batch_size: int, batch_size: int, rule: str) -> float:
     if rule not in LR_SCALING_RULES:
         raise RecipeError(f"`lr_scaling: {rule}` is not one of {', '.join(LR_SCALING_RULES)}.")
@@ -92,7 +101,7 @@ def plan_from_recipe(training: dict, max_seq_length: int, world_size: int) -> Ba
     if target is not None:
         micro, accumulation = plan_batch(target, world_size, training.get("max_micro_batch_size") or micro)
     batch = micro * world_size * accumulation
-    rule = training.get("lr_scaling") or "none"
+    rule = training.get("lr_scaling") or DEFAULT_LR_SCALING
     base_lr = training.get("base_learning_rate") or training["learning_rate"]
     base_batch = training.get("base_batch_size") or batch
     learning_rate = scale_learning_rate(base_lr, base_batch, batch, rule)

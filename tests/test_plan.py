@@ -7,6 +7,7 @@ from gpu_simulation import T4, simulate_gpus
 
 from finetune.cli import main
 from finetune.devices import KNOWN_GPUS
+from finetune.memory.estimate import GiB
 from finetune.plan import PlanRequest, make_plan
 
 QLORA = ["--model", "qwen2.5-0.5b", "--gpus", "1", "--qlora", "--lora-rank", "16", "--seq-len", "512", "--json"]
@@ -56,3 +57,122 @@ def test_plan_help_names_the_gpu_options(capsys):
         main(["plan", "--help"])
     out = capsys.readouterr().out
     assert "--gpu " in out and "--compute-capability" in out and "auto" in out
+
+
+# --- the batch: adapted to the GPU count, planned by finetune.scaling, passed on as a global batch -------------------
+
+def test_a_default_global_batch_is_adapted_to_the_gpu_count_and_launched_as_a_global_batch(capsys):
+    assert main(["plan", "--model", "qwen2.5-0.5b", "--gpus", "64", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended:" in out and "cannot be split" not in out
+    assert "global batch 64: the default 32 rounded up to a multiple of 64 GPUs" in out
+    plan = planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "64", "--gpu-memory", "80", "--json")
+    batch, command = plan["batch_plan"], plan["launch_command"]
+    assert plan["global_batch_size"] == batch["global_batch_size"] == 64
+    assert f"--global_batch_size 64 --max_micro_batch_size {batch['max_micro_batch_size']}" in command
+    for pinned in ("--per_device_train_batch_size", "--gradient_accumulation_steps"):
+        assert pinned not in command
+
+
+def test_a_global_batch_the_user_gave_must_split_over_the_gpus(capsys):
+    assert main(["plan", "--model", "qwen2.5-0.5b", "--gpus", "64", "--gpu-memory", "80",
+                 "--global-batch-size", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "`global_batch_size: 100` cannot be split evenly over 64 processes; nearest reachable: 64 or 128." in err
+    assert "Give a multiple of 64 (`--global-batch-size`)" in err
+    plan = planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "8", "--gpu-memory", "80", "--global-batch-size", "24",
+                   "--json")
+    assert plan["global_batch_size"] == 24 and plan["global_batch_note"] is None
+
+
+def test_the_launch_command_replans_like_finetune_train_for_another_world_size(capsys):
+    """The keys the plan launches with, read by the recipe parser and planned by `finetune.scaling` for 4 processes
+    (what `finetune train` does under any launch), keep the global batch and the LR rule and cap the micro-batch."""
+    from finetune.recipe import read_recipe
+    from finetune.scaling import plan_from_recipe
+
+    plan = planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "8", "--gpu-memory", "80", "--global-batch-size",
+                   "64", "--learning-rate", "1e-4", "--base-batch-size", "16", "--lr-scaling", "sqrt", "--json")
+    command = plan["launch_command"].split()
+    keys = command[command.index("RECIPE.yaml") + 1:]
+    assert "--lr_scaling" in keys and "--base_batch_size" in keys and "--learning_rate" in keys
+    keys = [key for key in keys if key not in ("--model_name_or_path", "Qwen/Qwen2.5-0.5B")]  # no hub here
+    sections = read_recipe("recipes/demo.yaml", keys)
+    four = plan_from_recipe(sections.training_inputs, 2048, 4)
+    assert four.global_batch_size == 64 and four.micro_batch_size <= plan["batch_plan"]["max_micro_batch_size"]
+    assert four.learning_rate == pytest.approx(plan["batch_plan"]["learning_rate"]) == pytest.approx(2e-4)
+
+
+def test_the_plan_and_finetune_train_share_the_lr_scaling_default(capsys):
+    from finetune.args import FinetuneTrainingArguments
+    from finetune.scaling import DEFAULT_LR_SCALING
+
+    plan = planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "2", "--gpu-memory", "80", "--json")
+    assert plan["batch_plan"]["lr_scaling"] == DEFAULT_LR_SCALING == FinetuneTrainingArguments.lr_scaling
+    assert "--lr_scaling" not in plan["launch_command"]
+
+
+# --- accumulation and host RAM at load, charged by the estimator (finetune.memory.estimate) -------------------------
+
+def test_zero1_under_accumulation_is_charged_its_full_gradients(capsys):
+    plan = planned(capsys, "--model", "llama-3-8b", "--gpus", "32", "--gpu-memory", "40", "--global-batch-size", "256",
+                   "--json")
+    rows = {row["name"]: row for row in plan["strategies"]}
+    zero1 = rows["ZeRO-1"]
+    assert zero1["setup"]["gradient_accumulation_steps"] == 8  # 256 / 32 GPUs at micro-batch 1
+    assert zero1["per_gpu"]["grads_peak_bytes"] >= 2 * plan["num_parameters"]  # full bf16 gradients between steps
+    assert zero1["fits"] is False and zero1["per_gpu"]["total_bytes"] > 0.9 * 40 * GiB
+    assert plan["recommended"] != "ZeRO-1" and rows[plan["recommended"]]["fits"]
+    recommended = plan["recommended_estimate"]
+    assert recommended["per_gpu"]["total_bytes"] <= 0.9 * 40 * GiB
+    assert recommended["setup"]["gradient_accumulation_steps"] == plan["batch_plan"]["gradient_accumulation_steps"]
+
+
+def test_host_ram_at_load_rejects_a_strategy_and_shows_in_the_plan(capsys):
+    roomy = planned(capsys, "--model", "llama-3-8b", "--gpus", "2", "--gpu-memory", "80", "--host-memory", "512",
+                    "--json")
+    assert roomy["recommended"] is not None
+    loads = {row["name"]: row["host_load_bytes_per_node"] for row in roomy["strategies"]}
+    assert loads["DDP"] >= 2 * 2 * roomy["num_parameters"]  # each of the 2 ranks loads the whole bf16 model
+    short = planned(capsys, "--model", "llama-3-8b", "--gpus", "2", "--gpu-memory", "80", "--host-memory", "16",
+                    "--json")
+    for row in short["strategies"]:
+        if row["host_load_bytes_per_node"] > 0.9 * 16 * GiB:
+            assert row["fits"] is False and row["shortfall"] in ("gpu", "host offload", "host load")
+    assert any(row["shortfall"] == "host load" for row in short["strategies"])
+    assert short["recommended"] != roomy["recommended"]
+    assert main(["plan", "--model", "llama-3-70b", "--gpus", "2", "--gpu-memory", "80", "--host-memory",
+                 "128"]) == 0  # a 70B on a 2-GPU node with 128 GiB: each rank would load 140 GB
+    out = capsys.readouterr().out
+    assert "host RAM at load" in out and "Recommended:" not in out
+    assert "not in host RAM while every rank loads the whole model" in out
+
+
+# --- new options: help and errors ------------------------------------------------------------------------------------
+
+def test_plan_help_names_the_recipe_config_and_calibration_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for option in ("--recipe RECIPE.yaml", "--config ACCELERATE.yaml", "--calibrate OUTPUT_DIR", "--save-calibration",
+                   "--global-batch-size", "rounded up to a multiple of --gpus"):
+        assert option in out
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--recipe", "recipes/demo.yaml", "--model", "tiny", "--gpus", "2", "--gpu-memory", "24"],
+     "`--model` with `--recipe recipes/demo.yaml`: the recipe gives these (`model_name_or_path`)"),
+    (["--recipe", "no/such.yaml", "--gpus", "2", "--gpu-memory", "24"], "recipe file `no/such.yaml` does not exist."),
+    (["--recipe", "recipes/demo.yaml", "--gpu-memory", "24"], "`--gpus N` (GPUs in all) is needed to plan."),
+    (["--gpus", "2", "--gpu-memory", "24"], "`finetune plan` needs `--model M` or `--recipe RECIPE.yaml`"),
+    (["--model", "tiny", "--gpus", "2", "--gpu-memory", "24", "--config", "no/such.yaml"],
+     "Accelerate config `no/such.yaml` does not exist."),
+    (["--calibrate", "no/such/run"], "no memory_report.json in no/such/run"),
+    (["--model", "tiny", "--gpus", "2", "--gpu-memory", "24", "--save-calibration"],
+     "`--save-calibration` stores what `--calibrate OUTPUT_DIR` measured: give that too."),
+])
+def test_plan_option_errors_are_one_line(capsys, arguments, message):
+    assert main(["plan", *arguments]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -173,3 +173,15 @@ def test_cross_rank_token_averaging_first_step(tmp_path, varlen_data):
     assert one["grad_norm"][0] == pytest.approx(two["grad_norm"][0], rel=LOSS_TOLERANCE)
     assert one["plan"]["note"].startswith("world size changed from 2 to 1")
     assert "global batch 2 (was 2) and learning rate 0.001 (was 0.001) kept" in one["plan"]["note"]
+
+
+def test_a_default_batch_rounds_up_to_the_world_size_and_the_lr_rule_default_is_the_recipes():
+    from finetune.args import FinetuneTrainingArguments
+    from finetune.scaling import DEFAULT_LR_SCALING, reachable_global_batch
+
+    assert [reachable_global_batch(32, world) for world in (1, 2, 3, 64)] == [32, 32, 33, 64]
+    with pytest.raises(RecipeError, match="world size"):
+        reachable_global_batch(32, 0)
+    assert FinetuneTrainingArguments.lr_scaling == DEFAULT_LR_SCALING
+    assert plan_from_recipe({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+                             "learning_rate": 1e-3}, 64, 2).lr_scaling == DEFAULT_LR_SCALING

@@ -1,5 +1,6 @@
 """`finetune plan --model M --gpus N --gpu-memory GiB` (or `--gpu t4`): predicted memory per strategy, the
-recommendation, the batch plan and the launch command. `--json` prints the same for machines."""
+recommendation, the batch plan and the launch command. `--recipe R.yaml` plans the user's own recipe and data;
+`--calibrate OUTPUT_DIR` compares a finished run's measured memory with the prediction. `--json` for machines."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import json
 
 from finetune.devices import KNOWN_GPUS
 from finetune.memory.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, GiB
+from finetune.plan import DEFAULT_GLOBAL_BATCH_SIZE
+from finetune.scaling import DEFAULT_LR_SCALING, LR_SCALING_RULES
+
+# Options that describe the model and run: a recipe gives them itself (`--recipe`), so they are refused beside it.
+RECIPE_GIVES = {"model": "model_name_or_path", "precision": "bf16/fp16", "optimizer": "optim", "lora_rank": "lora_r",
+                "qlora": "use_qlora", "seq_len": "max_seq_length", "gradient_checkpointing": "gradient_checkpointing"}
+BATCH_OPTIONS = ("global_batch_size", "max_micro_batch_size", "learning_rate", "base_batch_size", "lr_scaling")
 
 
 def plan_command_parser(subparsers) -> None:
@@ -15,10 +23,11 @@ def plan_command_parser(subparsers) -> None:
         description="Predict memory per GPU for every shipped strategy, recommend the first that fits "
         "(DDP → ZeRO-1 → ZeRO-2 → ZeRO-3/FSDP → offload), and print the batch plan and launch command.",
     )
-    parser.add_argument("--model", required=True,
-                        help="tiny, a known shape (llama-3-8b, llama-3-70b, qwen2.5-0.5b, qwen2.5-7b, mistral-7b), "
-                             "a local model directory or config.json, or a hub id (fetches config.json only)")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs (processes) in all")
+    parser.add_argument("--model",
+                        help="(without --recipe) tiny, a known shape (llama-3-8b, llama-3-70b, qwen2.5-0.5b, "
+                             "qwen2.5-7b, mistral-7b), a local model directory or config.json, or a hub id (fetches "
+                             "config.json only)")
+    parser.add_argument("--gpus", type=int, help="GPUs (processes) in all")
     parser.add_argument("--gpu-memory", type=float,
                         help="memory per GPU in GiB (e.g. 24, 80); default: that of --gpu or of the visible GPU")
     parser.add_argument("--gpu", help=f"the GPU model planned for ({', '.join(KNOWN_GPUS)}): sets the precision "
@@ -26,20 +35,38 @@ def plan_command_parser(subparsers) -> None:
                                       "the visible GPU")
     parser.add_argument("--compute-capability", metavar="MAJOR.MINOR",
                         help="instead of --gpu: the GPU's compute capability (7.5 for a T4: no bf16)")
-    parser.add_argument("--host-memory", type=float, help="CPU RAM per node in GiB, checked for CPU offload")
-    parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
-                        help="fp32, or bf16/fp16 mixed; auto (default): bf16 where the GPU has it, else fp16")
-    parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw")
-    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on every linear layer (0: full)")
-    parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--global-batch-size", type=int, default=32, help="sequences per optimizer step")
-    parser.add_argument("--max-micro-batch-size", type=int, default=64)
-    parser.add_argument("--learning-rate", type=float, help="LR at --base-batch-size (default 2e-5; LoRA 2e-4)")
-    parser.add_argument("--base-batch-size", type=int, help="batch the learning rate was tuned at")
-    parser.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="sqrt")
-    parser.add_argument("--recipe", default="RECIPE.yaml", help="recipe path to put in the launch command")
+    parser.add_argument("--host-memory", type=float,
+                        help="CPU RAM per node in GiB: checked for CPU offload and for loading the model (every rank "
+                             "loads it whole before sharding unless ZeRO-3 init)")
+    model = parser.add_argument_group("model and run (without --recipe; a recipe gives these itself)")
+    model.add_argument("--precision", choices=("auto", *PRECISIONS),
+                       help="fp32, or bf16/fp16 mixed; auto (default): bf16 where the GPU has it, else fp16")
+    model.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), help="default adamw")
+    model.add_argument("--lora-rank", type=int, help="LoRA rank on every linear layer (default 0: full)")
+    model.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
+    model.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048)")
+    model.add_argument("--gradient-checkpointing", action="store_true")
+    batch = parser.add_argument_group("batch and learning rate (with --recipe: override the recipe's)")
+    batch.add_argument("--global-batch-size", type=int,
+                       help="sequences per optimizer step; must split over --gpus (default "
+                            f"{DEFAULT_GLOBAL_BATCH_SIZE}, rounded up to a multiple of --gpus)")
+    batch.add_argument("--max-micro-batch-size", type=int, help="largest micro-batch tried (default 64)")
+    batch.add_argument("--learning-rate", type=float, help="LR at --base-batch-size (default 2e-5; LoRA 2e-4)")
+    batch.add_argument("--base-batch-size", type=int, help="batch the learning rate was tuned at")
+    batch.add_argument("--lr-scaling", choices=LR_SCALING_RULES,
+                       help=f"as the recipe key `lr_scaling` (default {DEFAULT_LR_SCALING})")
+    parser.add_argument("--recipe", metavar="RECIPE.yaml",
+                        help="plan this recipe: its model, precision, LoRA/QLoRA, strategy (`deepspeed` key), "
+                             "batch and learning-rate keys, max_seq_length, and its data's token lengths after "
+                             "truncation and packing")
+    parser.add_argument("--config", metavar="ACCELERATE.yaml",
+                        help="the Accelerate config (or DeepSpeed JSON) the recipe is launched with: its strategy is "
+                             "checked beside the recommendation (a recipe's `deepspeed` key wins, as in Trainer)")
+    parser.add_argument("--calibrate", metavar="OUTPUT_DIR",
+                        help="compare a finished run's memory_report.json with the prediction per part and rank")
+    parser.add_argument("--save-calibration", action="store_true",
+                        help="with --calibrate on a GPU run: store the overhead measured beyond the prediction for "
+                             "that GPU (--gpu or the visible one); later plans for it add it")
     parser.add_argument("--nodes", type=int, default=1, help="nodes the --gpus are spread over (default 1)")
     parser.add_argument("--inter-node-gbps", type=float, default=100.0,
                         help="network bandwidth of one node in Gb/s, for the cross-node traffic (default 100)")
@@ -52,24 +79,29 @@ def plan_command_parser(subparsers) -> None:
 def plan_command(args) -> int:
     from finetune.devices import gpu_named
     from finetune.errors import RecipeError
-    from finetune.plan import PlanRequest, make_plan
 
     if args.gpu is not None and args.compute_capability is not None:
         raise RecipeError("give `--gpu` or `--compute-capability`, not both.")
+    if args.save_calibration and args.calibrate is None:
+        raise RecipeError("`--save-calibration` stores what `--calibrate OUTPUT_DIR` measured: give that too.")
     gpu = gpu_named(args.gpu, args.compute_capability)
+    if args.calibrate is not None:
+        return calibrate_command(args, gpu)
+    if args.recipe is None and args.model is None:
+        raise RecipeError("`finetune plan` needs `--model M` or `--recipe RECIPE.yaml` (and `--gpus N`).")
+    if args.recipe is not None:
+        clashes = [name for name in RECIPE_GIVES if getattr(args, name) not in (None, False)]
+        if clashes:
+            options = ", ".join(f"`--{name.replace('_', '-')}`" for name in clashes)
+            keys = ", ".join(f"`{RECIPE_GIVES[name]}`" for name in clashes)
+            raise RecipeError(f"{options} with `--recipe {args.recipe}`: the recipe gives these ({keys}); "
+                              "change them in the recipe.")
+    if args.gpus is None:
+        raise RecipeError("`--gpus N` (GPUs in all) is needed to plan.")
     gpu_memory = args.gpu_memory if args.gpu_memory is not None else gpu and gpu.memory_gib
     if gpu_memory is None:
         raise RecipeError("`--gpu-memory` (GiB per GPU) is needed: no GPU is visible and `--gpu` names none.")
-    request = PlanRequest(
-        model=args.model, gpus=args.gpus, gpu_memory_gib=gpu_memory, host_memory_gib=args.host_memory,
-        precision=args.precision, gpu=gpu, optimizer=args.optimizer, lora_rank=args.lora_rank, qlora=args.qlora,
-        sequence_length=args.seq_len, gradient_checkpointing=args.gradient_checkpointing,
-        global_batch_size=args.global_batch_size, max_micro_batch_size=args.max_micro_batch_size,
-        learning_rate=args.learning_rate, base_batch_size=args.base_batch_size, lr_scaling=args.lr_scaling,
-        recipe=args.recipe, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
-        tflops_per_gpu=args.tflops_per_gpu,
-    )
-    plan = make_plan(request)
+    plan = make_plan_for(args, gpu, gpu_memory)
     if args.json:
         print(json.dumps(plan_to_json(plan), indent=2))
     else:
@@ -77,10 +109,95 @@ def plan_command(args) -> int:
     return 0
 
 
+def make_plan_for(args, gpu, gpu_memory: float) -> dict:
+    from finetune.plan import PlanRequest, make_plan
+    from finetune.plan_calibration import overhead_for
+
+    hardware = dict(host_memory_gib=args.host_memory, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
+                    tflops_per_gpu=args.tflops_per_gpu, gpu_overhead_bytes=overhead_for(gpu and gpu.name))
+    batch = {name: getattr(args, name) for name in BATCH_OPTIONS}
+    if args.recipe is not None:
+        from finetune.plan_recipe import request_from_recipe
+
+        request, data_summary = request_from_recipe(args.recipe, args.gpus, gpu_memory, gpu, config=args.config,
+                                                    batch_options=batch, **hardware)
+        return {**make_plan(request), "recipe": args.recipe, "data": data_summary}
+    your_strategy = your_config = None
+    if args.config is not None:
+        from finetune.strategies import read_config_file
+
+        your_strategy, your_config = read_config_file(args.config)[0], args.config
+    request = PlanRequest(
+        model=args.model, gpus=args.gpus, gpu_memory_gib=gpu_memory, gpu=gpu, precision=args.precision or "auto",
+        optimizer=args.optimizer or "adamw", lora_rank=args.lora_rank or 0, qlora=args.qlora,
+        sequence_length=args.seq_len or 2048, gradient_checkpointing=args.gradient_checkpointing,
+        global_batch_size=batch["global_batch_size"], max_micro_batch_size=batch["max_micro_batch_size"] or 64,
+        learning_rate=batch["learning_rate"], base_batch_size=batch["base_batch_size"],
+        lr_scaling=batch["lr_scaling"], your_strategy=your_strategy, your_config=your_config, **hardware,
+    )
+    return make_plan(request)
+
+
+def calibrate_command(args, gpu) -> int:
+    from finetune.plan_calibration import compare, save_overhead
+
+    comparison = compare(args.calibrate)
+    saved = None
+    if args.save_calibration:
+        if gpu is None:
+            from finetune.errors import RecipeError
+
+            raise RecipeError("`--save-calibration` needs the GPU the run measured: `--gpu NAME` (no GPU is visible).")
+        saved = save_overhead(gpu.name, comparison)
+    if args.json:
+        print(json.dumps({**comparison, "saved_to": saved and str(saved)}, indent=2))
+    else:
+        print_calibration(comparison, gpu, saved)
+    return 0
+
+
+def print_calibration(comparison: dict, gpu, saved) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 130)
+    table = Table(title=f"{comparison['output_dir']}: {comparison['strategy']} on {comparison['world_size']} "
+                        "rank(s) — predicted vs measured, MiB")
+    for column in ("rank", "part", "predicted", "measured", "measured / predicted"):
+        table.add_column(column, justify="left" if column == "part" else "right", no_wrap=True)
+    for rank in comparison["ranks"]:
+        for part in rank["parts"]:
+            label = part["part"] + (f" ({rank['peak_kind']})" if part["part"] == "peak" else "")
+            table.add_row(str(rank["rank"]), label, _mib(part["predicted"]), _mib(part["measured"]),
+                          "–" if part["ratio"] is None else f"{part['ratio']:.3f}")
+    console.print(table)
+    overhead = comparison["overhead_bytes"]
+    if overhead is None:
+        console.print("Measured on CPU: the peak is the process's resident memory (Python, libraries, data), which the "
+                      "estimator does not model; only a GPU run's peak calibrates plans.")
+    elif saved is not None:
+        console.print(f"Overhead beyond the prediction: {_mib(overhead)} MiB (peak allocated − predicted total); "
+                      f"stored for {gpu.name} in {saved}: later plans for it add {_mib(max(0, overhead))} MiB.")
+    else:
+        console.print(f"Overhead beyond the prediction: {_mib(overhead)} MiB (peak allocated − predicted total). "
+                      "Add --save-calibration (and --gpu NAME) to fold it into later plans of that GPU.")
+
+
+def _mib(value) -> str:
+    return "–" if value is None else f"{value / 1024**2:,.1f}"
+
+
+def _row_to_json(row: dict | None) -> dict | None:
+    if row is None:
+        return None
+    return {**{key: value for key, value in row.items() if key != "estimate"}, **row["estimate"].to_dict()}
+
+
 def plan_to_json(plan: dict) -> dict:
-    rows = [{"name": row["name"], "config": row["config"], "fits": row["fits"], **row["estimate"].to_dict()}
-            for row in plan["strategies"]]
-    return {**plan, "strategies": rows}
+    recommended = plan["recommended_estimate"]
+    return {**plan, "strategies": [_row_to_json(row) for row in plan["strategies"]],
+            "your_strategy": _row_to_json(plan["your_strategy"]),
+            "recommended_estimate": recommended and recommended.to_dict()}
 
 
 def _gib(value: int) -> str:
@@ -93,27 +210,50 @@ def print_plan(plan: dict) -> None:
 
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-        console = Console(width=130)
+        console = Console(width=170)
+    rows = ([plan["your_strategy"]] if plan["your_strategy"] else []) + plan["strategies"]
+    unit_name, unit = ("GiB", GiB) if max(row["estimate"].total_bytes for row in rows) >= GiB else ("MiB", 1024**2)
+
+    def size(value: int) -> str:
+        return f"{value / unit:,.1f}"
+
     table = Table(title=f"{plan['model']}: {plan['num_parameters'] / 1e9:.2f}B parameters "
                         f"({plan['trainable_parameters'] / 1e9:.3g}B trained) on {plan['gpus']} × "
                         f"{plan['gpu_memory_gib']:g} GiB{' ' + plan['gpu'] if plan['gpu'] else ''}, "
-                        f"{plan['precision']} — GiB per GPU")
+                        f"{plan['precision']} — {unit_name} per GPU")
     for column in ("strategy", "params", "grads", "optimizer", "activations", "buffers", "total / GPU",
-                   "offloaded / node", "fits"):
+                   "offloaded / node", "host RAM at load / node", "fits"):
         table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
-    for row in plan["strategies"]:
+    yours = plan["your_strategy"]
+    for row in rows:
         result = row["estimate"]
-        style = "bold green" if row["name"] == plan["recommended"] else None
+        style = "bold green" if row["name"] == plan["recommended"] else "bold" if row is yours else None
         table.add_row(
-            row["name"], _gib(result.params_bytes), _gib(result.grads_bytes), _gib(result.optimizer_bytes),
-            _gib(result.activations_bytes), _gib(result.temporary_bytes), _gib(result.total_bytes),
-            _gib(result.host_bytes_per_node) if result.offloaded else "–",
-            "yes" if row["fits"] else "no", style=style,
+            # Gradients at their peak (between accumulation micro-steps under ZeRO-1), as the total counts them.
+            row["name"], size(result.params_bytes), size(result.grads_peak_bytes),
+            size(result.optimizer_bytes),
+            size(result.activations_bytes), size(result.temporary_bytes), size(result.total_bytes),
+            size(result.host_bytes_per_node) if result.offloaded else "–", size(result.host_load_bytes_per_node),
+            "yes" if row["fits"] else f"no ({row['shortfall']})", style=style,
         )
     console.print(table)
+    if plan.get("data") is not None:
+        print_data_lengths(console, plan)
+    if plan["gpu_overhead_bytes"]:
+        console.print(f"Calibrated: {_gib(plan['gpu_overhead_bytes'])} GiB per GPU measured beyond the prediction on "
+                      "this GPU (finetune plan --calibrate) is added to every total.")
+    if yours:
+        micro = yours["micro_batch_size"]
+        console.print(f"Yours ({yours['config']}) at micro-batch {micro}: "
+                      + ("fits." if yours["fits"] else f"does not fit ({yours['shortfall']})."))
+    if plan["global_batch_note"]:
+        console.print(f"Note: {plan['global_batch_note']}.")
     if plan["recommended"] is None:
         console.print("[bold red]No data-parallel strategy fits[/]: more or larger GPUs, LoRA/QLoRA "
                       "(--lora-rank, --qlora), gradient checkpointing or a shorter --seq-len.")
+        if any(row["shortfall"] == "host load" for row in plan["strategies"]):
+            console.print("Some fit on the GPUs but not in host RAM while every rank loads the whole model: more RAM "
+                          "per node, fewer ranks per node, or ZeRO-3 with `zero3_init_flag: true` (loads sharded).")
     else:
         misses = ", ".join(row["name"] for row in plan["strategies"] if not row["fits"]
                            and plan["strategies"].index(row) < _index(plan, plan["recommended"]))
@@ -127,6 +267,8 @@ def print_plan(plan: dict) -> None:
             f"{batch['learning_rate']:.3g} ({batch['lr_scaling']} from {batch['base_learning_rate']:.3g} at batch "
             f"{batch['base_batch_size']}).")
         console.print("Launch:", plan["launch_command"], soft_wrap=True, highlight=False)
+        if plan["launch_note"]:
+            console.print(f"Note: {plan['launch_note']}.")
     three_d = plan["parallel_3d"]
     if three_d:
         console.print(
@@ -137,6 +279,22 @@ def print_plan(plan: dict) -> None:
         print_inter_node(console, plan["inter_node"])
     console.print("Estimates: model states as DeepSpeed/Trainer allocate them; activations per Korthikanti et al. "
                   "2022; buffers = communication buckets and gathered layers. See docs/memory.md.")
+
+
+def print_data_lengths(console, plan: dict) -> None:
+    """The recipe's data as the plan read it: rows, length percentiles, packing, and the length planned."""
+    for source in plan["data"]["sources"]:
+        lengths = source["train"]["length_percentiles"]
+        console.print(f"Data {source['name']}: {source['train']['rows_kept']:,} training rows, tokens per row "
+                      f"p50/p90/p99/max {lengths['p50']}/{lengths['p90']}/{lengths['p99']}/{lengths['max']} before "
+                      "truncation.")
+    for split, packing in plan["data"].get("packing", {}).items():
+        if split == "train":
+            console.print(f"Packed: {packing['rows']:,} rows of up to {packing['row_length']} tokens, "
+                          f"{packing['fill']:.1%} filled.")
+    if plan["sequence_length"] is not None:
+        console.print(f"Activations planned at {plan['sequence_length']} tokens per row: the longest row of a "
+                      f"micro-batch of {plan['batch_plan']['micro_batch_size']} in 99% of micro-batches.")
 
 
 def _index(plan: dict, name: str) -> int:

@@ -1,0 +1,99 @@
+"""`finetune plan --recipe`: a plan request read from the user's own recipe and data.
+
+The recipe is parsed by `finetune.recipe.read_recipe` (the same keys, defaults and errors as `finetune train`, but no
+launch check and no process group: the plan is for another machine), and its training rows are tokenized, truncated
+and packed by the data pipeline `finetune train` runs (`finetune.data`; no model is loaded), so activations are
+predicted from the lengths the micro-batches will really have, not from `max_seq_length`.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+from finetune.devices import Gpu, default_precision
+from finetune.errors import RecipeError
+from finetune.plan import PlanRequest
+
+
+@dataclass(frozen=True)
+class _OneProcess:
+    """What `prepare_datasets` asks of `TrainingArguments`, for a planner that starts no process group."""
+
+    seed: int
+
+    def main_process_first(self, desc: str = ""):
+        return nullcontext()
+
+
+def data_lengths(sections) -> tuple[tuple[int, ...], dict]:
+    """Token count of every training row after the data policies (truncation, drops) and packing, and the data
+    summary `finetune train` writes (`data_summary.json`)."""
+    from finetune.data import load_raw_data, prepare_datasets
+    from finetune.data.collate import pack_prepared
+    from finetune.models import load_tokenizer
+
+    tokenizer = load_tokenizer(sections.model)
+    seed = int(sections.training_inputs.get("seed") or 42)
+    data = prepare_datasets(load_raw_data(sections.data), tokenizer, sections.data, _OneProcess(seed))
+    if sections.data.packing:
+        data = pack_prepared(data, sections.data.max_seq_length)
+    return tuple(len(ids) for ids in data.train["input_ids"]), data.summary
+
+
+def recipe_precision(training: dict) -> str:
+    return "bf16" if training.get("bf16") else "fp16" if training.get("fp16") else "fp32"
+
+
+def your_strategy(training: dict, config: str | None):
+    """The strategy the recipe launches: its `deepspeed` key (which wins over an Accelerate config, as in
+    Trainer), else `--config` (an Accelerate YAML or DeepSpeed JSON); None when neither says."""
+    from finetune.strategies import launched_strategy, read_config_file
+
+    if training.get("deepspeed"):
+        strategy, _ = launched_strategy(training["deepspeed"], environ={})
+        return strategy, str(training["deepspeed"])
+    if config is not None:
+        return read_config_file(config)[0], config
+    return None, None
+
+
+def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu | None = None,
+                        config: str | None = None, batch_options: dict | None = None,
+                        **hardware) -> tuple[PlanRequest, dict]:
+    """The plan request for `recipe` on `gpus` GPUs, and its data summary. `batch_options` (global_batch_size,
+    max_micro_batch_size, learning_rate, base_batch_size, lr_scaling) given on the command line win over the
+    recipe's and are passed on in the launch command; `hardware`: the other `PlanRequest` fields (host memory...)."""
+    from finetune.memory.callback import optimizer_kind
+    from finetune.recipe import read_recipe
+
+    sections = read_recipe(recipe, auto_precision=default_precision(gpu))
+    training, data, lora = sections.training_inputs, sections.data, sections.lora
+    lengths, summary = data_lengths(sections)
+    strategy, strategy_source = your_strategy(training, config)
+    given = {key: value for key, value in (batch_options or {}).items() if value is not None}
+    micro, accumulation = training["per_device_train_batch_size"], training["gradient_accumulation_steps"]
+    global_batch = given.get("global_batch_size") or training.get("global_batch_size") or micro * gpus * accumulation
+    launch_keys = [f"--{key} {given[key]}" for key in ("lr_scaling", "base_batch_size") if key in given]
+    if "learning_rate" in given:  # the recipe's reference point: base_learning_rate wins over learning_rate
+        launch_keys.append(f"--base_learning_rate {given['learning_rate']:g}")
+    use_lora = lora.use_lora or lora.use_qlora
+    request = PlanRequest(
+        model=sections.model.model_name_or_path, gpus=gpus, gpu_memory_gib=gpu_memory_gib, gpu=gpu,
+        precision=recipe_precision(training), optimizer=optimizer_kind(training.get("optim", "adamw")) or "adamw",
+        lora_rank=lora.lora_r if use_lora else 0, qlora=lora.use_qlora,
+        lora_target_modules=tuple(lora.lora_target_modules) if use_lora and lora.lora_target_modules else None,
+        sequence_length=data.max_seq_length, gradient_checkpointing=bool(training.get("gradient_checkpointing")),
+        attention="eager" if sections.model.attn_implementation == "eager" else "sdpa",
+        global_batch_size=global_batch,
+        max_micro_batch_size=given.get("max_micro_batch_size") or training.get("max_micro_batch_size") or micro,
+        learning_rate=given.get("learning_rate") or training.get("base_learning_rate") or training["learning_rate"],
+        base_batch_size=given.get("base_batch_size") or training.get("base_batch_size"),
+        lr_scaling=given.get("lr_scaling") or training.get("lr_scaling"),
+        recipe=recipe, from_recipe=True, launch_keys=tuple(launch_keys), token_lengths=lengths,
+        padding_free=data.padding_free, your_strategy=strategy, your_config=strategy_source,
+        recipe_sets_deepspeed=bool(training.get("deepspeed")), **hardware,
+    )
+    if not lengths:
+        raise RecipeError(f"recipe `{recipe}`: no training row is left after the data policies.")
+    return request, summary
