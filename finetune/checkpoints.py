@@ -18,6 +18,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from finetune import outputs
 from finetune.errors import RecipeError
 from finetune.memory.ledger import optimizer_chain
 from finetune.outputs import CHECKPOINT_COMPLETE as COMPLETE_MARKER
@@ -67,7 +68,7 @@ def mark_complete(folder: Path, step: int, layout: dict, recipe_values: dict[str
     Trainer itself rotates on rank 0 as soon as rank 0 has saved, before the other ranks finish, and counts
     half-written folders, so a crash in a save could leave no complete checkpoint at all."""
     marker = {"step": step, **layout, "recipe": recipe_values}
-    (folder / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    outputs.write_record(folder, COMPLETE_MARKER, marker)  # atomic: a killed save leaves no half-written marker
 
 
 def rotate_complete_checkpoints(output_dir, save_total_limit: int | None, best: str | None = None) -> list[Path]:
@@ -75,7 +76,7 @@ def rotate_complete_checkpoints(output_dir, save_total_limit: int | None, best: 
     are neither counted nor touched. Returns the deleted folders."""
     if not save_total_limit or save_total_limit <= 0:
         return []
-    complete = [folder for folder in checkpoints_newest_first(output_dir) if (folder / COMPLETE_MARKER).is_file()]
+    complete = [folder for folder in checkpoints_newest_first(output_dir) if is_complete(folder)]
     best_folder = Path(best).resolve() if best else None
     deleted = [folder for folder in complete[save_total_limit:] if folder.resolve() != best_folder]
     for folder in deleted:
@@ -84,9 +85,27 @@ def rotate_complete_checkpoints(output_dir, save_total_limit: int | None, best: 
 
 
 def read_marker(checkpoint: str | Path) -> dict:
-    """What `mark_complete` recorded in `checkpoint`; empty for a checkpoint this toolkit did not write."""
+    """What `mark_complete` recorded in `checkpoint`; empty for a checkpoint this toolkit did not write, or whose
+    marker is damaged (`is_complete` tells them apart)."""
     marker = Path(checkpoint) / COMPLETE_MARKER
-    return json.loads(marker.read_text()) if marker.is_file() else {}
+    try:
+        record = json.loads(marker.read_text()) if marker.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def is_complete(checkpoint: str | Path) -> bool:
+    """Every rank saved `checkpoint`: its marker exists and reads as one (a truncated or foreign file does not)."""
+    return "step" in read_marker(checkpoint)
+
+
+def why_incomplete(checkpoint: str | Path) -> str:
+    """How a skipped checkpoint is named to the user."""
+    marker = Path(checkpoint) / COMPLETE_MARKER
+    if marker.is_file():
+        return f"its marker {marker} is damaged (not the record a finished save writes)"
+    return "incomplete (its save was interrupted)"
 
 
 def recipe_changes(checkpoint: Path, now: dict[str, str]) -> list[str]:
@@ -111,7 +130,7 @@ def newest_complete_checkpoint(output_dir: str | Path) -> tuple[Path | None, lis
         return None, []
     skipped = []
     for folder in checkpoints_newest_first(output_dir):
-        if (folder / COMPLETE_MARKER).is_file():
+        if is_complete(folder):
             return folder, skipped
         skipped.append(folder)
     return None, skipped

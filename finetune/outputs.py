@@ -7,6 +7,7 @@ checkpoint folder gets `CHECKPOINT_COMPLETE` once every rank has saved it.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,16 @@ CHECKPOINT_COMPLETE = "finetune_complete.json"  # in a checkpoint folder, once e
 
 
 def write_record(output_dir, name: str, record: Any) -> Path:
-    """Writes `record` as indented JSON to `output_dir/name`, creating the folder."""
+    """Writes `record` as indented JSON to `output_dir/name`, creating the folder; atomically (a temporary file in
+    the same folder, then a rename), so a run killed mid-write leaves the old record or the new one, never half."""
     path = Path(output_dir, name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
     return path
 
 

@@ -79,12 +79,30 @@ def load_recipe_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise RecipeError(f"recipe file `{path}` does not exist.")
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
         raise RecipeError(f"recipe `{path}` is not valid YAML: {error}") from None
+    if values is None:
+        raise RecipeError(f"recipe `{path}` is empty: it would train on every default. Give at least "
+                          "`model_name_or_path` and `dataset` (see recipes/demo.yaml).")
     if not isinstance(values, dict):
         raise RecipeError(f"recipe `{path}` must be a mapping of keys to values, got {type(values).__name__}.")
     return values
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice: PyYAML silently keeps the last value."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key `{key}` is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})"
+                    "; keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 @dataclass
@@ -116,6 +134,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
         check_qlora(model.torch_dtype, training_inputs, strategy)
     check_pure_bf16(training_inputs, strategy)
     batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
+    _check_steps_and_accumulation(training_inputs, sources, batch_plan)
     _apply_batch_plan(batch_plan, training_inputs, sources)
     training = _build(FinetuneTrainingArguments, training_inputs, sections.values, sections.overrides)
     return Recipe(model=model, data=data, lora=lora, training=training, sources=sources, batch_plan=batch_plan,
@@ -186,6 +205,25 @@ def _resolve_auto_precision(values: dict[str, Any], overrides: list[str], precis
         return f"auto → {precision} (the GPU planned for)"
     gpu = visible_gpu()
     return f"auto → {precision} ({gpu.describe() if gpu is not None else 'no GPU visible'})"
+
+
+def _check_steps_and_accumulation(training_inputs: dict[str, Any], sources: dict[str, str], plan: BatchPlan) -> None:
+    """Values Trainer would take without a word but that cannot be what the user meant."""
+    if str(training_inputs.get("max_steps")) == "0":
+        raise RecipeError("`max_steps: 0` trains nothing (Trainer would still run one step and report before = "
+                          "after): give a positive number of steps, or -1 to train `num_train_epochs` epochs.")
+    given = training_inputs.get("gradient_accumulation_steps")
+    if training_inputs.get("global_batch_size") is None or given == plan.gradient_accumulation_steps:
+        return
+    source = sources.get("gradient_accumulation_steps", "default")
+    contradiction = (f"`gradient_accumulation_steps: {given}` ({source}) "
+                     f"contradicts `global_batch_size: {training_inputs['global_batch_size']}`, planned as "
+                     f"{plan.micro_batch_size} × {plan.world_size} process(es) × {plan.gradient_accumulation_steps}")
+    if sources.get("gradient_accumulation_steps") == COMMAND_LINE:
+        raise RecipeError(f"{contradiction}: drop one (cap the micro-batch with `max_micro_batch_size` to get more "
+                          "accumulation under `global_batch_size`).")
+    if os.environ.get("RANK", "0") == "0" and "gradient_accumulation_steps" in sources:
+        print(f"warning: {contradiction}; the global batch wins.")
 
 
 def _apply_batch_plan(plan: BatchPlan, training_inputs: dict[str, Any], sources: dict[str, str]) -> None:

@@ -115,14 +115,14 @@ def write_batch_plan(plan: BatchPlan, output_dir: str) -> dict:
     """Writes `batch_plan.json`, noting a world-size change since the plan an earlier run left there."""
     record = plan.to_dict()
     previous = outputs.read_record(output_dir, outputs.BATCH_PLAN, missing=None)
-    if previous is not None:
-        if previous.get("world_size") != plan.world_size:
-            record["note"] = (
-                f"world size changed from {previous.get('world_size')} to {plan.world_size}: micro-batch and "
-                f"accumulation re-planned; global batch {plan.global_batch_size} (was "
-                f"{previous.get('global_batch_size')}) and learning rate {plan.learning_rate:g} (was "
-                f"{previous.get('learning_rate'):g}) kept."
-            )
+    if previous is not None and previous.get("world_size") != plan.world_size:
+        def compared(name: str, then, now) -> str:
+            return f"{name} {now:g} kept" if then == now else f"{name} changed from {then:g} to {now:g}"
+
+        batch = compared("global batch", previous.get("global_batch_size"), plan.global_batch_size)
+        learning_rate = compared("learning rate", previous.get("learning_rate"), plan.learning_rate)
+        record["note"] = (f"world size changed from {previous.get('world_size')} to {plan.world_size}: micro-batch and "
+                          f"accumulation re-planned; {batch}, {learning_rate}.")
     outputs.write_record(output_dir, outputs.BATCH_PLAN, record)
     return record
 

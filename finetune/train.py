@@ -14,7 +14,13 @@ from accelerate.utils import gather_object
 from transformers import set_seed
 
 from finetune import outputs
-from finetune.checkpoints import check_checkpoint_files, newest_complete_checkpoint, recipe_changes, recipe_values
+from finetune.checkpoints import (
+    check_checkpoint_files,
+    newest_complete_checkpoint,
+    recipe_changes,
+    recipe_values,
+    why_incomplete,
+)
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
 from finetune.data.collate import data_collator, pack_prepared, prepare_model_for_packing
@@ -134,7 +140,7 @@ def checkpoint_to_resume(recipe: Recipe) -> str | None:
         check_checkpoint_files(wanted)  # on every rank, before anything is unpickled
     if args.process_index == 0:
         for folder in skipped:
-            print(f"warning: skipping {folder}: incomplete (its save was interrupted)")
+            print(f"warning: skipping {folder}: {why_incomplete(folder)}")
         if wanted is not None:
             print(f"resuming from {wanted}")
             changes = recipe_changes(Path(wanted), recipe_values(recipe))

@@ -84,8 +84,10 @@ def test_batch_plan_file_says_when_the_world_size_changed(tmp_path):
     write_batch_plan(BatchPlan(2, 16, 1, 1e-3, "none", 1e-3, 32), tmp_path)
     record = write_batch_plan(BatchPlan(1, 16, 2, 1e-3, "none", 1e-3, 32), tmp_path)
     assert record["note"] == ("world size changed from 2 to 1: micro-batch and accumulation re-planned; "
-                              "global batch 32 (was 32) and learning rate 0.001 (was 0.001) kept.")
+                              "global batch 32 kept, learning rate 0.001 kept.")
     assert json.loads((tmp_path / "batch_plan.json").read_text()) == record
+    record = write_batch_plan(BatchPlan(3, 16, 1, 2e-3, "none", 1e-3, 32), tmp_path)  # no global_batch_size: it moved
+    assert record["note"].endswith("global batch changed from 32 to 48, learning rate changed from 0.001 to 0.002.")
 
 
 # --- real runs: token-weighted normalisation makes the world size irrelevant -----------------------------

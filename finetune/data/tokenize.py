@@ -88,8 +88,10 @@ def encode_conversation(messages: list[dict], tokenizer, tools: list[dict] | Non
     if None in spans:  # an earlier turn renders differently once the conversation goes on (Qwen3's <think>)
         found = _spans_in_whole_render(messages, text, tokenizer)
         spans = [span if span is not None else found[turn] for turn, span in enumerate(spans)]
-    for start, end in spans:
-        labels[start:end] = input_ids[start:end]
+    answers = [message for message in messages if message["role"] == "assistant"]
+    for (start, end), message in zip(spans, answers):
+        if message["content"].strip() or message.get("tool_calls"):  # an empty answer teaches only to stop: not learned
+            labels[start:end] = input_ids[start:end]
     return input_ids, labels
 
 
@@ -114,8 +116,10 @@ def _spans_in_whole_render(messages, text: str, tokenizer) -> list[tuple[int, in
         content = message["content"].strip()
         found = text.find(content, cursor) if content else -1
         if found < 0:
-            if message["role"] == "assistant":
+            if message["role"] == "assistant" and content:
                 raise unfindable
+            if message["role"] == "assistant":
+                spans.append((0, 0))  # an empty answer: not learned (encode_conversation)
             continue  # a template may fold a system prompt elsewhere, or drop it
         cursor = found + len(content)
         if message["role"] != "assistant":

@@ -1,0 +1,112 @@
+"""Faults and silent cases a user meets (issue: nothing silent, nothing lost): each stops with one line naming the
+key, file or fault, or is skipped by name, instead of a traceback or a quiet default."""
+
+import json
+
+import pytest
+from support import PROJECT_ROOT
+
+from finetune import outputs
+from finetune.checkpoints import (
+    COMPLETE_MARKER,
+    is_complete,
+    mark_complete,
+    newest_complete_checkpoint,
+    rotate_complete_checkpoints,
+    why_incomplete,
+)
+from finetune.data.tokenize import IGNORE_INDEX, encode_conversation
+from finetune.errors import RecipeError
+from finetune.presets import build_tokenizer
+from finetune.recipe import load_recipe_file, parse_recipe
+
+DEMO = PROJECT_ROOT / "recipes" / "demo.yaml"
+
+
+def test_a_key_given_twice_in_a_recipe_is_refused_with_both_lines(tmp_path):
+    recipe = tmp_path / "twice.yaml"
+    recipe.write_text("model_name_or_path: tiny\nlearning_rate: 1e-3\nmax_steps: 5\nlearning_rate: 2e-3\n")
+    with pytest.raises(RecipeError, match=r"key `learning_rate` is given twice \(lines 2 and 4\); keep one"):
+        load_recipe_file(recipe)
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_an_empty_recipe_is_refused_rather_than_trained_on_defaults(tmp_path, text):
+    recipe = tmp_path / "empty.yaml"
+    recipe.write_text(text)
+    with pytest.raises(RecipeError, match=r"recipe `.*empty\.yaml` is empty: it would train on every default"):
+        parse_recipe(recipe, [])
+
+
+def test_max_steps_zero_is_refused():
+    with pytest.raises(RecipeError, match=r"`max_steps: 0` trains nothing"):
+        parse_recipe(DEMO, ["--max_steps", "0"])
+
+
+def test_accumulation_on_the_command_line_that_contradicts_the_global_batch_is_refused_naming_both():
+    with pytest.raises(RecipeError, match=r"`gradient_accumulation_steps: 8` \(command line\) contradicts "
+                                          r"`global_batch_size: 32`, planned as 16 × 1 process\(es\) × 2: drop one"):
+        parse_recipe(DEMO, ["--global_batch_size", "32", "--gradient_accumulation_steps", "8"])
+    recipe = parse_recipe(DEMO, ["--global_batch_size", "32", "--gradient_accumulation_steps", "2"])  # agrees
+    assert recipe.training.gradient_accumulation_steps == 2
+
+
+def test_accumulation_from_the_recipe_file_that_the_global_batch_replans_is_a_named_warning(capsys):
+    recipe = parse_recipe(DEMO, ["--global_batch_size", "32"])  # demo.yaml: gradient_accumulation_steps: 1
+    assert recipe.training.gradient_accumulation_steps == 2
+    assert "warning: `gradient_accumulation_steps: 1` (recipe" in capsys.readouterr().out
+
+
+def test_answers_that_are_all_empty_are_not_learned():
+    tokenizer = build_tokenizer()
+    _, labels = encode_conversation([{"role": "user", "content": "reverse abc"},
+                                     {"role": "assistant", "content": ""}], tokenizer)
+    assert all(label == IGNORE_INDEX for label in labels)  # dropped as unlabeled by the data policy
+
+
+def test_answers_that_are_all_empty_leave_nothing_to_train_and_stop_naming_the_data(tmp_path):
+    from finetune.data import load_raw_data, prepare_datasets
+
+    data = tmp_path / "empty_answers.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"say {i}", "output": ""}) + "\n" for i in range(4)))
+    recipe = parse_recipe(DEMO, ["--train_file", str(data), "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(RecipeError, match=r"no training example .* is left after the data policies "
+                                          r"\(\{'no_answer_tokens': 4\}\)"):
+        prepare_datasets(load_raw_data(recipe.data), build_tokenizer(), recipe.data, recipe.training)
+
+
+def checkpoint(output_dir, step: int, marker: str | None) -> object:
+    folder = output_dir / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text("{}")
+    if marker is not None:
+        (folder / COMPLETE_MARKER).write_text(marker)
+    return folder
+
+
+@pytest.mark.parametrize("damaged", ['{"step": 6, "strat', "", "[6]", "\xff\xfe"])
+def test_a_damaged_marker_is_skipped_like_an_incomplete_checkpoint_naming_the_file(tmp_path, damaged):
+    earlier = checkpoint(tmp_path, 3, json.dumps({"step": 3}))
+    newest = checkpoint(tmp_path, 6, damaged)
+    assert is_complete(earlier) and not is_complete(newest)
+    assert newest_complete_checkpoint(tmp_path) == (earlier, [newest])
+    assert why_incomplete(newest) == f"its marker {newest / COMPLETE_MARKER} is damaged (not the record a finished " \
+                                     "save writes)"
+    assert rotate_complete_checkpoints(tmp_path, 1) == []  # the damaged one is not counted, nor deleted
+    assert newest.is_dir() and earlier.is_dir()
+
+
+def test_markers_and_records_are_written_atomically(tmp_path, monkeypatch):
+    folder = checkpoint(tmp_path, 3, None)
+    mark_complete(folder, 3, {"strategy": "ddp"}, {})
+    assert is_complete(folder) and [p.name for p in folder.iterdir() if p.name.endswith(".tmp")] == []
+    outputs.write_record(tmp_path, "record.json", {"old": True})
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.replace", fail)  # a write that fails leaves the previous record whole, and no temp file
+    with pytest.raises(OSError):
+        outputs.write_record(tmp_path, "record.json", {"new": True})
+    assert json.loads((tmp_path / "record.json").read_text()) == {"old": True}
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
