@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ def load_tokenizer(model_args):
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if name == presets.TINY_MODEL:
         return presets.build_tokenizer()
-    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
+    with loading_refusals(model_args):
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
     if tokenizer.pad_token is None:
         # Padding positions carry label -100 and attention 0, so reusing EOS for padding is safe.
         tokenizer.pad_token = tokenizer.eos_token
@@ -36,20 +38,33 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strate
         return model
     if qlora:
         return _load_4bit(model_args, tokenizer, seed, strategy or Strategy("single"))
-    try:
+    with loading_refusals(model_args):
         return AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path,
             dtype=DTYPES[model_args.torch_dtype],
             attn_implementation=model_args.attn_implementation,
             trust_remote_code=model_args.trust_remote_code,
         )
+
+
+@contextmanager
+def loading_refusals(model_args):
+    """Transformers' own refusals while loading, said in one line naming the recipe key and the fix: custom code
+    without `trust_remote_code` (the refusal itself is right), an attention kernel that cannot load (an unknown name,
+    flash-attn not installed, no CUDA)."""
+    try:
+        yield
     except (ImportError, ValueError) as error:
-        if model_args.attn_implementation is None or "attn" not in str(error).lower().replace("attention", "attn"):
-            raise
-        # Transformers' own refusal (an unknown name, flash-attn not installed or no CUDA), said in one line.
-        raise RecipeError(f"`attn_implementation: {model_args.attn_implementation}` cannot be used here: "
-                          f"{str(error).splitlines()[0]} Use `sdpa` (any device), or install the kernel's package on "
-                          "a CUDA GPU (flash_attention_2: `pip install flash-attn`).") from None
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if "trust_remote_code" in str(error):
+            raise RecipeError(f"`{model_args.model_name_or_path}` ships its own model code, which runs only with "
+                              "`trust_remote_code: true`: read that code first, then set it (or use a model "
+                              "Transformers supports natively).") from None
+        if model_args.attn_implementation is not None and "attn" in str(error).lower().replace("attention", "attn"):
+            raise RecipeError(f"`attn_implementation: {model_args.attn_implementation}` cannot be used here: "
+                              f"{first_line} Use `sdpa` (any device), or install the kernel's package on a CUDA GPU "
+                              "(flash_attention_2: `pip install flash-attn`).") from None
+        raise
 
 
 def trainable_dtype(strategy: Strategy, precision: str, pure_bf16: bool = False) -> torch.dtype | None:

@@ -48,6 +48,7 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
             and local_processes > torch.cuda.device_count():
         raise RecipeError(f"{local_processes} processes per machine but {torch.cuda.device_count()} visible GPU(s); "
                           "launch with --num_processes equal to the GPU count or fix CUDA_VISIBLE_DEVICES.")
+    check_output_dir(training_inputs.get("output_dir"))
     check_one_process_per_gpu(training_inputs)
     check_precision_on_gpu(training_inputs)
     return strategy, deepspeed
@@ -147,3 +148,20 @@ def check_pure_bf16(training_inputs: dict[str, Any], strategy: Strategy) -> None
     if training_precision(training_inputs) == "fp16":
         raise RecipeError("`pure_bf16: true` with fp16 mixed precision: choose one (`fp16: false`, or drop "
                           "`pure_bf16`).")
+
+
+def check_output_dir(output_dir: str | None) -> None:
+    """`output_dir` must be a directory this process can create and write: a file there, or a read-only place,
+    would surface as a FileExistsError or PermissionError traceback at the first save, after the set-up."""
+    if not output_dir:
+        return
+    from pathlib import Path
+
+    path = Path(output_dir)
+    existing = next((parent for parent in (path, *path.parents) if parent.exists()), Path("."))
+    if not existing.is_dir():
+        raise RecipeError(f"`output_dir: {output_dir}`: {existing} is a file, not a directory; choose another "
+                          "output_dir.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"`output_dir: {output_dir}`: {existing} is not writable by this user; choose a writable "
+                          "output_dir.")

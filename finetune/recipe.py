@@ -154,6 +154,7 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     for key in values:
         if key not in known:
             raise RecipeError(f"unknown key `{key}` in {source}{did_you_mean(key, known)}.")
+    _check_value_shapes(parser, values, source)
     resolved_auto = _resolve_auto_precision(values, overrides, auto_precision)
     parser.set_defaults(**{key: _as_argparse_default(value) for key, value in values.items()})
     namespace, remaining = parser.parse_known_args(args=overrides)
@@ -171,6 +172,21 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     data = _build(DataArguments, inputs[DataArguments], values, overrides)
     lora = _build(LoraArguments, inputs[LoraArguments], values, overrides)
     return RecipeSections(model, data, lora, inputs[FinetuneTrainingArguments], sources, values, overrides)
+
+
+def _check_value_shapes(parser: RecipeParser, values: dict[str, Any], source: str) -> None:
+    """A YAML list or mapping where a number or a boolean belongs (argparse would pass it through untyped, and
+    Trainer fail later with a TypeError), named by its key. Keys that take text may take structures too (`report_to`
+    a list, `deepspeed` a mapping), as Trainer allows."""
+    actions = {action.dest: action for action in parser._actions}
+    for key, value in values.items():
+        action = actions[key]
+        scalar = action.nargs in (None, "?") and (action.type in (int, float)
+                                                  or getattr(action.type, "__name__", "") == "string_to_bool")
+        if scalar and isinstance(value, (list, dict)):
+            kind = "a list" if isinstance(value, list) else "a mapping"
+            raise RecipeError(f"`{key}` in {source} is {kind} ({value!r}); it takes one "
+                              f"{'true/false' if action.type not in (int, float) else action.type.__name__}.")
 
 
 def _build(section_type, inputs: dict[str, Any], values: dict[str, Any], overrides: list[str]):

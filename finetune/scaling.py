@@ -97,6 +97,10 @@ def warmup_steps_from_tokens(warmup_tokens: int, global_batch_size: int, tokens_
 def plan_from_recipe(training: dict, max_seq_length: int, world_size: int) -> BatchPlan:
     """The plan for this launch from the recipe's training keys (as parsed, before TrainingArguments)."""
     micro, accumulation = training["per_device_train_batch_size"], training["gradient_accumulation_steps"]
+    _positive("per_device_train_batch_size", micro)  # named here: the base_* keys below default to these
+    _positive("gradient_accumulation_steps", accumulation)
+    if not training["learning_rate"] > 0 and training.get("base_learning_rate") is None:
+        raise RecipeError(f"`learning_rate` must be positive, got {training['learning_rate']!r}.")
     target = training.get("global_batch_size")
     if target is not None:
         micro, accumulation = plan_batch(target, world_size, training.get("max_micro_batch_size") or micro)

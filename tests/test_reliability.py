@@ -110,3 +110,51 @@ def test_markers_and_records_are_written_atomically(tmp_path, monkeypatch):
         outputs.write_record(tmp_path, "record.json", {"new": True})
     assert json.loads((tmp_path / "record.json").read_text()) == {"old": True}
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("text, message", [
+    ("learning_rate: [1, 2]\n", r"`learning_rate` in recipe `.*` is a list \(\[1, 2\]\); it takes one float\."),
+    ("bf16: {a: 1}\n", r"`bf16` in recipe `.*` is a mapping .*; it takes one true/false\."),
+])
+def test_a_structure_where_one_value_belongs_names_the_key(tmp_path, text, message):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: tiny\n" + text)
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe(recipe, [])
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--per_device_train_batch_size", "0"], r"^`per_device_train_batch_size` must be a positive whole number, got 0"),
+    (["--learning_rate", "-1"], r"^`learning_rate` must be positive, got -1\.0"),
+])
+def test_batch_errors_name_the_key_the_user_set(override, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe(DEMO, override)
+
+
+def test_an_output_dir_that_is_a_file_or_unwritable_stops_before_any_work(tmp_path, monkeypatch):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for output_dir in (a_file, a_file / "run"):
+        with pytest.raises(RecipeError, match=rf"`output_dir: {output_dir}`: {a_file} is a file, not a directory"):
+            parse_recipe(DEMO, ["--output_dir", str(output_dir)])
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # a read-only place (root may write anywhere here)
+    with pytest.raises(RecipeError, match=r"is not writable by this user; choose a writable output_dir"):
+        parse_recipe(DEMO, ["--output_dir", str(tmp_path / "run")])
+
+
+def test_custom_model_code_without_trust_remote_code_is_refused_in_one_line(hub_model_dir, tmp_path):
+    import shutil
+
+    from finetune.args import ModelArguments
+    from finetune.models import load_model, load_tokenizer
+
+    custom = shutil.copytree(hub_model_dir, tmp_path / "custom")
+    config = json.loads((custom / "config.json").read_text())
+    config.update(model_type="x_custom", auto_map={"AutoConfig": "configuration_x.XConfig",
+                                                   "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    (custom / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RecipeError, match=rf"^`{custom}` ships its own model code, which runs only with "
+                                          r"`trust_remote_code: true`"):
+        model_args = ModelArguments(model_name_or_path=str(custom))
+        load_model(model_args, load_tokenizer(model_args))
