@@ -154,14 +154,15 @@ def _load_4bit(model_args, tokenizer, seed: int, strategy: Strategy):
         if source == presets.TINY_MODEL:  # quantization happens in from_pretrained: save the preset first
             presets.build_model(tokenizer, seed=seed).save_pretrained(directory)
             source = directory
-        model = AutoModelForCausalLM.from_pretrained(
-            source,
-            quantization_config=BitsAndBytesConfig(**load.quantization),
-            dtype=load.dtype,
-            device_map=load.device_map,
-            attn_implementation=model_args.attn_implementation,
-            trust_remote_code=model_args.trust_remote_code,
-        )
+        with loading_refusals(model_args):
+            model = AutoModelForCausalLM.from_pretrained(
+                source,
+                quantization_config=BitsAndBytesConfig(**load.quantization),
+                dtype=load.dtype,
+                device_map=load.device_map,
+                attn_implementation=model_args.attn_implementation,
+                trust_remote_code=model_args.trust_remote_code,
+            )
     if load.prepare_for_kbit:
         return prepare_model_for_kbit_training(model)
     model.enable_input_require_grads()  # what the preparation also does, for gradient checkpointing on a frozen base

@@ -9,6 +9,7 @@ what to change.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from finetune.configs.lint import lint_deepspeed
 from finetune.devices import visible_gpu
 from finetune.errors import RecipeError
-from finetune.strategies import Strategy, is_true, launched_strategy
+from finetune.strategies import PURE_BF16_KINDS, Strategy, is_true, launched_strategy
 
 
 def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | None]:
@@ -142,7 +143,7 @@ def check_pure_bf16(training_inputs: dict[str, Any], strategy: Strategy) -> None
     path upcasts trainable parameters, so there the key would silently do nothing."""
     if not is_true(training_inputs.get("pure_bf16")):
         return
-    if strategy.kind not in ("single", "ddp"):
+    if strategy.kind not in PURE_BF16_KINDS:
         raise RecipeError(f"`pure_bf16: true` under {strategy.describe()}: it applies to one process and DDP only "
                           "(DeepSpeed and FSDP keep fp32 master weights of their own); drop it or launch with DDP.")
     if training_precision(training_inputs) == "fp16":
@@ -155,8 +156,6 @@ def check_output_dir(output_dir: str | None) -> None:
     would surface as a FileExistsError or PermissionError traceback at the first save, after the set-up."""
     if not output_dir:
         return
-    from pathlib import Path
-
     path = Path(output_dir)
     existing = next((parent for parent in (path, *path.parents) if parent.exists()), Path("."))
     if not existing.is_dir():

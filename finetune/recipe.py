@@ -24,7 +24,7 @@ from finetune.args import (
     LoraArguments,
     ModelArguments,
 )
-from finetune.errors import RecipeError, did_you_mean
+from finetune.errors import RecipeError, did_you_mean, launched_rank
 from finetune.preflight import check_pure_bf16, check_qlora, preflight_launch
 from finetune.scaling import BatchPlan, plan_from_recipe
 from finetune.strategies import Strategy
@@ -238,7 +238,7 @@ def _check_steps_and_accumulation(training_inputs: dict[str, Any], sources: dict
     if sources.get("gradient_accumulation_steps") == COMMAND_LINE:
         raise RecipeError(f"{contradiction}: drop one (cap the micro-batch with `max_micro_batch_size` to get more "
                           "accumulation under `global_batch_size`).")
-    if os.environ.get("RANK", "0") == "0" and "gradient_accumulation_steps" in sources:
+    if launched_rank() == 0 and "gradient_accumulation_steps" in sources:
         print(f"warning: {contradiction}; the global batch wins.")
 
 

@@ -25,6 +25,9 @@ from finetune.errors import RecipeError
 from finetune.launching import Launch
 
 KINDS = STRATEGIES  # the generator's names: single, ddp, deepspeed, fsdp
+# Where the optimizer steps the model's own tensors, so `pure_bf16` means what it says (DeepSpeed keeps fp32 masters of
+# its own, Accelerate's FSDP path upcasts trainable parameters).
+PURE_BF16_KINDS = ("single", "ddp")
 FSDP_SHARDING = (*GENERATED_FSDP_SHARDING, "no_shard")  # what the shipped configs write, and FSDP1's no_shard
 # FSDP1's ShardingStrategy, by name or by its number in Accelerate configs (1 = FULL_SHARD ...).
 _FSDP1_SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")

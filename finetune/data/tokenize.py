@@ -124,7 +124,7 @@ def _spans_in_whole_render(messages, text: str, tokenizer) -> list[tuple[int, in
         cursor = found + len(content)
         if message["role"] != "assistant":
             continue
-        closes = [(text.find(token, cursor), token) for token in closers if text.find(token, cursor) >= 0]
+        closes = [(position, token) for token in closers if (position := text.find(token, cursor)) >= 0]
         if not closes:
             raise unfindable
         position, token = min(closes)

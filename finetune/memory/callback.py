@@ -21,7 +21,7 @@ from finetune.memory.estimate import Setup, estimate
 from finetune.memory.ledger import GradientProbe, PhasePeaks, gradient_peaks, measure_states, peak_memory
 from finetune.memory.report import write_memory_report
 from finetune.memory.shapes import shape_of
-from finetune.strategies import Strategy, prepared_strategy
+from finetune.strategies import PURE_BF16_KINDS, Strategy, prepared_strategy
 
 logger = logging.get_logger(__name__)
 STATE_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
@@ -63,7 +63,7 @@ def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, S
     return strategy, Setup(
         **strategy.estimator_options(),
         precision=precision,
-        pure_bf16=pure_bf16 and strategy.kind in ("single", "ddp"),
+        pure_bf16=pure_bf16 and strategy.kind in PURE_BF16_KINDS,
         num_gpus=args.world_size,
         gpus_per_node=local_processes,
         optimizer=optimizer_kind(args.optim) or "adamw",

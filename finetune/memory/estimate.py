@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from finetune.configs.deepspeed import BUCKET_SIZE
 from finetune.errors import RecipeError
 from finetune.memory.shapes import ModelShape
-from finetune.strategies import FSDP_SHARDING, KINDS
+from finetune.strategies import FSDP_SHARDING, KINDS, PURE_BF16_KINDS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Bytes of optimizer state per trainable parameter, besides any master copy.
@@ -115,7 +115,7 @@ class Setup:
             raise RecipeError("offload is modelled for DeepSpeed only (strategy: deepspeed).")
         if self.offload_param and self.zero_stage != 3:
             raise RecipeError("offload_param needs ZeRO stage 3: only stage 3 partitions parameters.")
-        if self.pure_bf16 and (self.strategy not in ("single", "ddp") or self.precision == "fp16"):
+        if self.pure_bf16 and (self.strategy not in PURE_BF16_KINDS or self.precision == "fp16"):
             raise RecipeError("pure_bf16 is modelled for one process and DDP without fp16 (finetune.preflight).")
         if self.qlora and not self.lora_rank:
             raise RecipeError("QLoRA trains LoRA adapters on a 4-bit base: set lora_rank too.")
