@@ -15,6 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
+from accelerate import PartialState
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -63,12 +64,22 @@ def checkpoint_layout(trainer) -> dict:
     return layout
 
 
-def mark_complete(folder: Path, step: int, layout: dict, recipe_values: dict[str, str]) -> None:
-    """Called on rank 0 once every rank has saved `folder`: records the step, the layout and the recipe in it.
+def mark_complete(folder: Path, step: int, layout: dict, recipe_values: dict[str, str],
+                  train_data: str | None = None) -> None:
+    """Called once every rank has saved `folder` (on rank 0, or on each node's first process with
+    `save_on_each_node`): records the step, the layout, the recipe and the training data's fingerprint in it.
     Trainer itself rotates on rank 0 as soon as rank 0 has saved, before the other ranks finish, and counts
     half-written folders, so a crash in a save could leave no complete checkpoint at all."""
-    marker = {"step": step, **layout, "recipe": recipe_values}
+    marker = {"step": step, **layout, "recipe": recipe_values, "train_data": train_data}
     outputs.write_record(folder, COMPLETE_MARKER, marker)  # atomic: a killed save leaves no half-written marker
+
+
+def name_deepspeed_tag_on_this_node(folder: Path) -> None:
+    """DeepSpeed writes `latest` (the tag its loader reads) on global rank 0 only, though with `save_on_each_node` every
+    node holds its own ranks' states: the other nodes' first processes name the tag too, or they cannot resume."""
+    tags = sorted(path.name for path in folder.glob("global_step*") if path.is_dir())
+    if len(tags) == 1 and not (folder / "latest").is_file():
+        outputs.write_text(folder, "latest", tags[0])
 
 
 def rotate_complete_checkpoints(output_dir, save_total_limit: int | None, best: str | None = None) -> list[Path]:
@@ -119,9 +130,55 @@ def recipe_changes(checkpoint: Path, now: dict[str, str]) -> list[str]:
     return [f"{key}: {then.get(key, 'default')} → {now.get(key, 'default')}" for key in changed]
 
 
+def check_same_data(checkpoint: str | Path, train_data: str, ignore_data_skip: bool) -> str | None:
+    """Trainer resumes by skipping the batches the checkpoint's run had consumed: on other data that would skip rows
+    never trained on. Refuses changed training data, unless `ignore_data_skip` says to start the new data from its
+    first row (returned as the line to print). None when the data is unchanged or the checkpoint recorded none."""
+    then = read_marker(checkpoint).get("train_data")
+    if then is None or then == train_data:
+        return None
+    if not ignore_data_skip:
+        raise RecipeError(
+            f"the training data differs from the data {checkpoint} was trained on ({then} → {train_data}): resuming "
+            "would skip the first batches of the new data as if they had been trained on. Set `ignore_data_skip: "
+            "true` to continue the step count and schedule with the new data from its first row, or start afresh "
+            "in another output_dir.")
+    return (f"the training data changed since {checkpoint} ({then} → {train_data}): continuing with the new data "
+            "from its first row (ignore_data_skip)")
+
+
+def continue_schedule_at_this_runs_rate(scheduler, learning_rate: float) -> str | None:
+    """A resumed scheduler keeps the base learning rate it was saved with (LambdaLR's `base_lrs`), and the optimizer
+    the rate of the saved schedule, so a changed `learning_rate` or warmup would never apply. The schedule's shape
+    (type, warmup, total steps) is rebuilt from this run's arguments anyway (Transformers' schedules are
+    `functools.partial`s, which LambdaLR does not save); this puts this run's rate under it and sets the rate of the
+    next step from it. Returns a line naming what changed, if anything."""
+    import torch
+
+    while not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and hasattr(scheduler, "scheduler"):
+        scheduler = scheduler.scheduler  # Accelerate's and DeepSpeed's wrappers
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return None  # DeepSpeed-config schedulers compute each rate from the config (plateau: refused earlier)
+    saved_base, saved_rate = max(scheduler.base_lrs), max(scheduler.get_last_lr())
+    scheduler.base_lrs = [base * learning_rate / saved_base for base in scheduler.base_lrs]  # groups keep ratios
+    rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, base, rate in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, rates):
+        group["initial_lr"], group["lr"] = base, rate
+    scheduler._last_lr = rates
+    if saved_base == learning_rate and saved_rate == max(rates):
+        return None
+    return (f"learning rate from step {scheduler.last_epoch + 1}: {max(rates):.6g} by this run's schedule "
+            f"(learning_rate {learning_rate:g}); the checkpoint's schedule had {saved_rate:.6g} (learning_rate "
+            f"{saved_base:g})")
+
+
+def checkpoint_step(folder: Path) -> int:
+    return int(CHECKPOINT_NAME.match(folder.name).group(1))
+
+
 def checkpoints_newest_first(output_dir: str | Path) -> list[Path]:
     folders = [p for p in Path(output_dir).iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)]
-    return sorted(folders, key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)), reverse=True)
+    return sorted(folders, key=checkpoint_step, reverse=True)
 
 
 def newest_complete_checkpoint(output_dir: str | Path) -> tuple[Path | None, list[Path]]:
@@ -134,6 +191,41 @@ def newest_complete_checkpoint(output_dir: str | Path) -> tuple[Path | None, lis
             return folder, skipped
         skipped.append(folder)
     return None, skipped
+
+
+def agree_on_newest_complete(output_dir: str | Path, world_size: int) -> tuple[Path | None, list[Path]]:
+    """`newest_complete_checkpoint`, agreed by every rank: each reads its own node's `output_dir` (with
+    `save_on_each_node` the nodes need not share a disk) and all resume from the newest step complete on every node,
+    naming the newer ones some nodes skip. Nodes that share no complete step stop, all of them, with the steps each
+    has: one starting fresh while another resumes would train different models and hang at the first collective."""
+    if world_size == 1:
+        return newest_complete_checkpoint(output_dir)
+    import socket
+
+    from accelerate.utils import gather_object
+
+    folders = checkpoints_newest_first(output_dir) if os.path.isdir(output_dir) else []
+    here = {"host": socket.gethostname(), "folder": str(Path(output_dir).resolve()),
+            "steps": [checkpoint_step(folder) for folder in folders if is_complete(folder)]}
+    views = gather_object([here])
+    common = set.intersection(*(set(view["steps"]) for view in views))
+    if not common and any(view["steps"] for view in views):
+        have = "; ".join(f"rank {rank} ({view['host']}, {view['folder']}): "
+                         f"{', '.join(f'checkpoint-{step}' for step in view['steps']) or 'none'}"
+                         for rank, view in enumerate(views))
+        raise RecipeError(f"`resume_from_checkpoint: auto`: no checkpoint is complete on every node ({have}). Copy one "
+                          "checkpoint folder to every node's output_dir, or start afresh with "
+                          "`resume_from_checkpoint: false` in a new output_dir.")
+    if not common:
+        return None, []
+    step = max(common)
+    skipped = [folder for folder in folders if checkpoint_step(folder) > step and not is_complete(folder)]
+    newer = [f"rank {rank} ({view['host']}, {view['folder']})" for rank, view in enumerate(views)
+             if max(view["steps"]) > step]
+    if newer and PartialState().is_main_process:
+        print(f"warning: resuming every node from checkpoint-{step}, the newest complete on all of them; newer ones "
+              f"are complete only on {'; '.join(newer)}")
+    return Path(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"), skipped
 
 
 def check_explicit_checkpoint(path: str) -> None:

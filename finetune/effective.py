@@ -219,5 +219,6 @@ class StrategyCheckCallback(TrainerCallback):
         mine = {"rank": args.process_index, **held_bytes(model, optimizer)}
         ranks = gather_object([mine]) if args.world_size > 1 else [mine]
         self.effective["ranks"] = sorted(ranks, key=lambda entry: entry["rank"])
-        if state.is_world_process_zero:
-            outputs.write_record(args.output_dir, outputs.EFFECTIVE_CONFIG, self.effective)
+        if state.is_world_process_zero:  # keeps what was added since (the resume record, finetune.trainer)
+            written = outputs.read_record(args.output_dir, outputs.EFFECTIVE_CONFIG, missing={})
+            outputs.write_record(args.output_dir, outputs.EFFECTIVE_CONFIG, {**written, **self.effective})

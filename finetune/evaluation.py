@@ -64,6 +64,9 @@ def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int) -> 
     return {"per_task": per_task, "samples": samples}
 
 
+EXACT_MATCH_PREFIX = "eval_exact_match/"  # the log's key for a task's exact match
+
+
 class ExactMatchCallback(TrainerCallback):
     """Scores exact match whenever the Trainer evaluates; results are kept in `history` and in the log."""
 
@@ -80,26 +83,37 @@ class ExactMatchCallback(TrainerCallback):
         result["step"] = state.global_step
         result["eval_loss"] = (metrics or {}).get("eval_loss")
         self.history.append(result)
-        logged = {f"eval_exact_match/{task}": value for task, value in result["per_task"].items()}
+        logged = {f"{EXACT_MATCH_PREFIX}{task}": value for task, value in result["per_task"].items()}
         state.log_history.append({**logged, "step": state.global_step})
 
 
 SAMPLES_PER_TASK = 2
 
 
-def summarize_evaluations(log_history: list[dict], exact_match_history: list[dict]) -> dict:
-    """The first and the last evaluation, each with eval loss, exact match per task and sample answers."""
-    losses = [entry for entry in log_history if "eval_loss" in entry]
+def summarize_evaluations(log_history: list[dict], exact_match_history: list[dict], final_evaluation: dict | None,
+                          since_step: int = 0) -> dict:
+    """'after' is the evaluation of the final weights (`final_evaluation`, what `Trainer.evaluate` returned at the end;
+    none without it, so a resumed run never reports an old evaluation as after training); 'before' the first
+    evaluation logged from `since_step` on (a resumed run's log holds its earlier evaluations). Each with eval loss,
+    exact match per task (from the log) and sample answers (where this process scored them)."""
+    evaluations = [entry for entry in log_history if "eval_loss" in entry and entry["step"] >= since_step]
+    if final_evaluation is None or not evaluations:
+        return {}
     summary: dict = {}
     for label, position in (("before", 0), ("after", -1)):
-        if not losses:
-            break
-        evaluation = {"step": losses[position]["step"], "eval_loss": losses[position]["eval_loss"]}
-        if exact_match_history:
-            scored = exact_match_history[position]
-            evaluation["exact_match"] = scored["per_task"]
-            evaluation["samples"] = _pick_samples(scored["samples"])
+        step = evaluations[position]["step"]
+        evaluation = {"step": step, "eval_loss": evaluations[position]["eval_loss"]}
+        scores = [entry for entry in log_history if entry.get("step") == step
+                  and any(key.startswith(EXACT_MATCH_PREFIX) for key in entry)]
+        if scores:
+            evaluation["exact_match"] = {key.removeprefix(EXACT_MATCH_PREFIX): value
+                                         for key, value in scores[position].items()
+                                         if key.startswith(EXACT_MATCH_PREFIX)}
+        scored = [result for result in exact_match_history if result["step"] == step]
+        if scored:
+            evaluation["samples"] = _pick_samples(scored[position]["samples"])
         summary[label] = evaluation
+    summary["after"]["eval_loss"] = final_evaluation["eval_loss"]
     return summary
 
 
@@ -124,9 +138,10 @@ def print_before_after(summary: dict, console: Console | None = None) -> None:
     table.add_column(f"after (step {after['step']})", justify="right")
     table.add_row("eval loss", f"{before['eval_loss']:.4f}", f"{after['eval_loss']:.4f}")
     for task, accuracy in after.get("exact_match", {}).items():
-        table.add_row(f"exact match: {task}", f"{before['exact_match'][task]:.1%}", f"{accuracy:.1%}")
+        then = before.get("exact_match", {}).get(task)
+        table.add_row(f"exact match: {task}", "–" if then is None else f"{then:.1%}", f"{accuracy:.1%}")
     console.print(table)
-    if after.get("samples"):
+    if after.get("samples") and before.get("samples"):
         samples = Table(title="Sample generations (held-out)")
         for column in ("task", "prompt", "expected", "before", "after"):
             samples.add_column(column)

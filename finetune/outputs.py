@@ -23,16 +23,22 @@ THROUGHPUT = "throughput.json"              # tokens/s, step time, MFU (finetune
 EVAL_RESULTS = "eval_results.json"          # before/after evaluation and the run's summary (finetune.train)
 PEAK_MEMORY = "peak_memory.json"            # the bench's plain-Trainer baseline (finetune.bench.plain_trainer)
 CHECKPOINT_COMPLETE = "finetune_complete.json"  # in a checkpoint folder, once every rank saved it
+RUN_LOCK = ".finetune_run.lock"             # held by the run writing here (finetune.run_lock)
 
 
 def write_record(output_dir, name: str, record: Any) -> Path:
-    """Writes `record` as indented JSON to `output_dir/name`, creating the folder; atomically (a temporary file in
-    the same folder, then a rename), so a run killed mid-write leaves the old record or the new one, never half."""
+    """Writes `record` as indented JSON to `output_dir/name` (see `write_text`)."""
+    return write_text(output_dir, name, json.dumps(record, indent=2, default=str) + "\n")
+
+
+def write_text(output_dir, name: str, text: str) -> Path:
+    """Writes `text` to `output_dir/name`, creating the folder; atomically (a temporary file in the same folder, then
+    a rename), so a run killed mid-write leaves the old file or the new one, never half."""
     path = Path(output_dir, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        temporary.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        temporary.write_text(text)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)

@@ -228,6 +228,13 @@ def _check_steps_and_accumulation(training_inputs: dict[str, Any], sources: dict
     if str(training_inputs.get("max_steps")) == "0":
         raise RecipeError("`max_steps: 0` trains nothing (Trainer would still run one step and report before = "
                           "after): give a positive number of steps, or -1 to train `num_train_epochs` epochs.")
+    if training_inputs.get("global_batch_size") is None and plan.world_size > 1 and launched_rank() == 0:
+        per_process = plan.micro_batch_size * plan.gradient_accumulation_steps
+        print(f"warning: the global batch is {plan.global_batch_size} sequences ({plan.micro_batch_size} per device × "
+              f"{plan.world_size} processes × {plan.gradient_accumulation_steps} accumulation) and follows the process "
+              f"count ({per_process} on 1 process, {per_process * (plan.world_size + 1)} on {plan.world_size + 1}); "
+              f"set `global_batch_size: {plan.global_batch_size}` to hold it, and the learning rate, whatever the "
+              "launch.")
     given = training_inputs.get("gradient_accumulation_steps")
     if training_inputs.get("global_batch_size") is None or given == plan.gradient_accumulation_steps:
         return

@@ -15,8 +15,10 @@ from transformers import set_seed
 
 from finetune import outputs
 from finetune.checkpoints import (
+    agree_on_newest_complete,
     check_checkpoint_files,
-    newest_complete_checkpoint,
+    check_same_data,
+    read_marker,
     recipe_changes,
     recipe_values,
     why_incomplete,
@@ -24,7 +26,7 @@ from finetune.checkpoints import (
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
 from finetune.data.collate import data_collator, pack_prepared, prepare_model_for_packing
-from finetune.data.summary import dropped_rows, print_data_summary, write_data_summary
+from finetune.data.summary import dropped_rows, fingerprint, print_data_summary, write_data_summary
 from finetune.data.tokenize import PreparedData
 from finetune.divergence import NonFiniteLossCallback
 from finetune.effective import report_and_guard_launch
@@ -40,6 +42,7 @@ from finetune.models import (
     trainable_dtype,
 )
 from finetune.recipe import Recipe, parse_recipe
+from finetune.run_lock import output_dir_lock
 from finetune.scaling import print_batch_plan, write_batch_plan
 from finetune.throughput import ThroughputCallback
 from finetune.trainer import FinetuneTrainer
@@ -50,103 +53,125 @@ def train(recipe: Recipe) -> dict:
     args = recipe.training
     set_seed(args.seed)
 
-    tokenizer = load_tokenizer(recipe.model)
-    model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
-                       strategy=recipe.strategy)
-    if recipe.lora.use_lora:
-        model = apply_lora(model, recipe.lora)
-    # fp32 master weights under mixed precision, whatever dtype the checkpoint was stored in
-    hold_trainable_parameters(model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
+    with output_dir_lock(args):  # one run per output_dir, held until this run returns (finetune.run_lock)
+        tokenizer = load_tokenizer(recipe.model)
+        model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
+                           strategy=recipe.strategy)
+        if recipe.lora.use_lora:
+            model = apply_lora(model, recipe.lora)
+        # fp32 master weights under mixed precision, whatever dtype the checkpoint was stored in
+        hold_trainable_parameters(model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
 
-    data = prepare_data(recipe, tokenizer, model)
-    if data.eval is None:
-        args.eval_on_start = False  # nothing to evaluate on: no 'before' column
+        data = prepare_data(recipe, tokenizer, model)
+        resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"])  # may stop: nothing written yet
+        if args.process_index == 0:
+            write_data_summary(data.summary, args.output_dir)
+        if data.eval is None:
+            args.eval_on_start = False  # nothing to evaluate on: no 'before' column
 
-    check_fsdp_wrap_classes(model)
-    exact_match = ExactMatchCallback(tokenizer, data.generation_examples, recipe.data.generation_max_new_tokens)
-    frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
-    memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
-    throughput = ThroughputCallback(peak_tflops=args.peak_tflops) if args.throughput_report else None
-    divergence = NonFiniteLossCallback(fp16=args.fp16)
-    callbacks = [callback for callback in (exact_match, memory_report, throughput, frozen_check, divergence)
-                 if callback is not None]
-    trainer = FinetuneTrainer(
-        model=model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        data_collator=data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free, model=model),
-        processing_class=tokenizer,
-        callbacks=callbacks,
-        recipe_values=recipe_values(recipe),
-    )
-    if trainer.is_world_process_zero():
-        print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
-    report_and_guard_launch(trainer, recipe)  # effective_config.json; stops on a fallback
+        check_fsdp_wrap_classes(model)
+        exact_match = ExactMatchCallback(tokenizer, data.generation_examples, recipe.data.generation_max_new_tokens)
+        frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
+        memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
+        throughput = ThroughputCallback(peak_tflops=args.peak_tflops) if args.throughput_report else None
+        divergence = NonFiniteLossCallback(fp16=args.fp16)
+        callbacks = [callback for callback in (exact_match, memory_report, throughput, frozen_check, divergence)
+                     if callback is not None]
+        trainer = FinetuneTrainer(
+            model=model,
+            args=args,
+            train_dataset=data.train,
+            eval_dataset=data.eval,
+            data_collator=data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free, model=model),
+            processing_class=tokenizer,
+            callbacks=callbacks,
+            recipe_values=recipe_values(recipe),
+            train_data=data.summary["train_fingerprint"],
+        )
+        if trainer.is_world_process_zero():
+            print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
+        report_and_guard_launch(trainer, recipe)  # effective_config.json; stops on a fallback
 
-    train_output = trainer.train(resume_from_checkpoint=checkpoint_to_resume(recipe))
-    if data.eval is not None:
-        trainer.evaluate()
-    trainer.save_model()
-    trainer.save_state()
+        train_output = trainer.train(resume_from_checkpoint=resume)
+        final_evaluation = trainer.evaluate() if data.eval is not None else None  # "after" is always of these weights
+        trainer.save_model()
+        trainer.save_state()
 
-    summary = summarize_evaluations(trainer.state.log_history, exact_match.history)
-    summary["world_size"] = args.world_size
-    summary["deepspeed_zero_stage"] = recipe.strategy.zero_stage  # what ran: the strategy check stops otherwise
-    summary["train_loss"] = train_output.training_loss
-    summary["dropped_examples"] = dropped_rows(data.summary)
-    if frozen_check is not None:
-        summary["frozen_weights_unchanged"] = frozen_check.unchanged
-    if trainer.is_world_process_zero():
-        outputs.write_record(args.output_dir, outputs.EVAL_RESULTS, summary)
-        print_before_after(summary)
-    # A clean shutdown: gloo's threads abort the interpreter at exit when the group is left alive, or when tensors they
-    # still reference are freed during interpreter teardown; the trainer's reference cycles are collected here.
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
-    del trainer, model
-    gc.collect()
-    return summary
+        since = evaluations_comparable_since(resume, data.summary["train_fingerprint"])
+        summary = summarize_evaluations(trainer.state.log_history, exact_match.history, final_evaluation, since)
+        summary["world_size"] = args.world_size
+        summary["deepspeed_zero_stage"] = recipe.strategy.zero_stage  # what ran: the strategy check stops otherwise
+        summary["train_loss"] = train_output.training_loss
+        summary["dropped_examples"] = dropped_rows(data.summary)
+        if frozen_check is not None:
+            summary["frozen_weights_unchanged"] = frozen_check.unchanged
+        if trainer.is_world_process_zero():
+            outputs.write_record(args.output_dir, outputs.EVAL_RESULTS, summary)
+            print_before_after(summary)
+        # A clean shutdown: gloo's threads abort the interpreter at exit when the group is left alive, or when tensors
+        # they still reference are freed during interpreter teardown; the trainer's reference cycles are collected here.
+        trainer.accelerator.wait_for_everyone()
+        trainer.accelerator.end_training()
+        del trainer, model
+        gc.collect()
+        return summary
 
 
 def prepare_data(recipe: Recipe, tokenizer, model) -> PreparedData:
-    """Tokenized (and, if asked, packed) data; rank 0 prints and writes `data_summary.json`."""
+    """Tokenized (and, if asked, packed) data and its summary, which rank 0 prints."""
     args = recipe.training
     data = prepare_datasets(load_raw_data(recipe.data), tokenizer, recipe.data, args)
     if recipe.data.packing or recipe.data.padding_free:
         prepare_model_for_packing(model)
     if recipe.data.packing:
         data = pack_prepared(data, recipe.data.max_seq_length)
+    data.summary["train_fingerprint"] = fingerprint(data.train)  # recorded in checkpoints: resumes compare it
     # Which ranks read the tokenized data from the cache rank 0 wrote (main_process_first) instead of tokenizing.
     from_cache = all(source["train"]["from_cache"] for source in data.summary["sources"])
     data.summary["train_from_cache_by_rank"] = gather_object([from_cache]) if args.world_size > 1 else [from_cache]
     if args.process_index == 0:
-        write_data_summary(data.summary, args.output_dir)
         print_data_summary(data.summary)
     return data
 
 
-def checkpoint_to_resume(recipe: Recipe) -> str | None:
-    """`resume_from_checkpoint: auto` resumes from the newest complete checkpoint in output_dir, or starts fresh;
-    rank 0 names skipped half-written checkpoints and recipe keys that changed since the checkpoint."""
+def checkpoint_to_resume(recipe: Recipe, train_data: str) -> str | None:
+    """`resume_from_checkpoint: auto` resumes from the newest checkpoint complete on every node (a collective: with
+    `save_on_each_node` each node reads its own disk), or starts fresh; rank 0 names skipped half-written
+    checkpoints and recipe keys that changed since the checkpoint. Changed training data is refused unless
+    `ignore_data_skip` (finetune.checkpoints.check_same_data)."""
     args = recipe.training
     wanted, skipped = args.resume_from_checkpoint, []
     if wanted in (None, "", "false", "False"):
         return None
     if wanted == "auto":
-        last, skipped = newest_complete_checkpoint(args.output_dir)
+        last, skipped = agree_on_newest_complete(args.output_dir, args.world_size)
         wanted = None if last is None else str(last)
-    if wanted is not None:
-        check_checkpoint_files(wanted)  # on every rank, before anything is unpickled
+    if wanted is None:
+        return None
+    check_checkpoint_files(wanted)  # on every rank, before anything is unpickled
+    changes = recipe_changes(Path(wanted), recipe_values(recipe))
+    if args.lr_scheduler_type == "reduce_lr_on_plateau" and any(c.startswith("learning_rate:") for c in changes):
+        raise RecipeError("`lr_scheduler_type: reduce_lr_on_plateau` keeps its learning rate in the checkpoint, so a "
+                          "changed `learning_rate` cannot apply on resume: resume with the rate it was saved with, "
+                          "or start afresh from its weights (`finetune export`).")
+    data_note = check_same_data(wanted, train_data, args.ignore_data_skip)
     if args.process_index == 0:
         for folder in skipped:
             print(f"warning: skipping {folder}: {why_incomplete(folder)}")
-        if wanted is not None:
-            print(f"resuming from {wanted}")
-            changes = recipe_changes(Path(wanted), recipe_values(recipe))
-            if changes:
-                print(f"warning: the recipe differs from the one {wanted} was trained with: {'; '.join(changes)}")
+        print(f"resuming from {wanted}")
+        if changes:
+            print(f"warning: the recipe differs from the one {wanted} was trained with: {'; '.join(changes)}")
+        if data_note:
+            print(f"warning: {data_note}")
     return wanted
+
+
+def evaluations_comparable_since(checkpoint: str | None, train_data: str) -> int:
+    """The first step whose evaluation compares with the final one: the resume step when the data changed since the
+    checkpoint (the evaluations before it were of other data), else 0."""
+    if checkpoint is None or read_marker(checkpoint).get("train_data") in (None, train_data):
+        return 0
+    return read_marker(checkpoint)["step"]
 
 
 def check_fsdp_wrap_classes(model) -> None:

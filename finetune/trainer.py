@@ -2,11 +2,14 @@
 
 - `compute_loss`: how the loss of a micro-batch is normalised (`loss_normalization`).
 - `_save_checkpoint`: a checkpoint counts as complete only once every rank saved it; rotation then keeps the
-  `save_total_limit` newest complete ones and the best one (finetune.checkpoints).
+  `save_total_limit` newest complete ones and the best one (finetune.checkpoints), on every node's disk under
+  `save_on_each_node`.
 - `save_model`: weights `from_pretrained` loads under FSDP's sharded state dict too, and with `save_on_each_node`
   on every node, not only global rank 0.
 - `train`: resuming checks the checkpoint's layout first, and continues a DeepSpeed checkpoint saved with another
   world size through DeepSpeed's universal format.
+- `_load_optimizer_and_scheduler`: a resumed schedule runs at this run's `learning_rate` and warmup from the resume
+  step, and `effective_config.json` says so.
 - the DDP communication hook (`ddp_comm_hook`) is registered when Trainer wraps the model.
 - `create_accelerator_and_postprocess`: FSDP2 mixed precision computes in bf16/fp16 but reduces gradients and returns
   the loss in fp32, as autocast does under DDP (Accelerate's policy casts both to the half dtype).
@@ -14,22 +17,34 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 from accelerate.utils import DDPCommunicationHookType
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from finetune.checkpoints import checkpoint_layout, mark_complete, prepare_resume, rotate_complete_checkpoints
+from finetune import outputs
+from finetune.checkpoints import (
+    checkpoint_layout,
+    continue_schedule_at_this_runs_rate,
+    mark_complete,
+    name_deepspeed_tag_on_this_node,
+    prepare_resume,
+    rotate_complete_checkpoints,
+)
+from finetune.disk import needed_checkpoint_bytes, saving_within_free_space, trainable_parameter_bytes
 
 
 class FinetuneTrainer(Trainer):
-    """`recipe_values` (finetune.checkpoints.recipe_values) is recorded in every checkpoint, so that a resumed run
-    can name what changed."""
+    """`recipe_values` (finetune.checkpoints.recipe_values) and `train_data` (the training rows' fingerprint,
+    finetune.data.summary.fingerprint) are recorded in every checkpoint, so that a resumed run can name what
+    changed."""
 
-    def __init__(self, *args, recipe_values: dict[str, str] | None = None, **kwargs):
+    def __init__(self, *args, recipe_values: dict[str, str] | None = None, train_data: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.recipe_values = recipe_values or {}
+        self.train_data = train_data
         # Rotated here once every rank has saved (see _save_checkpoint), not by Trainer as soon as rank 0 has.
         self.save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
         if self.args.ddp_comm_hook != "no":  # Trainer builds the DDP kwargs handler; the hook goes on at wrapping
@@ -70,20 +85,30 @@ class FinetuneTrainer(Trainer):
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
         folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        # A full disk stops in one line, before the save where it can be foreseen (finetune.disk).
+        with saving_within_free_space(folder, needed_checkpoint_bytes(folder.parent, trainable_parameter_bytes(model))):
+            super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()  # every rank has written its part
-        if self.is_world_process_zero() and folder.is_dir():
+        # `should_save`: global rank 0, or with `save_on_each_node` each node's first process, which marks and
+        # rotates its own node's disk (the other nodes' checkpoints would otherwise stay unmarked and pile up).
+        if self.args.should_save and folder.is_dir():
             peft_config = getattr(self.accelerator.unwrap_model(model), "peft_config", {}).get("default")
             if self._fsdp_sharded() and peft_config is not None:
                 # The shards hold the adapters but Trainer writes no adapter_config.json beside them: `finetune
                 # export` needs it to rebuild the adapted model.
                 peft_config.save_pretrained(folder)
-            mark_complete(folder, self.state.global_step, checkpoint_layout(self), self.recipe_values)
+            if self.is_deepspeed_enabled and self.args.save_on_each_node:
+                name_deepspeed_tag_on_this_node(folder)
+            mark_complete(folder, self.state.global_step, checkpoint_layout(self), self.recipe_values, self.train_data)
             rotate_complete_checkpoints(folder.parent, self.save_total_limit, self.state.best_model_checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        super().save_model(output_dir, _internal_call)
+        # A checkpoint's weights (`_internal_call`) are checked with the whole checkpoint in _save_checkpoint.
+        final_save = nullcontext() if _internal_call else saving_within_free_space(
+            Path(output_dir or self.args.output_dir), trainable_parameter_bytes(self.model), what="the model")
+        with final_save:
+            super().save_model(output_dir, _internal_call)
         if _internal_call:  # a checkpoint: its shards are what resuming reads
             return
         output_dir = output_dir or self.args.output_dir
@@ -130,6 +155,19 @@ class FinetuneTrainer(Trainer):
             model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
         finally:
             del base.should_save_on_this_rank
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        change = continue_schedule_at_this_runs_rate(self.lr_scheduler, self.args.learning_rate)
+        if self.is_world_process_zero():
+            if change:
+                print(f"resuming from {checkpoint}: {change}")
+            effective = outputs.read_record(self.args.output_dir, outputs.EFFECTIVE_CONFIG, missing={})
+            effective["resumed"] = {"checkpoint": str(checkpoint), "step": self.state.global_step,
+                                    "schedule": change or "the checkpoint's, unchanged"}
+            outputs.write_record(self.args.output_dir, outputs.EFFECTIVE_CONFIG, effective)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if isinstance(resume_from_checkpoint, str):

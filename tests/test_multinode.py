@@ -1,6 +1,7 @@
 """Beyond one machine: the launch scripts, the nodes' pre-flight rendezvous, and 2 simulated nodes (1 process each)
 training the tiny model under DeepSpeed ZeRO-2, on loopback and across two network namespaces."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from support import DEMO_SHORT_RUN, PROJECT_ROOT, free_port
 
+from finetune.checkpoints import checkpoint_step, checkpoints_newest_first, is_complete
 from finetune.errors import RecipeError
 from finetune.rendezvous import meet
 
@@ -111,14 +113,15 @@ def test_a_node_without_its_main_node_says_so():
 # --- real runs: 2 nodes × 1 process ----------------------------------------------------------------------------
 
 
-def node_command(rank: int, main_addr: str, port: int, output_dir: Path, *extra: str, prefix=()):
+def node_command(rank: int, main_addr: str, port: int, output_dir: Path, *extra: str, prefix=(), train=()):
+    """One node's launch; `extra` are the script's options, `train` the recipe overrides."""
     return [*prefix, str(SCRIPTS / "launch_multinode.sh"), "--config", CPU_CONFIG, "--nnodes", "2", "--node-rank",
             str(rank), "--main-addr", main_addr, "--main-port", str(port), "--gpus-per-node", "1",
             "--rendezvous-timeout", "120", *extra, "recipes/demo.yaml", *DEMO_SHORT_RUN,
-            "--save_on_each_node", "true", "--output_dir", str(output_dir / f"node{rank}")]
+            "--save_on_each_node", "true", "--output_dir", str(output_dir / f"node{rank}"), *train]
 
 
-def run_two_nodes(commands) -> list[str]:
+def run_two_nodes(commands, succeed: bool = True) -> list[str]:
     nodes = [subprocess.Popen(command, cwd=PROJECT_ROOT, env=ENV, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT) for command in commands]
     outputs = []
@@ -130,7 +133,7 @@ def run_two_nodes(commands) -> list[str]:
                 other.kill()
             raise
     for rank, (node, output) in enumerate(zip(nodes, outputs)):
-        assert node.returncode == 0, f"node {rank} exited {node.returncode}:\n{output[-6000:]}"
+        assert (node.returncode == 0) == succeed, f"node {rank} exited {node.returncode}:\n{output[-6000:]}"
     return outputs
 
 
@@ -145,14 +148,45 @@ def assert_identical_weights(output_dir: Path) -> None:
     assert any(not torch.equal(first[name].float(), start[name].float()) for name in first if name in start)
 
 
+def complete_steps(output_dir: Path) -> list[int]:
+    return sorted(checkpoint_step(folder) for folder in checkpoints_newest_first(output_dir) if is_complete(folder))
+
+
 @pytest.mark.distributed
-def test_two_nodes_on_loopback_train_under_zero2_and_end_with_identical_weights(tmp_path):
-    port = free_port()
-    outputs = run_two_nodes([node_command(rank, "127.0.0.1", port, tmp_path) for rank in (0, 1)])
+def test_two_nodes_on_loopback_train_rotate_and_resume_each_on_its_own_disk(tmp_path):
+    """`save_on_each_node` with a folder per node (no shared disk): each node marks and rotates its own checkpoints,
+    `auto` resumes both from the newest step complete on both, and nodes sharing no complete step both stop."""
+    saving = ["--save_strategy", "steps", "--save_steps", "1", "--save_total_limit", "2"]
+    outputs = run_two_nodes(two_node_commands(tmp_path, *saving))
     assert all("rendezvous: all 2 nodes arrived" in output for output in outputs)
     assert_identical_weights(tmp_path)
     summary = (tmp_path / "node0" / "eval_results.json").read_text()
     assert '"world_size": 2' in summary and '"deepspeed_zero_stage": 2' in summary
+    assert [complete_steps(tmp_path / f"node{rank}") for rank in (0, 1)] == [[2, 3], [2, 3]]  # 1 rotated on both
+
+    # Node 1 lost its newest marker (killed before writing it): both resume from checkpoint-2, the newest on both.
+    (tmp_path / "node1" / "checkpoint-3" / "finetune_complete.json").unlink()
+    outputs = run_two_nodes(two_node_commands(tmp_path, *saving, "--max_steps", "4", "--resume_from_checkpoint",
+                                              "auto"))
+    assert "warning: resuming every node from checkpoint-2, the newest complete on all of them; newer ones are " \
+           "complete only on rank 0" in outputs[0]
+    assert_identical_weights(tmp_path)
+    for rank in (0, 1):
+        state = json.loads((tmp_path / f"node{rank}" / "checkpoint-4" / "trainer_state.json").read_text())
+        assert state["global_step"] == 4 and complete_steps(tmp_path / f"node{rank}") == [3, 4]
+
+    # Node 1's disk was replaced: no step is complete on both, so both stop (neither starts fresh nor hangs).
+    shutil.rmtree(tmp_path / "node1")
+    outputs = run_two_nodes(two_node_commands(tmp_path, *saving, "--max_steps", "6", "--resume_from_checkpoint",
+                                              "auto"), succeed=False)
+    for output in outputs:
+        assert "no checkpoint is complete on every node (rank 0 (" in output and "checkpoint-4, checkpoint-3" in output
+        assert "rank 1 (" in output and "node1): none" in output
+
+
+def two_node_commands(output_dir: Path, *train: str) -> list[list[str]]:
+    port = free_port()
+    return [node_command(rank, "127.0.0.1", port, output_dir, train=train) for rank in (0, 1)]
 
 
 @pytest.mark.distributed

@@ -158,3 +158,23 @@ def test_custom_model_code_without_trust_remote_code_is_refused_in_one_line(hub_
                                           r"`trust_remote_code: true`"):
         model_args = ModelArguments(model_name_or_path=str(custom))
         load_model(model_args, load_tokenizer(model_args))
+
+
+def test_a_global_batch_that_follows_the_process_count_is_a_warning_with_the_numbers(capsys):
+    from finetune.recipe import _check_steps_and_accumulation
+    from finetune.scaling import plan_from_recipe
+
+    demo = {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 1, "learning_rate": 2e-3}
+    _check_steps_and_accumulation(demo, {}, plan_from_recipe(demo, 64, world_size=3))
+    assert ("warning: the global batch is 48 sequences (16 per device × 3 processes × 1 accumulation) and follows the "
+            "process count (16 on 1 process, 64 on 4); set `global_batch_size: 48`") in capsys.readouterr().out
+    for training, world_size in (({**demo, "global_batch_size": 48}, 3), (demo, 1)):  # held, or nothing to follow
+        _check_steps_and_accumulation(training, {}, plan_from_recipe(training, 64, world_size=world_size))
+        assert "follows the process count" not in capsys.readouterr().out
+
+
+def test_a_deepspeed_json_with_a_syntax_error_is_named_with_its_line(tmp_path):
+    broken = tmp_path / "zero2.json"
+    broken.write_text('{"zero_optimization": {"stage": 2,}}')
+    with pytest.raises(RecipeError, match=rf"the DeepSpeed config `{broken}` is not valid JSON: .*line 1 column 35"):
+        parse_recipe(DEMO, ["--deepspeed", str(broken)])

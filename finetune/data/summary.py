@@ -1,8 +1,10 @@
 """The data summary: rows, tokens, length percentiles, truncated and dropped rows per source and split,
-printed by rank 0 at start and written to `output_dir/data_summary.json`."""
+printed by rank 0 at start and written to `output_dir/data_summary.json`; and the fingerprint of the training rows
+that a checkpoint records, so a resume can tell the data changed."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from rich.console import Console
@@ -13,6 +15,20 @@ from finetune import outputs
 
 def write_data_summary(summary: dict, output_dir: str) -> Path:
     return outputs.write_record(output_dir, outputs.DATA_SUMMARY, summary)
+
+
+def fingerprint(dataset) -> str:
+    """`<rows> rows, sha256 <digest>` of the tokens and labels training reads, in dataset order (the sampler
+    shuffles with the seed): equal exactly when Trainer would see the same rows. Hashes the Arrow values, so a
+    million rows of 512 tokens take about a second."""
+    digest = hashlib.sha256()
+    columns = [name for name in ("input_ids", "labels", "position_ids") if name in dataset.column_names]
+    for batch in dataset.with_format("arrow").iter(batch_size=8192):
+        for name in columns:
+            column = batch.column(name).combine_chunks()
+            digest.update(column.value_lengths().to_numpy(zero_copy_only=False).tobytes())
+            digest.update(column.flatten().to_numpy(zero_copy_only=False).tobytes())
+    return f"{len(dataset)} rows, sha256 {digest.hexdigest()[:16]}"
 
 
 def dropped_rows(summary: dict) -> dict[str, int]:
