@@ -101,6 +101,12 @@ class DataArguments:
     generation_max_new_tokens: int = field(
         default=32, metadata={"help": "Longest answer generated when scoring exact match."}
     )
+    preprocessed_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where `finetune preprocess` writes the tokenized (and packed) data, and where `finetune "
+                          "train` reads it on every rank instead of tokenizing, while its key (data bytes, tokenizer, "
+                          "chat template, data keys) matches (default: <output_dir>/preprocessed)."},
+    )
 
     def __post_init__(self):
         paths = [("train_file", self.train_file), ("eval_file", self.eval_file)]
@@ -126,12 +132,33 @@ class DataArguments:
 
 @dataclass
 class LoraArguments:
+    # `lora_target_modules` values that name a set of layers rather than layers (finetune.models.lora_target_modules)
+    target_presets = ("all-linear", "attention")
+
     use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
     lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Module names to adapt; all linear layers of the model when unset."}
+        default=None,
+        metadata={"help": "Module names to adapt (e.g. `[q_proj, v_proj]`), or one preset: `all-linear` (peft's: every "
+                          "linear layer but the output head; the default when unset) or `attention` (the attention "
+                          "projections only, q/k/v/o, found in the model's attention modules)."},
+    )
+    use_dora: bool = field(
+        default=False,
+        metadata={"help": "DoRA (Liu et al. 2024): each adapted weight split into a trained magnitude vector and a "
+                          "LoRA-updated direction; better at low rank, slower per step (merge it for inference)."},
+    )
+    use_rslora: bool = field(
+        default=False,
+        metadata={"help": "Rank-stabilized LoRA (Kalajdzievski 2023): scale = alpha / sqrt(r) instead of alpha / r, "
+                          "so higher ranks keep learning."},
+    )
+    modules_to_save: list[str] | None = field(
+        default=None,
+        metadata={"help": "Modules trained in full and saved with the adapter, by name (e.g. `[embed_tokens, "
+                          "lm_head]` after adding tokens); each must name a module of the model."},
     )
 
     use_qlora: bool = field(
@@ -152,6 +179,19 @@ class LoraArguments:
             if importlib.util.find_spec("bitsandbytes") is None:
                 raise RecipeError("`use_qlora: true` needs bitsandbytes: pip install 'finetune[qlora]'.")
             self.use_lora = True
+        self._check_adapter_keys()
+
+    def _check_adapter_keys(self) -> None:
+        """Adapter keys without `use_lora` would do nothing, and a preset mixed with names is ambiguous."""
+        asked = [key for key in ("use_dora", "use_rslora", "modules_to_save") if getattr(self, key)]
+        if asked and not self.use_lora:
+            raise RecipeError(f"`{asked[0]}` configures LoRA adapters but `use_lora` is false: set `use_lora: true` "
+                              f"(or drop `{asked[0]}`).")
+        targets = self.lora_target_modules or []
+        presets_named = [name for name in targets if name in self.target_presets]
+        if presets_named and len(targets) > 1:
+            raise RecipeError(f"`lora_target_modules: {targets}` mixes the preset `{presets_named[0]}` with other "
+                              "names: give the preset alone, or a list of module names.")
 
 
 @dataclass

@@ -10,6 +10,7 @@ from finetune.commands.configs import configs_command_parser
 from finetune.commands.export import export_command_parser
 from finetune.commands.labels import labels_command_parser
 from finetune.commands.plan import plan_command_parser
+from finetune.commands.preprocess import preprocess_command_parser
 from finetune.commands.rendezvous import rendezvous_command_parser
 from finetune.commands.report import report_command_parser
 from finetune.commands.train import train_command_parser
@@ -20,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs across GPUs.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add in (train_command_parser, configs_command_parser, plan_command_parser, report_command_parser,
-                export_command_parser, bench_command_parser, rendezvous_command_parser, labels_command_parser):
+                export_command_parser, bench_command_parser, rendezvous_command_parser, labels_command_parser,
+                preprocess_command_parser):
         add(subparsers)
     return parser
 

@@ -20,6 +20,7 @@ from rich.table import Table
 from transformers import TrainerCallback
 
 from finetune import outputs
+from finetune.aliases import GIVEN_AS
 from finetune.errors import RecipeError
 from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
 from finetune.models import trainable_dtype
@@ -84,6 +85,9 @@ def describe_effective_config(trainer, recipe) -> dict:
         elif deepspeed_value is not None:
             source = f"{requested.source} ({DEEPSPEED_KEYS[key]}={deepspeed_value}); Trainer has {getattr(args, key)}"
         add(key, getattr(args, key), source)
+    for key, source in sources.items():  # keys given under another name: the source says which (finetune.aliases)
+        if GIVEN_AS in source and key not in values:
+            add(key, next(getattr(section, key) for section in recipe.sections if hasattr(section, key)), source)
     global_batch = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
     add("global_batch_size", global_batch, "micro-batch × processes × accumulation")
 

@@ -10,7 +10,7 @@ from accelerate.utils import gather_object
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from finetune import presets
-from finetune.errors import RecipeError
+from finetune.errors import RecipeError, did_you_mean
 from finetune.strategies import Strategy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -170,17 +170,85 @@ def _load_4bit(model_args, tokenizer, seed: int, strategy: Strategy):
 
 
 def apply_lora(model, lora_args):
-    """Wraps `model` with LoRA adapters on every linear layer (or the named ones); only adapters train."""
-    from peft import LoraConfig, get_peft_model
+    """Wraps `model` with LoRA adapters as `lora_config` says; only adapters (and `modules_to_save`) train."""
+    from peft import get_peft_model
 
-    config = LoraConfig(
+    config = lora_config(model, lora_args)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:  # peft's own refusals (a target it cannot adapt...), said in one line
+        raise RecipeError(f"LoRA cannot be applied as the recipe asks: {str(error).splitlines()[0]} Check "
+                          "`lora_target_modules` and `modules_to_save` against the model's module names.") from None
+
+
+def lora_config(model, lora_args):
+    """peft's `LoraConfig` for `model` from the recipe's LoRA keys: targets resolved (`lora_target_modules`), DoRA,
+    rsLoRA and `modules_to_save` checked against the model and passed through under peft's own names."""
+    from peft import LoraConfig
+
+    modules_to_save = check_module_names(model, lora_args.modules_to_save, "modules_to_save")
+    return LoraConfig(
         r=lora_args.lora_r,
         lora_alpha=lora_args.lora_alpha,
         lora_dropout=lora_args.lora_dropout,
-        target_modules=lora_args.lora_target_modules or "all-linear",
+        target_modules=lora_target_modules(model, lora_args.lora_target_modules),
+        use_dora=lora_args.use_dora,
+        use_rslora=lora_args.use_rslora,
+        modules_to_save=modules_to_save,
+        # A saved copy of a tied module (the tiny preset's lm_head is its embedding) keeps the tie, so the merged
+        # model has one trained matrix where the base had one (peft's `ensure_weight_tying`).
+        ensure_weight_tying=bool(modules_to_save) and bool(tied_module_names(model) & set(modules_to_save)),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+
+
+def lora_target_modules(model, targets: list[str] | None) -> str | list[str]:
+    """peft's `target_modules` for the recipe's `lora_target_modules`: `all-linear` when unset or named (peft's own
+    wildcard: every linear layer but the output head), the attention projections for `attention`, else the names."""
+    if not targets or targets == ["all-linear"]:
+        return "all-linear"
+    if targets == ["attention"]:
+        found = attention_projections(model)
+        if not found:
+            raise RecipeError(f"`lora_target_modules: attention` found no attention projection in "
+                              f"{type(model).__name__} (no linear layer inside a module whose class is an "
+                              "*Attention): name the layers to adapt, e.g. `lora_target_modules: [q_proj, v_proj]`.")
+        return found
+    return check_module_names(model, targets, "lora_target_modules")
+
+
+def attention_projections(model) -> list[str]:
+    """The names of the linear layers directly inside the model's attention modules (by class: `LlamaAttention`,
+    `Qwen2Attention`, `GPTNeoXAttention`, ...): `q_proj`, `k_proj`, `v_proj`, `o_proj` in Llama-style models,
+    `query_key_value` and `dense` in GPT-NeoX. Found by type, so any family Transformers models this way works."""
+    names = set()
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention"):
+            names.update(name for name, child in module.named_children() if isinstance(child, torch.nn.Linear))
+    return sorted(names)
+
+
+def check_module_names(model, names: list[str] | None, key: str) -> list[str] | None:
+    """Each name under `key` must match a module as peft matches it (the full name, or its last parts)."""
+    if not names:
+        return None
+    module_names = [name for name, _ in model.named_modules() if name]
+    for wanted in names:
+        if not any(name == wanted or name.endswith(f".{wanted}") for name in module_names):
+            short = sorted({name.rsplit(".", 1)[-1] for name in module_names if not name[-1].isdigit()})
+            raise RecipeError(f"`{key}: {wanted}` matches no module of {type(model).__name__}"
+                              f"{did_you_mean(wanted, short)}; its modules are named: {', '.join(short)}.")
+    return list(names)
+
+
+def tied_module_names(model) -> set[str]:
+    """Last names of the modules whose weight is shared with another module's (a tied embedding and head)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        weight = getattr(module, "weight", None)
+        if name and isinstance(weight, torch.nn.Parameter):
+            owners.setdefault(id(weight), []).append(name.rsplit(".", 1)[-1])
+    return {name for names in owners.values() if len(names) > 1 for name in names}
 
 
 def frozen_weights_digest(model) -> dict[str, float]:

@@ -24,6 +24,7 @@ EVAL_RESULTS = "eval_results.json"          # before/after evaluation and the ru
 PEAK_MEMORY = "peak_memory.json"            # the bench's plain-Trainer baseline (finetune.bench.plain_trainer)
 CHECKPOINT_COMPLETE = "finetune_complete.json"  # in a checkpoint folder, once every rank saved it
 RUN_LOCK = ".finetune_run.lock"             # held by the run writing here (finetune.run_lock)
+PREPROCESSED = "preprocessed"               # tokenized data by `finetune preprocess` (finetune.data.cache)
 
 
 def write_record(output_dir, name: str, record: Any) -> Path:

@@ -164,3 +164,24 @@ def check_output_dir(output_dir: str | None) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RecipeError(f"`output_dir: {output_dir}`: {existing} is not writable by this user; choose a writable "
                           "output_dir.")
+
+
+def check_lora_adapters(model_args, lora) -> None:
+    """The LoRA keys that name parts of the model (`lora_target_modules`, `modules_to_save`) are checked against an
+    empty (meta-device) instance of it built from its config alone, so that a name matching nothing stops here,
+    before any process group, not on every rank after loading the weights. A config that cannot be read here (custom
+    code, no network) is left to the loading, which says why; `finetune.models.apply_lora` checks again."""
+    if not lora.use_lora or not (lora.modules_to_save or lora.lora_target_modules):
+        return
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from finetune.memory.shapes import resolve_config
+    from finetune.models import lora_config
+
+    try:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(resolve_config(model_args.model_name_or_path))
+    except (OSError, ValueError):  # RecipeError included: the loading names the problem with its fix
+        return
+    lora_config(model, lora)

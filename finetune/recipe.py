@@ -17,6 +17,7 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
+from finetune.aliases import Translation, translate_command_line, translate_values
 from finetune.args import (
     RECIPE_SECTIONS,
     DataArguments,
@@ -25,7 +26,7 @@ from finetune.args import (
     ModelArguments,
 )
 from finetune.errors import RecipeError, did_you_mean, launched_rank
-from finetune.preflight import check_pure_bf16, check_qlora, preflight_launch
+from finetune.preflight import check_lora_adapters, check_pure_bf16, check_qlora, preflight_launch
 from finetune.scaling import BatchPlan, plan_from_recipe
 from finetune.strategies import Strategy
 
@@ -132,6 +133,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     strategy, deepspeed_config = preflight_launch(training_inputs)
     if lora.use_qlora:
         check_qlora(model.torch_dtype, training_inputs, strategy)
+    check_lora_adapters(model, lora)
     check_pure_bf16(training_inputs, strategy)
     batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
     _check_steps_and_accumulation(training_inputs, sources, batch_plan)
@@ -147,10 +149,10 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     reads a recipe this way for a machine it does not run on). `bf16: auto` becomes `auto_precision` (bf16, fp16
     or fp32; default: what the visible GPU does)."""
     parser = RecipeParser()
-    values = load_recipe_file(recipe_path) if recipe_path is not None else {}
-    overrides = list(overrides or [])
-    known = parser.known_keys()
     source = f"recipe `{recipe_path}`" if recipe_path is not None else "the recipe"
+    values, from_file = translate_values(load_recipe_file(recipe_path) if recipe_path is not None else {}, source)
+    overrides, from_command_line = translate_command_line(list(overrides or []))
+    known = parser.known_keys()
     for key in values:
         if key not in known:
             raise RecipeError(f"unknown key `{key}` in {source}{did_you_mean(key, known)}.")
@@ -163,6 +165,7 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
         raise RecipeError(f"unknown option `{remaining[0]}`{did_you_mean(name, known)}.")
     sources = {key: f"recipe {recipe_path}" for key in values}
     sources.update({_option_name(token): COMMAND_LINE for token in overrides if token.startswith("--")})
+    _name_the_aliases(sources, from_file, from_command_line)
     if resolved_auto:
         for key in ("bf16", "fp16"):
             sources[key] = f"{sources.get('bf16', 'the recipe')}: {resolved_auto}"
@@ -172,6 +175,18 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     data = _build(DataArguments, inputs[DataArguments], values, overrides)
     lora = _build(LoraArguments, inputs[LoraArguments], values, overrides)
     return RecipeSections(model, data, lora, inputs[FinetuneTrainingArguments], sources, values, overrides)
+
+
+def _name_the_aliases(sources: dict[str, str], from_file: Translation, from_command_line: Translation) -> None:
+    """Marks the keys given under another name (`recipe R.yaml (given as TRL's max_length)`), and notes, once, the
+    keys accepted without effect (finetune.aliases)."""
+    for key, source in sources.items():
+        alias = (from_command_line if source == COMMAND_LINE else from_file).renamed.get(key)
+        if alias is not None:
+            sources[key] = f"{source} ({alias.given_as})"
+    notes = from_file.notes + from_command_line.notes
+    if notes and launched_rank() == 0:
+        print(f"note: keys that change nothing here, accepted and ignored: {'; '.join(notes)}.")
 
 
 def _check_value_shapes(parser: RecipeParser, values: dict[str, Any], source: str) -> None:

@@ -25,6 +25,7 @@ from finetune.checkpoints import (
 )
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
+from finetune.data.cache import cache_dir, cache_key, load_preprocessed
 from finetune.data.collate import data_collator, pack_prepared, prepare_model_for_packing
 from finetune.data.summary import dropped_rows, fingerprint, print_data_summary, write_data_summary
 from finetune.data.tokenize import PreparedData
@@ -118,19 +119,50 @@ def train(recipe: Recipe) -> dict:
 
 
 def prepare_data(recipe: Recipe, tokenizer, model) -> PreparedData:
-    """Tokenized (and, if asked, packed) data and its summary, which rank 0 prints."""
+    """Tokenized (and, if asked, packed) data and its summary, which rank 0 prints: read from the cache `finetune
+    preprocess` wrote when its key matches (finetune.data.cache), else tokenized here."""
     args = recipe.training
-    data = prepare_datasets(load_raw_data(recipe.data), tokenizer, recipe.data, args)
     if recipe.data.packing or recipe.data.padding_free:
         prepare_model_for_packing(model)
-    if recipe.data.packing:
-        data = pack_prepared(data, recipe.data.max_seq_length)
-    data.summary["train_fingerprint"] = fingerprint(data.train)  # recorded in checkpoints: resumes compare it
-    # Which ranks read the tokenized data from the cache rank 0 wrote (main_process_first) instead of tokenizing.
-    from_cache = all(source["train"]["from_cache"] for source in data.summary["sources"])
+    data = read_preprocessed(recipe, tokenizer) or tokenize_data(recipe, tokenizer)
+    # Which ranks read tokenized data (the preprocessed cache, or the `datasets` cache rank 0 wrote under
+    # main_process_first) instead of tokenizing.
+    from_cache = "preprocessed" in data.summary or all(source["train"]["from_cache"]
+                                                       for source in data.summary["sources"])
     data.summary["train_from_cache_by_rank"] = gather_object([from_cache]) if args.world_size > 1 else [from_cache]
     if args.process_index == 0:
         print_data_summary(data.summary)
+    return data
+
+
+def tokenize_data(recipe: Recipe, tokenizer) -> PreparedData:
+    """The data pipeline, load → tokenize → pack, and the fingerprint checkpoints record (resumes compare it);
+    `finetune preprocess` runs this same function ahead of a launch."""
+    data = prepare_datasets(load_raw_data(recipe.data), tokenizer, recipe.data, recipe.training)
+    if recipe.data.packing:
+        data = pack_prepared(data, recipe.data.max_seq_length)
+    data.summary["train_fingerprint"] = fingerprint(data.train)
+    return data
+
+
+def read_preprocessed(recipe: Recipe, tokenizer) -> PreparedData | None:
+    """The cache `finetune preprocess` wrote, memory-mapped on every rank, when its key matches on every rank (were
+    one rank to tokenize alone, under main_process_first, the others would wait for it at a barrier); rank 0 says
+    which data it reads, or why it tokenizes instead."""
+    args = recipe.training
+    directory = cache_dir(recipe.data, args.output_dir)
+    data, why_not = load_preprocessed(directory, cache_key(recipe.data, tokenizer, args.seed))
+    if data is None and not why_not and recipe.data.preprocessed_dir is not None:
+        why_not = f"`preprocessed_dir: {directory}` holds no preprocessed data (`finetune preprocess` writes it)"
+    ranks = gather_object([(data is not None, why_not)]) if args.world_size > 1 else [(data is not None, why_not)]
+    reasons = [f"{f'rank {rank}: ' if args.world_size > 1 else ''}{why}" for rank, (_, why) in enumerate(ranks) if why]
+    if not all(usable for usable, _ in ranks):
+        data = None
+    if args.process_index == 0 and data is not None:
+        print(f"reading the preprocessed data in {directory} (key {data.summary['preprocessed']['key']}) on every "
+              "rank: no tokenizing")
+    elif args.process_index == 0 and reasons:
+        print(f"warning: {reasons[0]}; tokenizing as usual (`finetune preprocess` with this recipe refreshes it)")
     return data
 
 

@@ -1,4 +1,5 @@
-"""`finetune train RECIPE.yaml [--key value ...]`: fine-tune as the recipe says (run it under a launcher)."""
+"""`finetune train RECIPE.yaml [--key value ...]`, or `finetune train --config RECIPE.yaml ...` as TRL spells it:
+fine-tune as the recipe says (run it under a launcher)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,37 @@ def train_command_parser(subparsers) -> None:
         help="fine-tune a model from a YAML recipe",
         description="Fine-tune a model from a YAML recipe; `--key value` overrides any recipe key. "
         "Run it under `accelerate launch --config_file ... -m finetune train RECIPE.yaml` for several processes. "
-        "`finetune train --help-keys` lists every recipe key.",
+        "`finetune train --help-keys` lists every recipe key; TRL's key names are read too (docs/from_trl.md).",
         add_help=True,
     )
     parser.add_argument("recipe", nargs="?", help="YAML recipe (flat keys: model, data, LoRA, TrainingArguments)")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="`--key value` pairs that win over the recipe")
     parser.add_argument("--help-keys", action="store_true", help="list every recipe key with its help and exit")
+    # REMAINDER: everything after `--config` is the recipe and its overrides, as `trl sft --config R.yaml --key value`.
+    parser.add_argument("--config", nargs=argparse.REMAINDER, metavar="RECIPE.yaml [--key value ...]",
+                        help="the recipe given as TRL's scripts take it (instead of the positional recipe)")
     parser.set_defaults(func=train_command)
+
+
+def recipe_and_overrides(args) -> tuple[str, list[str]]:
+    """The recipe file and its overrides, from `finetune train R.yaml ...` or `finetune train --config R.yaml ...`."""
+    from finetune.errors import RecipeError
+
+    if args.config is None:
+        if args.recipe is None:
+            raise RecipeError("`finetune train` needs a recipe: finetune train recipes/demo.yaml")
+        if "--config" in args.overrides:
+            given = args.overrides[args.overrides.index("--config") + 1:][:1]
+            raise RecipeError(f"the recipe is given twice, as `{args.recipe}` and as `--config {' '.join(given)}`: "
+                              "keep one (finetune train R.yaml, or finetune train --config R.yaml).")
+        return args.recipe, args.overrides
+    if not args.config or args.config[0].startswith("-"):
+        raise RecipeError("`--config` needs a recipe file: finetune train --config recipes/demo.yaml [--key value ...]")
+    recipe, overrides = args.config[0], args.config[1:]
+    if "--config" in overrides:
+        second = overrides[overrides.index("--config") + 1:][:1]
+        raise RecipeError(f"`--config` is given twice (`{recipe}` and `{' '.join(second)}`): give one recipe.")
+    return recipe, overrides
 
 
 def train_command(args) -> int:
@@ -26,10 +51,7 @@ def train_command(args) -> int:
 
         print(RecipeParser().format_help())
         return 0
-    from finetune.errors import RecipeError
     from finetune.train import train_command as run
 
-    if args.recipe is None:
-        raise RecipeError("`finetune train` needs a recipe: finetune train recipes/demo.yaml")
-    run(args.recipe, args.overrides)
+    run(*recipe_and_overrides(args))
     return 0

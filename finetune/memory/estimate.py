@@ -66,7 +66,10 @@ class Setup:
     pure_bf16: bool = False                   # trainable weights, gradients and Adam states in bf16 (no fp32 master)
     optimizer: str = "adamw"
     lora_rank: int = 0                        # 0: full fine-tuning
-    lora_target_modules: tuple[str, ...] | None = None  # None: every linear layer in the blocks
+    lora_target_modules: tuple[str, ...] | None = None  # None or ("all-linear",): every linear layer in the blocks;
+                                              # ("attention",): those inside attention modules
+    dora: bool = False                        # DoRA: a trained magnitude per output feature of each adapted layer
+    lora_modules_to_save: tuple[str, ...] | None = None  # modules trained in full beside the adapters (a copy each)
     qlora: bool = False                       # 4-bit NF4 base weights (needs lora_rank)
     micro_batch_size: int = 1
     sequence_length: int = 2048
@@ -182,7 +185,7 @@ class MemoryEstimate:
 def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     setup.check()
     if setup.lora_rank:  # the whole base is frozen; adapters come on top of it
-        trainable = setup.trainable_parameters or shape.lora_parameters(setup.lora_rank, setup.lora_target_modules)
+        trainable = setup.trainable_parameters or lora_trainable_parameters(shape, setup)
         frozen = shape.num_parameters
     else:
         trainable = setup.trainable_parameters or shape.num_parameters
@@ -208,6 +211,35 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
         host_load_bytes_per_node=int(host_load_bytes_per_node(trainable, frozen_bytes, setup)),
     )
+
+
+def lora_trainable_parameters(shape: ModelShape, setup: Setup) -> int:
+    """What peft trains: r·(d_in + d_out) per adapted matrix, plus DoRA's magnitude vector (d_out each,
+    `peft/tuners/lora/dora.py`) and a full trainable copy of each of `lora_modules_to_save` (peft's
+    `ModulesToSaveWrapper`; the original stays frozen, so the base count is unchanged). A module to save is
+    counted from the model's linear layers by name, else as an embedding (vocab × hidden)."""
+    targets = lora_target_names(shape, setup.lora_target_modules)
+    trainable = shape.lora_parameters(setup.lora_rank, targets)
+    if setup.dora:
+        trainable += sum(linear.out_features for linear in shape.linears
+                         if linear.in_layers and (targets is None or linear.name.rsplit(".", 1)[-1] in targets))
+    for name in setup.lora_modules_to_save or ():
+        linears = [linear for linear in shape.linears if linear.name == name or linear.name.endswith(f".{name}")]
+        trainable += sum(linear.in_features * linear.out_features for linear in linears) or \
+            shape.vocab_size * shape.hidden_size
+    return trainable
+
+
+def lora_target_names(shape: ModelShape, target_modules: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The recipe's `lora_target_modules` as layer names (None: every linear in the blocks). A shape knows names,
+    not classes: `attention` is the linears whose parent is named like an attention module (`self_attn`, `attn`,
+    `attention`, `self_attention`), which `finetune.models.attention_projections` finds by class on a live model."""
+    if not target_modules or tuple(target_modules) == ("all-linear",):
+        return None
+    if tuple(target_modules) != ("attention",):
+        return tuple(target_modules)
+    return tuple(sorted({linear.name.rsplit(".", 1)[-1] for linear in shape.linears if linear.in_layers
+                         and "attn" in linear.name.rsplit(".", 2)[-2].replace("attention", "attn")}))
 
 
 def _half_or_fp32(setup: Setup) -> int:

@@ -1,0 +1,269 @@
+"""The recipe keys people arrive with, and our answer to each: renamed to our key, accepted when they ask for what
+finetune does anyway, ignored with a note, or refused naming the key and the fix. People bring `trl sft --config
+recipe.yaml` recipes (alignment-handbook, axolotl exports), written against TRL's configs and often against
+Transformers 4's `TrainingArguments`; the one table here says what becomes of each of their keys.
+
+Names are those of trl 1.16: `SFTConfig` (trl/trainer/sft_config.py), `ModelConfig` (trl/trainer/model_config.py),
+`ScriptArguments`, `DatasetMixtureConfig` and `TrlParser` (trl/scripts/utils.py). `SFTConfig` subclasses
+`TrainingArguments`, so Trainer's keys (`learning_rate`, `bf16`, `use_liger_kernel`, `push_to_hub`, ...) keep Trainer's
+meaning and need no entry; TRL's older `max_seq_length` and `torch_dtype` are our own names. Transformers 5 removed a
+few Trainer keys that recipes still carry (`warmup_ratio`: a `warmup_steps` below 1 is now the fraction;
+`evaluation_strategy`, `overwrite_output_dir`, `logging_dir`); they are answered here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from finetune.errors import RecipeError
+
+SFT_CONFIG = "SFTConfig"
+MODEL_CONFIG = "ModelConfig"
+SCRIPT_ARGUMENTS = "ScriptArguments"
+DATASET_MIXTURE = "DatasetMixtureConfig"
+TRL_PARSER = "TrlParser"
+TRANSFORMERS_4 = "Transformers 4"  # TrainingArguments keys removed in Transformers 5
+GIVEN_AS = "given as "  # in the source of a key given under another name: `recipe R.yaml (given as TRL's max_length)`
+
+
+@dataclass(frozen=True)
+class TrlKey:
+    """One key of TRL's configs and what a finetune recipe does with it."""
+
+    name: str
+    """The key as TRL spells it."""
+    origin: str
+    """The TRL class that declares it."""
+    ours: str | None = None
+    """Our key that takes its value as it is; None when there is none."""
+    kept: tuple = ()
+    """Values that ask for what finetune does anyway: accepted with a note. Any other value is refused."""
+    ignored: bool = False
+    """Every value is accepted with a note: the key changes nothing that matters here."""
+    why: str = ""
+    """What finetune does instead: said in the note, or in the refusal with the fix."""
+    convert: Callable[[Any], Any] | None = None
+    """Turns the value into ours (raising `ValueError` with the reason when it cannot); None: taken as it is."""
+
+    @property
+    def given_as(self) -> str:
+        """How the source of a renamed key names it: `given as TRL's max_length`."""
+        owner = TRANSFORMERS_4 if self.origin == TRANSFORMERS_4 else "TRL"
+        return f"{GIVEN_AS}{owner}'s {self.name}"
+
+
+def warmup_fraction(value: Any) -> float:
+    """Transformers 4's `warmup_ratio` as Transformers 5's `warmup_steps`, which reads a value below 1 as a fraction of
+    the training steps (training_args.py, `get_warmup_steps`); 1 or more would be read as a count of steps."""
+    fraction = float(value)
+    if not 0 <= fraction < 1:
+        raise ValueError(f"a fraction of the training steps must be in [0, 1), got {value}: give a count of steps as "
+                         "`warmup_steps` instead")
+    return fraction
+
+
+TRL_KEYS = (
+    # SFTConfig
+    TrlKey("max_length", SFT_CONFIG, ours="max_seq_length"),
+    TrlKey("dataset_text_field", SFT_CONFIG, kept=("text",),
+           why="finetune reads plain-text examples from a column named `text` (`dataset_format: auto` or `text`); "
+               "rename your column to `text` in the data"),
+    TrlKey("completion_only_loss", SFT_CONFIG, kept=(True, None),
+           why="finetune learns only the completion of prompt/completion examples (and every token of `text` "
+               "examples); to learn the prompt too, write the examples as one `text` column"),
+    TrlKey("assistant_only_loss", SFT_CONFIG, kept=(True,),
+           why="finetune learns only the assistant turns of a conversation (see them with `finetune labels`); to "
+               "learn every token, write the examples as one `text` column"),
+    TrlKey("packing_strategy", SFT_CONFIG, kept=("bfd",),
+           why="`packing: true` packs whole examples best-fit decreasing (TRL's `bfd`); drop the key"),
+    TrlKey("truncation_mode", SFT_CONFIG, kept=("keep_start",),
+           why="an overlong example keeps its start (`overlong_policy: truncate`), or is dropped or refused with "
+               "`overlong_policy: drop` or `error`"),
+    TrlKey("eval_packing", SFT_CONFIG, kept=(None,),
+           why="eval data is packed exactly when training data is (`packing`); drop the key"),
+    TrlKey("loss_type", SFT_CONFIG, kept=("nll",),
+           why="the loss is the answer tokens' cross-entropy (finetune/trainer.py, compute_loss); drop the key"),
+    TrlKey("router_aux_loss_coef", SFT_CONFIG, kept=(None,),
+           why="the loss is the answer tokens' cross-entropy alone, no router auxiliary loss is added; drop the key"),
+    TrlKey("activation_offloading", SFT_CONFIG, kept=(False,),
+           why="activations are not offloaded; save activation memory with `gradient_checkpointing: true`"),
+    TrlKey("model_init_kwargs", SFT_CONFIG, kept=(None,),
+           why="give the loading keys by name: `torch_dtype`, `attn_implementation`, `trust_remote_code`"),
+    TrlKey("chat_template_path", SFT_CONFIG, kept=(None,),
+           why="the tokenizer's own chat template is used; put yours in a tokenizer directory and give it as "
+               "`tokenizer_name_or_path`"),
+    TrlKey("eos_token", SFT_CONFIG, kept=(None,),
+           why="each answer ends with the tokenizer's EOS or the chat template's end of turn; drop the key"),
+    TrlKey("pad_token", SFT_CONFIG, kept=(None,),
+           why="the tokenizer's pad token is used (its EOS when it has none); drop the key"),
+    TrlKey("dataset_kwargs", SFT_CONFIG, kept=(None,),
+           why="the dataset is always prepared (formats, chat template, labels); drop the key"),
+    TrlKey("dataset_num_proc", SFT_CONFIG, ignored=True, why="examples are tokenized in the launching process"),
+    TrlKey("shuffle_dataset", SFT_CONFIG, ignored=True,
+           why="Trainer's sampler shuffles the training data every epoch, seeded by `seed`"),
+    TrlKey("pad_to_multiple_of", SFT_CONFIG, ignored=True, why="each micro-batch is padded to its longest row"),
+    # ModelConfig
+    TrlKey("dtype", MODEL_CONFIG, ours="torch_dtype"),
+    TrlKey("use_peft", MODEL_CONFIG, ours="use_lora"),
+    TrlKey("load_in_4bit", MODEL_CONFIG, ours="use_qlora"),
+    TrlKey("lora_modules_to_save", MODEL_CONFIG, ours="modules_to_save"),
+    TrlKey("model_revision", MODEL_CONFIG, kept=("main",),
+           why="the default revision is loaded; download the revision you want (`huggingface-cli download ID "
+               "--revision R --local-dir DIR`) and give DIR as `model_name_or_path`"),
+    TrlKey("lora_task_type", MODEL_CONFIG, kept=("CAUSAL_LM",),
+           why="causal language models are trained (peft's CAUSAL_LM); drop the key"),
+    TrlKey("lora_target_parameters", MODEL_CONFIG, kept=(None,),
+           why="adapters go on modules (`lora_target_modules`), not on bare parameters"),
+    TrlKey("load_in_8bit", MODEL_CONFIG, kept=(False,),
+           why="an 8-bit base is not supported; `load_in_4bit: true` (our `use_qlora`) trains on a 4-bit NF4 base"),
+    TrlKey("bnb_4bit_quant_type", MODEL_CONFIG, kept=("nf4",), why="the 4-bit base is always NF4; drop the key"),
+    TrlKey("use_bnb_nested_quant", MODEL_CONFIG, ignored=True,
+           why="the 4-bit base always uses nested (double) quantization (finetune/models.py)"),
+    TrlKey("bnb_4bit_quant_storage", MODEL_CONFIG, ignored=True,
+           why="the 4-bit storage dtype follows the strategy: the compute dtype under FSDP or ZeRO-3, so they shard"),
+    # ScriptArguments
+    TrlKey("dataset_name", SCRIPT_ARGUMENTS, ours="dataset"),
+    TrlKey("dataset_config", SCRIPT_ARGUMENTS, kept=(None,),
+           why="the dataset's default configuration is loaded; save the one you want with `save_to_disk` (or as "
+               "JSONL) and give that path as `dataset`"),
+    TrlKey("dataset_train_split", SCRIPT_ARGUMENTS, kept=("train",),
+           why="training uses the `train` split; save the split you want as `train` (or as a JSONL `train_file`)"),
+    TrlKey("dataset_test_split", SCRIPT_ARGUMENTS, ignored=True,
+           why="evaluation uses the first of the `eval`, `validation`, `test` splits the dataset has, else "
+               "`eval_file` or `eval_split_ratio`"),
+    TrlKey("dataset_streaming", SCRIPT_ARGUMENTS, kept=(False,),
+           why="datasets are read whole (map-style) so that they can be counted, packed and planned"),
+    TrlKey("ignore_bias_buffers", SCRIPT_ARGUMENTS, ignored=True,
+           why="a DDP debugging switch of TRL's scripts; finetune's DDP needs none"),
+    # DatasetMixtureConfig
+    TrlKey("datasets", DATASET_MIXTURE, kept=(None,),
+           why="mix local files with `mix_files` and `mix_weights`"),
+    TrlKey("streaming", DATASET_MIXTURE, kept=(False,),
+           why="datasets are read whole (map-style) so that they can be counted, packed and planned"),
+    TrlKey("test_split_size", DATASET_MIXTURE, ours="eval_split_ratio"),
+    # TrlParser
+    TrlKey("env", TRL_PARSER, kept=(None,),
+           why="set environment variables in the shell or the launcher, before any library reads them"),
+    # TrainingArguments of Transformers 4, removed in 5
+    TrlKey("warmup_ratio", TRANSFORMERS_4, ours="warmup_steps", convert=warmup_fraction),
+    TrlKey("evaluation_strategy", TRANSFORMERS_4, ours="eval_strategy"),
+    TrlKey("overwrite_output_dir", TRANSFORMERS_4, ignored=True,
+           why="finetune never deletes an output_dir: a run continues from its newest complete checkpoint with "
+               "`resume_from_checkpoint: auto`, and starts fresh without it"),
+    TrlKey("logging_dir", TRANSFORMERS_4, ignored=True,
+           why="TensorBoard writes its event files under <output_dir>/runs"),
+)
+TRL_KEYS_BY_NAME = {key.name: key for key in TRL_KEYS}
+
+
+def note_for(key: TrlKey, value: Any) -> str:
+    return f"`{key.name}: {_shown(value)}` ({key.why})"
+
+
+@dataclass
+class Translation:
+    """What became of TRL's keys in one place (the recipe file or the command line)."""
+
+    renamed: dict[str, TrlKey] = field(default_factory=dict)
+    """Our key → the key it was given as."""
+    notes: list[str] = field(default_factory=list)
+    """One `key: value (why)` per TRL key accepted without effect."""
+
+
+def translate_values(values: dict[str, Any], where: str) -> tuple[dict[str, Any], Translation]:
+    """A recipe file's values with TRL's keys answered: renamed to ours, or dropped with a note, or refused."""
+    translation, translated = Translation(), {}
+    for name, value in values.items():
+        target = _answer(name, value, where, translation)
+        if target is not None:
+            translated[target] = _converted(name, value, where)
+    _refuse_both(translation, set(values), where)
+    lora_targets = translated.get("lora_target_modules")
+    if isinstance(lora_targets, str):  # TRL writes one name or `all-linear` as a string; our key is a list
+        translated["lora_target_modules"] = [lora_targets]
+    return translated, translation
+
+
+def translate_command_line(tokens: list[str]) -> tuple[list[str], Translation]:
+    """`--key value ...` tokens with TRL's keys answered the same way; `--use_peft` alone means true, as in
+    `HfArgumentParser`."""
+    translation, translated, given = Translation(), [], set()
+    for option, values in _options(tokens):
+        if option is None:
+            translated += values
+            continue
+        name = option[2:].split("=", 1)[0].replace("-", "_")
+        given.add(name)
+        inline = option.split("=", 1)[1:]
+        value = (inline or values or ["true"])[0] if len(values) <= 1 else values
+        target = _answer(name, value, "the command line", translation)
+        if target == name:
+            translated += [option, *values]
+        elif target is not None:
+            converted = [str(_converted(name, given, "the command line")) for given in (inline or values)]
+            translated += [f"--{target}", *converted]
+    _refuse_both(translation, given, "the command line")
+    return translated, translation
+
+
+def _answer(name: str, value: Any, where: str, translation: Translation) -> str | None:
+    """The key `name` goes to (itself when it is not TRL's), or None when it is accepted without effect."""
+    key = TRL_KEYS_BY_NAME.get(name)
+    if key is None:
+        return name
+    if key.ours is not None:
+        if value is None:
+            raise RecipeError(f"`{name}: null` in {where}: finetune's `{key.ours}` (TRL's `{name}`) needs a value.")
+        translation.renamed[key.ours] = key
+        return key.ours
+    if key.ignored or _normalised(value) in [_normalised(kept) for kept in key.kept]:
+        translation.notes.append(note_for(key, value))
+        return None
+    raise RecipeError(f"TRL's `{name}: {_shown(value)}` in {where} is not supported: {key.why}.")
+
+
+def _converted(name: str, value: Any, where: str) -> Any:
+    key = TRL_KEYS_BY_NAME.get(name)
+    if key is None or key.convert is None:
+        return value
+    try:
+        return key.convert(value)
+    except (TypeError, ValueError) as error:
+        raise RecipeError(f"`{name}: {_shown(value)}` in {where}: {error}.") from None
+
+
+def _refuse_both(translation: Translation, given: set[str], where: str) -> None:
+    for ours, theirs in translation.renamed.items():
+        if ours in given:
+            owner = theirs.given_as.removeprefix(GIVEN_AS)  # "TRL's max_length"
+            raise RecipeError(f"{where} gives both `{ours}` and `{theirs.name}` ({owner}, our `{ours}`); keep one.")
+
+
+def _options(tokens: list[str]):
+    """`(option, [values])` groups of `--key value ...` tokens; tokens before any option come as `(None, [...])`."""
+    option, values = None, []
+    for token in tokens:
+        if token.startswith("--"):
+            if option is not None or values:
+                yield option, values
+            option, values = token, []
+        else:
+            values.append(token)
+    if option is not None or values:
+        yield option, values
+
+
+def _normalised(value: Any) -> Any:
+    """A command-line string as YAML would read it (true/false/null, case-insensitive), for comparing values."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        return {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False, "null": None,
+                "none": None, "~": None}.get(text, text)
+    return value
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)

@@ -1,0 +1,48 @@
+"""`finetune preprocess RECIPE.yaml [--key value ...]`: tokenize (and pack) the recipe's data once, in one process,
+before a launch, so that no rank of `finetune train` waits at a barrier while rank 0 tokenizes (`ddp_timeout`).
+
+It parses the recipe as `finetune train` does, runs the same data pipeline (`finetune.train.tokenize_data`) and writes
+the cache `finetune train` reads on every rank while its key matches (`finetune.data.cache`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def preprocess_command_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "preprocess", help="tokenize (and pack) a recipe's data once, before launching",
+        description="Tokenize (and pack) the recipe's data in one process exactly as `finetune train` would, and "
+        "write it to `preprocessed_dir` (default <output_dir>/preprocessed) with a key of everything that changes "
+        "the tokens. `finetune train` with the same recipe then memory-maps it on every rank instead of tokenizing, "
+        "and says when the key no longer matches. `--key value` overrides any recipe key; give the data keys you "
+        "will train with.",
+    )
+    parser.add_argument("recipe", help="YAML recipe (the one you will train with)")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="`--key value` pairs that win over the recipe")
+    parser.set_defaults(func=preprocess_command)
+
+
+def preprocess_command(args) -> int:
+    from finetune.data.cache import cache_dir, cache_key, check_cache_dir, key_digest, save_preprocessed
+    from finetune.data.summary import print_data_summary
+    from finetune.errors import RecipeError
+    from finetune.models import load_tokenizer
+    from finetune.recipe import parse_recipe
+    from finetune.train import tokenize_data
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RecipeError("`finetune preprocess` runs as one process: run it without `accelerate launch`/`torchrun`, "
+                          "then launch `finetune train` with the same recipe.")
+    recipe = parse_recipe(args.recipe, args.overrides)
+    directory = check_cache_dir(cache_dir(recipe.data, recipe.training.output_dir))  # before the work, not after
+    tokenizer = load_tokenizer(recipe.model)
+    data = tokenize_data(recipe, tokenizer)
+    key = cache_key(recipe.data, tokenizer, recipe.training.seed)
+    save_preprocessed(data, directory, key)
+    print_data_summary(data.summary)
+    print(f"wrote the preprocessed data to {directory} (key {key_digest(key)}, {data.summary['train_fingerprint']}): "
+          "`finetune train` with this recipe reads it on every rank instead of tokenizing.")
+    return 0
