@@ -44,6 +44,10 @@ class ModelArguments:
             )
 
 
+# Eval examples scored by generation when the data are the embedded synthetic tasks and the recipe does not say.
+SYNTHETIC_GENERATION_SAMPLES = 300
+
+
 @dataclass
 class DataArguments:
     dataset: str = field(
@@ -94,9 +98,11 @@ class DataArguments:
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Evaluate on at most this many examples (all when unset)."}
     )
-    generation_eval_samples: int = field(
-        default=300,
-        metadata={"help": "Eval examples scored by greedy generation (exact match per task); 0 turns it off."},
+    generation_eval_samples: int | None = field(
+        default=None,
+        metadata={"help": "Eval examples scored by greedy generation (exact match per task); 0 turns it off. Default: "
+                          "300 on the embedded synthetic tasks, whose answers are exact; off on your data, where "
+                          "an exact match of open-ended answers means nothing and generating costs minutes."},
     )
     generation_max_new_tokens: int = field(
         default=32, metadata={"help": "Longest answer generated when scoring exact match."}
@@ -126,8 +132,15 @@ class DataArguments:
             raise RecipeError(f"`eval_split_ratio` must be in [0, 1), got {self.eval_split_ratio}.")
         if self.max_seq_length <= 0:
             raise RecipeError(f"`max_seq_length` must be positive, got {self.max_seq_length}.")
+        if self.generation_eval_samples is None:
+            self.generation_eval_samples = SYNTHETIC_GENERATION_SAMPLES if self.uses_synthetic_tasks else 0
         if self.generation_eval_samples < 0:
             raise RecipeError(f"`generation_eval_samples` must be 0 or more, got {self.generation_eval_samples}.")
+
+    @property
+    def uses_synthetic_tasks(self) -> bool:
+        """Training and evaluating on the embedded tasks (reverse, sort, add), whose answers can be matched exactly."""
+        return self.dataset == presets.SYNTHETIC_DATASET and not (self.train_file or self.mix_files or self.eval_file)
 
 
 @dataclass
@@ -198,7 +211,17 @@ class LoraArguments:
 class FinetuneTrainingArguments(TrainingArguments):
     """Hugging Face `TrainingArguments`, with defaults suited to fine-tuning and the demo's before/after report."""
 
-    output_dir: str | None = field(default="outputs/run", metadata={"help": "Where checkpoints and reports go."})
+    output_dir: str | None = field(
+        default="outputs/run",
+        metadata={"help": "Where checkpoints and reports go; a default, so that a recipe may leave it out."},
+    )
+    report_to: None | str | list[str] = field(
+        default="tensorboard",
+        metadata={"help": "Where the training logs go, as Trainer takes it (tensorboard, wandb, mlflow, ..., all or "
+                          "none). TensorBoard by default: an event file under <output_dir>/runs with the loss, "
+                          "learning rate, memory/* and throughput/* (`tensorboard --logdir <output_dir>/runs`), "
+                          "nothing to sign up for."},
+    )
     ddp_comm_hook: Literal["no", "fp16", "bf16"] = field(
         default="no",
         metadata={"help": "Compress DDP gradient all-reduce to fp16/bf16 (a DDP communication hook): halves the "
@@ -237,9 +260,6 @@ class FinetuneTrainingArguments(TrainingArguments):
         metadata={"help": "tokens: every answer token weighs the same across accumulation steps and ranks "
                           "(Trainer's num_items_in_batch). micro_batch_mean: the classic per-micro-batch mean, "
                           "which changes the gradient when the GPU count changes; kept for comparison."},
-    )
-    eval_on_start: bool = field(
-        default=True, metadata={"help": "Evaluate once before the first step, so the report has a 'before'."}
     )
     memory_report: bool = field(
         default=True,

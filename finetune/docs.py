@@ -18,7 +18,7 @@ COMMON_TRAINER_KEYS = (
     "gradient_checkpointing", "per_device_eval_batch_size", "eval_strategy", "eval_steps", "logging_steps",
     "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "load_best_model_at_end", "seed",
     "data_seed", "full_determinism", "deepspeed", "ddp_timeout", "dataloader_num_workers",
-    "train_sampling_strategy", "report_to", "torch_compile", "use_liger_kernel",
+    "train_sampling_strategy", "torch_compile", "use_liger_kernel",
 )
 SECTIONS = (
     ("Model", ModelArguments, "What to load: the embedded tiny default, a local directory or a hub id."),
@@ -51,15 +51,18 @@ def _table(rows: list[str]) -> list[str]:
     return ["| key | default | what it does |", "| --- | --- | --- |", *rows, ""]
 
 
-def toolkit_training_fields() -> list[dataclasses.Field]:
-    """The training keys the toolkit adds to `TrainingArguments` or gives another default."""
+def toolkit_training_fields() -> tuple[list[tuple[dataclasses.Field, dataclasses.Field]], list[dataclasses.Field]]:
+    """The training keys the toolkit gives another default than `TrainingArguments` (each with Trainer's field), and
+    those it adds."""
     trainer = {field.name: field for field in dataclasses.fields(TrainingArguments)}
-    ours = []
+    changed, added = [], []
     for field in dataclasses.fields(FinetuneTrainingArguments):
         base = trainer.get(field.name)
-        if base is None or _default(base.default) != _default(field.default):
-            ours.append(field)
-    return ours
+        if base is None:
+            added.append(field)
+        elif _default(base.default) != _default(field.default):
+            changed.append((field, base))
+    return changed, added
 
 
 def recipe_reference() -> str:
@@ -85,14 +88,16 @@ def recipe_reference() -> str:
     for title, section, about in SECTIONS:
         lines += [f"## {title}", "", about, ""]
         lines += _table([_row(field) for field in dataclasses.fields(section) if field.init])
-    lines += ["## Training: the toolkit's keys and defaults", "",
-              "Keys added to Hugging Face `TrainingArguments`, or given another default for fine-tuning.", ""]
-    rows = [_row(field) for field in toolkit_training_fields()]
-    use_cpu = next(field for field in dataclasses.fields(TrainingArguments) if field.name == "use_cpu")
-    rows.append(_row(use_cpu, default="true when no GPU is visible",
-                     help="Train on the CPU. Defaulted by the toolkit: without it, Trainer on a machine without a GPU "
-                          "quietly trains one process per rank under a multi-process launch."))
-    lines += _table(rows)
+    changed, added = toolkit_training_fields()
+    lines += ["## Training: Trainer's keys with another default here", "",
+              "Every other Trainer key keeps Trainer's default. Each of these says why it differs.", "",
+              "| key | Trainer's default | here | why |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{field.name}` | `{_default(base.default)}` | `{_default(field.default)}` | "
+              f"{_cell(field.metadata.get('help', ''))} |" for field, base in changed]
+    lines += ["| `use_cpu` | `false` | `true when no GPU is visible` | Without it, Trainer on a machine without a GPU "
+              "quietly trains one process per rank under a multi-process launch. |", ""]
+    lines += ["## Training: the toolkit's keys", "", "Keys added to Hugging Face `TrainingArguments`.", ""]
+    lines += _table([_row(field) for field in added])
     trainer = {field.name: field for field in dataclasses.fields(TrainingArguments)}
     lines += ["## Training: Trainer's keys most recipes set", "",
               "Every other `TrainingArguments` key is accepted too, with Trainer's name, meaning and default;",

@@ -100,7 +100,9 @@ def summarize_evaluations(log_history: list[dict], exact_match_history: list[dic
     if final_evaluation is None or not evaluations:
         return {}
     summary: dict = {}
-    for label, position in (("before", 0), ("after", -1)):
+    # 'before' only when something was evaluated before the final weights (eval_on_start, or an earlier eval step)
+    labels = (("before", 0), ("after", -1)) if evaluations[0]["step"] < evaluations[-1]["step"] else (("after", -1),)
+    for label, position in labels:
         step = evaluations[position]["step"]
         evaluation = {"step": step, "eval_loss": evaluations[position]["eval_loss"]}
         scores = [entry for entry in log_history if entry.get("step") == step
@@ -129,8 +131,17 @@ def _pick_samples(samples: list[dict]) -> list[dict]:
 def print_before_after(summary: dict, console: Console | None = None) -> None:
     console = console or Console()
     before, after = summary.get("before"), summary.get("after")
-    if not before or not after:
+    if not after:
         console.print(f"train loss {summary.get('train_loss', float('nan')):.4f} (no eval split: no before/after)")
+        return
+    if not before:
+        table = Table(title="After training", caption="eval_on_start: true adds a 'before' column")
+        table.add_column("metric")
+        table.add_column(f"after (step {after['step']})", justify="right")
+        table.add_row("eval loss", f"{after['eval_loss']:.4f}")
+        for task, accuracy in after.get("exact_match", {}).items():
+            table.add_row(f"exact match: {task}", f"{accuracy:.1%}")
+        console.print(table)
         return
     table = Table(title="Before vs after training")
     table.add_column("metric")

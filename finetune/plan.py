@@ -71,6 +71,8 @@ class PlanRequest:
     from_recipe: bool = False
     launch_keys: tuple[str, ...] = ()
     lora_target_modules: tuple[str, ...] | None = None
+    dora: bool = False
+    lora_modules_to_save: tuple[str, ...] | None = None
     attention: str = "sdpa"
     # Token count of every training row after truncation (and packing); None: every row is `sequence_length` long.
     token_lengths: tuple[int, ...] | None = None
@@ -114,7 +116,8 @@ def _setup(request: PlanRequest, options: dict, micro_batch_size: int) -> Setup:
     return Setup(
         **options, num_gpus=request.gpus, precision=request.precision, optimizer=request.optimizer,
         lora_rank=request.lora_rank, qlora=request.qlora, micro_batch_size=micro_batch_size,
-        lora_target_modules=request.lora_target_modules, attention=request.attention,
+        lora_target_modules=request.lora_target_modules, dora=request.dora,
+        lora_modules_to_save=request.lora_modules_to_save, attention=request.attention,
         sequence_length=planned_sequence_length(request, micro_batch_size),
         gradient_checkpointing=request.gradient_checkpointing,
         gpus_per_node=request.gpus // request.nodes if request.nodes > 1 else None,

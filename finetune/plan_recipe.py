@@ -83,6 +83,8 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
         precision=recipe_precision(training), optimizer=optimizer_kind(training.get("optim", "adamw")) or "adamw",
         lora_rank=lora.lora_r if use_lora else 0, qlora=lora.use_qlora,
         lora_target_modules=tuple(lora.lora_target_modules) if use_lora and lora.lora_target_modules else None,
+        dora=use_lora and lora.use_dora,
+        lora_modules_to_save=tuple(lora.modules_to_save) if use_lora and lora.modules_to_save else None,
         sequence_length=data.max_seq_length, gradient_checkpointing=bool(training.get("gradient_checkpointing")),
         attention="eager" if sections.model.attn_implementation == "eager" else "sdpa",
         global_batch_size=global_batch,

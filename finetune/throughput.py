@@ -80,7 +80,10 @@ class ThroughputCallback(TrainerCallback):
     """Times each optimizer step (data loading included; evaluation and saving left out), skips the first
     `warmup_steps`, and adds `throughput/*` to every training log; rank 0 writes `throughput.json` at the end.
 
-    `peak_tflops` overrides the accelerator table (per device); without a peak, MFU is left out."""
+    `peak_tflops` overrides the accelerator table (per device); without a peak, MFU is left out. In a plain `Trainer`,
+    `finetune.trainer.log_metrics_first(trainer)` lets `report_to` (TensorBoard, W&B, MLflow) see the figures."""
+
+    adds_logged_metrics = True  # finetune.trainer.log_metrics_first: runs before the reporting integrations
 
     def __init__(self, peak_tflops: float | None = None, warmup_steps: int = 1):
         self.peak_tflops = peak_tflops

@@ -13,6 +13,8 @@
 - the DDP communication hook (`ddp_comm_hook`) is registered when Trainer wraps the model.
 - `create_accelerator_and_postprocess`: FSDP2 mixed precision computes in bf16/fp16 but reduces gradients and returns
   the loss in fp32, as autocast does under DDP (Accelerate's policy casts both to the half dtype).
+- `__init__`: the callbacks that add figures to the logs (memory, throughput) run before `report_to`'s integrations,
+  so TensorBoard, W&B and MLflow receive them (`log_metrics_first`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ from finetune.checkpoints import (
 from finetune.disk import needed_checkpoint_bytes, saving_within_free_space, trainable_parameter_bytes
 
 
+def log_metrics_first(trainer: Trainer) -> None:
+    """Moves the callbacks that add figures to a log (`adds_logged_metrics`) ahead of all others. Trainer calls its
+    callbacks' `on_log` in order with one `logs` dict, and puts `report_to`'s integrations before the callbacks it is
+    given: a TensorBoard writer would otherwise have written the step's scalars before memory and throughput join."""
+    callbacks = trainer.callback_handler.callbacks
+    callbacks.sort(key=lambda callback: not getattr(callback, "adds_logged_metrics", False))  # stable: order kept
+
+
 class FinetuneTrainer(Trainer):
     """`recipe_values` (finetune.checkpoints.recipe_values) and `train_data` (the training rows' fingerprint,
     finetune.data.summary.fingerprint) are recorded in every checkpoint, so that a resumed run can name what
@@ -43,6 +53,7 @@ class FinetuneTrainer(Trainer):
 
     def __init__(self, *args, recipe_values: dict[str, str] | None = None, train_data: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        log_metrics_first(self)
         self.recipe_values = recipe_values or {}
         self.train_data = train_data
         # Rotated here once every rank has saved (see _save_checkpoint), not by Trainer as soon as rank 0 has.

@@ -64,3 +64,22 @@ def test_recipe_file_problems_are_user_errors(tmp_path):
         parse_recipe(write(tmp_path, "a: [1,\n"))
     with pytest.raises(RecipeError, match="must be a mapping"):
         parse_recipe(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_generation_scoring_is_on_for_the_synthetic_tasks_and_off_for_other_data_unless_asked(tmp_path):
+    from finetune.args import SYNTHETIC_GENERATION_SAMPLES, DataArguments
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"instruction": "hi", "output": "hello"}\n')
+    assert DataArguments().generation_eval_samples == SYNTHETIC_GENERATION_SAMPLES == 300
+    assert DataArguments(train_file=str(data)).generation_eval_samples == 0
+    assert DataArguments(dataset="HuggingFaceH4/ultrachat_200k").generation_eval_samples == 0
+    assert DataArguments(dataset="synthetic", eval_file=str(data)).generation_eval_samples == 0
+    assert DataArguments(train_file=str(data), generation_eval_samples=20).generation_eval_samples == 20
+
+
+def test_evaluation_before_training_is_trainers_default_off_and_the_demo_asks_for_it(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model_name_or_path: tiny\nmax_steps: 5\n")
+    assert parse_recipe(recipe, []).training.eval_on_start is False
+    assert parse_recipe(PROJECT_ROOT / "recipes" / "demo.yaml", []).training.eval_on_start is True

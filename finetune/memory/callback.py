@@ -96,7 +96,11 @@ def predicted_ledger(model, args, sequence_length: int | None) -> tuple[Strategy
 class MemoryReportCallback(TrainerCallback):
     """Measures each rank's parameters, gradients, optimizer states and peak memory; writes the report.
 
-    `sequence_length` sizes the predicted activations (default: the model's maximum context)."""
+    `sequence_length` sizes the predicted activations (default: the model's maximum context). The measured bytes go
+    into the first training log as `memory/*`; in a plain `Trainer`, `finetune.trainer.log_metrics_first(trainer)`
+    lets `report_to` (TensorBoard, W&B, MLflow) see them."""
+
+    adds_logged_metrics = True  # finetune.trainer.log_metrics_first: runs before the reporting integrations
 
     def __init__(self, sequence_length: int | None = None, output_dir: str | None = None):
         self.sequence_length = sequence_length

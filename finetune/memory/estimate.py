@@ -217,17 +217,22 @@ def lora_trainable_parameters(shape: ModelShape, setup: Setup) -> int:
     """What peft trains: r·(d_in + d_out) per adapted matrix, plus DoRA's magnitude vector (d_out each,
     `peft/tuners/lora/dora.py`) and a full trainable copy of each of `lora_modules_to_save` (peft's
     `ModulesToSaveWrapper`; the original stays frozen, so the base count is unchanged). A module to save is
-    counted from the model's linear layers by name, else as an embedding (vocab × hidden)."""
+    counted from the model's linear layers by name, else as an embedding (vocab × hidden); a head tied to the
+    embedding is that one matrix (peft keeps the tie, `ensure_weight_tying`)."""
     targets = lora_target_names(shape, setup.lora_target_modules)
     trainable = shape.lora_parameters(setup.lora_rank, targets)
     if setup.dora:
         trainable += sum(linear.out_features for linear in shape.linears
                          if linear.in_layers and (targets is None or linear.name.rsplit(".", 1)[-1] in targets))
+    copies: dict[str, int] = {}  # one trained copy per distinct matrix
     for name in setup.lora_modules_to_save or ():
         linears = [linear for linear in shape.linears if linear.name == name or linear.name.endswith(f".{name}")]
-        trainable += sum(linear.in_features * linear.out_features for linear in linears) or \
-            shape.vocab_size * shape.hidden_size
-    return trainable
+        for linear in linears:
+            is_tied_head = shape.tied_embeddings and not linear.in_layers and linear.out_features == shape.vocab_size
+            copies["embedding" if is_tied_head else linear.name] = linear.in_features * linear.out_features
+        if not linears:
+            copies["embedding"] = shape.vocab_size * shape.hidden_size
+    return trainable + sum(copies.values())
 
 
 def lora_target_names(shape: ModelShape, target_modules: tuple[str, ...] | None) -> tuple[str, ...] | None:

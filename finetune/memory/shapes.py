@@ -67,6 +67,7 @@ class ModelShape:
     num_attention_heads: int
     num_key_value_heads: int
     linears: tuple[LinearShape, ...]
+    tied_embeddings: bool = False  # the output head is the input embedding (one matrix)
 
     @property
     def block_linear_parameters(self) -> int:
@@ -156,7 +157,13 @@ def shape_of(model, name: str | None = None) -> ModelShape:
         num_attention_heads=heads,
         num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
         linears=linears,
+        tied_embeddings=_tied_embeddings(model),
     )
+
+
+def _tied_embeddings(model) -> bool:
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embedding is not None and head.weight is embedding.weight
 
 
 def _decoder_layers(model):
