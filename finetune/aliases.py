@@ -158,7 +158,7 @@ TRL_KEYS_BY_NAME = {key.name: key for key in TRL_KEYS}
 
 
 def note_for(key: TrlKey, value: Any) -> str:
-    return f"`{key.name}: {_shown(value)}` ({key.why})"
+    return f"`{key.name}: {shown(value)}` ({key.why})"
 
 
 @dataclass
@@ -220,7 +220,7 @@ def _answer(name: str, value: Any, where: str, translation: Translation) -> str 
     if key.ignored or _normalised(value) in [_normalised(kept) for kept in key.kept]:
         translation.notes.append(note_for(key, value))
         return None
-    raise RecipeError(f"TRL's `{name}: {_shown(value)}` in {where} is not supported: {key.why}.")
+    raise RecipeError(f"TRL's `{name}: {shown(value)}` in {where} is not supported: {key.why}.")
 
 
 def _converted(name: str, value: Any, where: str) -> Any:
@@ -230,7 +230,7 @@ def _converted(name: str, value: Any, where: str) -> Any:
     try:
         return key.convert(value)
     except (TypeError, ValueError) as error:
-        raise RecipeError(f"`{name}: {_shown(value)}` in {where}: {error}.") from None
+        raise RecipeError(f"`{name}: {shown(value)}` in {where}: {error}.") from None
 
 
 def _refuse_both(translation: Translation, given: set[str], where: str) -> None:
@@ -263,7 +263,7 @@ def _normalised(value: Any) -> Any:
     return value
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return "null" if value is None else str(value)

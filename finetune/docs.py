@@ -1,5 +1,6 @@
-"""Generated documentation: `docs/recipes.md`, every recipe key with its default and help, written from the recipe
-dataclasses by `finetune configs write` and checked by `finetune configs check` like the configs."""
+"""Generated documentation, written by `finetune configs write` and checked by `finetune configs check` like the
+configs: `docs/recipes.md` (every recipe key with its default and help, from the recipe dataclasses) and
+`docs/from_trl.md` (what becomes of each TRL and Transformers-4 key, from `finetune.aliases`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import enum
 
 from transformers import TrainingArguments
 
+from finetune.aliases import TRL_KEYS, TrlKey, shown
 from finetune.args import DataArguments, FinetuneTrainingArguments, LoraArguments, ModelArguments
 
 RECIPE_REFERENCE = "docs/recipes.md"
+FROM_TRL = "docs/from_trl.md"
 # Trainer's keys a fine-tuning recipe sets most often, shown with Trainer's defaults; all others keep them too.
 COMMON_TRAINER_KEYS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "num_train_epochs", "max_steps",
@@ -103,4 +106,36 @@ def recipe_reference() -> str:
               "Every other `TrainingArguments` key is accepted too, with Trainer's name, meaning and default;",
               "`finetune train --help-keys` lists all of them for the installed Transformers.", ""]
     lines += _table([_row(trainer[name]) for name in COMMON_TRAINER_KEYS])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _answer(key: TrlKey) -> str:
+    if key.ours is not None:
+        return f"renamed to `{key.ours}`" + (" (a fraction below 1)" if key.convert is not None else "")
+    if key.ignored:
+        return "any value: noted and ignored"
+    return "accepted with " + " or ".join(f"`{shown(value)}`" for value in key.kept) + ", refused otherwise"
+
+
+def from_trl_guide() -> str:
+    lines = [
+        "# Coming from TRL, the alignment-handbook, axolotl or LLaMA-Factory",
+        "",
+        "Generated from `finetune/aliases.py` by `finetune configs write`; `finetune configs check` fails when this",
+        "file differs.",
+        "",
+        "`finetune train` takes the recipe after `--config`, as `trl sft` does, or as its first argument; `--key value`",
+        "pairs after it win over the file either way. Trainer's keys keep Trainer's names and meaning. The keys",
+        "below are TRL's (`SFTConfig`, `ModelConfig`, `ScriptArguments`, `DatasetMixtureConfig`, `TrlParser`, as of",
+        "trl 1.16) and Trainer keys that Transformers 5 removed but recipes still carry. Each is renamed to ours",
+        "(`effective_config.json` records it as `given as TRL's max_length`), accepted with a note when it asks for",
+        "what finetune does anyway, or refused in one line that names the key and the fix. A key given under both",
+        "names is refused.",
+        "",
+        "| key | from | answer | what finetune does |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| `{key.name}` | {key.origin} | {_answer(key)} | {_cell(key.why) or '–'} |" for key in TRL_KEYS]
+    lines += ["", "A TRL recipe that trains unchanged: `tests/fixtures/trl_sft_recipe.yaml` "
+              "(`finetune train --config tests/fixtures/trl_sft_recipe.yaml`)."]
     return "\n".join(lines).rstrip() + "\n"
