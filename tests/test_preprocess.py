@@ -115,9 +115,10 @@ def test_a_preprocessed_dir_with_no_cache_is_said_and_one_holding_other_files_is
     assert (elsewhere / "notes.txt").read_text() == "mine" and not (elsewhere / KEY_FILE).exists()
 
 
-def test_a_new_cache_replaces_the_old_one_whole(tmp_path):
+def test_a_new_cache_replaces_the_old_one_whole_and_the_recipe_may_come_after_config(tmp_path):
     assert preprocess(tmp_path) == 0
-    assert preprocess(tmp_path, "--max_seq_length", "48") == 0
+    assert main(["preprocess", "--config", str(DEMO), "--output_dir", str(tmp_path), *SMALL,
+                 "--max_seq_length", "48"]) == 0
     recipe, tokenizer = recipe_and_tokenizer(tmp_path, "--max_seq_length", "48")
     assert read_preprocessed(recipe, tokenizer) is not None
     assert [path.name for path in tmp_path.iterdir()] == [outputs.PREPROCESSED]  # no staging folder left

@@ -7,8 +7,9 @@ the cache `finetune train` reads on every rank while its key matches (`finetune.
 
 from __future__ import annotations
 
-import argparse
 import os
+
+from finetune.commands.train import add_recipe_arguments, recipe_and_overrides
 
 
 def preprocess_command_parser(subparsers) -> None:
@@ -20,8 +21,7 @@ def preprocess_command_parser(subparsers) -> None:
         "and says when the key no longer matches. `--key value` overrides any recipe key; give the data keys you "
         "will train with.",
     )
-    parser.add_argument("recipe", help="YAML recipe (the one you will train with)")
-    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="`--key value` pairs that win over the recipe")
+    add_recipe_arguments(parser)  # the recipe you will train with, positional or after `--config`
     parser.set_defaults(func=preprocess_command)
 
 
@@ -36,7 +36,7 @@ def preprocess_command(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError("`finetune preprocess` runs as one process: run it without `accelerate launch`/`torchrun`, "
                           "then launch `finetune train` with the same recipe.")
-    recipe = parse_recipe(args.recipe, args.overrides)
+    recipe = parse_recipe(*recipe_and_overrides(args))
     directory = check_cache_dir(cache_dir(recipe.data, recipe.training.output_dir))  # before the work, not after
     tokenizer = load_tokenizer(recipe.model)
     data = tokenize_data(recipe, tokenizer)

@@ -15,13 +15,18 @@ def train_command_parser(subparsers) -> None:
         "`finetune train --help-keys` lists every recipe key; TRL's key names are read too (docs/from_trl.md).",
         add_help=True,
     )
+    add_recipe_arguments(parser)
+    parser.add_argument("--help-keys", action="store_true", help="list every recipe key with its help and exit")
+    parser.set_defaults(func=train_command)
+
+
+def add_recipe_arguments(parser) -> None:
+    """The recipe and its overrides, positional or after `--config` (`recipe_and_overrides` reads them)."""
     parser.add_argument("recipe", nargs="?", help="YAML recipe (flat keys: model, data, LoRA, TrainingArguments)")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="`--key value` pairs that win over the recipe")
-    parser.add_argument("--help-keys", action="store_true", help="list every recipe key with its help and exit")
     # REMAINDER: everything after `--config` is the recipe and its overrides, as `trl sft --config R.yaml --key value`.
     parser.add_argument("--config", nargs=argparse.REMAINDER, metavar="RECIPE.yaml [--key value ...]",
                         help="the recipe given as TRL's scripts take it (instead of the positional recipe)")
-    parser.set_defaults(func=train_command)
 
 
 def recipe_and_overrides(args) -> tuple[str, list[str]]:
@@ -30,14 +35,15 @@ def recipe_and_overrides(args) -> tuple[str, list[str]]:
 
     if args.config is None:
         if args.recipe is None:
-            raise RecipeError("`finetune train` needs a recipe: finetune train recipes/demo.yaml")
+            raise RecipeError(f"`finetune {args.command}` needs a recipe: finetune {args.command} recipes/demo.yaml")
         if "--config" in args.overrides:
             given = args.overrides[args.overrides.index("--config") + 1:][:1]
             raise RecipeError(f"the recipe is given twice, as `{args.recipe}` and as `--config {' '.join(given)}`: "
-                              "keep one (finetune train R.yaml, or finetune train --config R.yaml).")
+                              f"keep one (finetune {args.command} R.yaml, or finetune {args.command} --config R.yaml).")
         return args.recipe, args.overrides
     if not args.config or args.config[0].startswith("-"):
-        raise RecipeError("`--config` needs a recipe file: finetune train --config recipes/demo.yaml [--key value ...]")
+        raise RecipeError(f"`--config` needs a recipe file: finetune {args.command} --config recipes/demo.yaml "
+                          "[--key value ...]")
     recipe, overrides = args.config[0], args.config[1:]
     if "--config" in overrides:
         second = overrides[overrides.index("--config") + 1:][:1]
