@@ -1,6 +1,6 @@
 """The paths only a GPU runs, in one command, for the day one is lent (CPU twins of each are in tests/):
 
-    python benchmarks/gpu_check.py            # every visible GPU; QLoRA rows need `pip install 'finetune[qlora]'`
+    python benchmarks/gpu_check.py            # every visible GPU; QLoRA rows need `pip install 'finetune-kit[qlora]'`
 
 - FSDP2 full shard in bf16 over NCCL: trains, ledger = prediction per rank (tests/test_fsdp.py runs it over gloo);
 - QLoRA on one GPU in bf16, and in fp16 as on a T4 (`torch_dtype: float16`, `fp16: true`);

@@ -190,7 +190,7 @@ class LoraArguments:
             import importlib.util
 
             if importlib.util.find_spec("bitsandbytes") is None:
-                raise RecipeError("`use_qlora: true` needs bitsandbytes: pip install 'finetune[qlora]'.")
+                raise RecipeError("`use_qlora: true` needs bitsandbytes: pip install 'finetune-kit[qlora]'.")
             self.use_lora = True
         self._check_adapter_keys()
 

@@ -137,7 +137,33 @@ def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dt
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        found = next((folder / name for folder in (source, source.parent) if (folder / name).is_file()), None)
-        if found is not None:  # a checkpoint's, else its run's
+        found = _beside(source, name)
+        if found is not None:
             (out_dir / name).write_bytes(found.read_bytes())
     return out_dir
+
+
+def _beside(source: Path, name: str) -> Path | None:
+    """`source/name`, else `source.parent/name`: a checkpoint's own file, else its run's."""
+    return next((folder / name for folder in (source, source.parent) if (folder / name).is_file()), None)
+
+
+def load_with_tokenizer(source: str | Path, merge_lora: bool = False, base_model: str | None = None, seed: int = 0):
+    """`(model, tokenizer)` for `source` in memory (what `finetune chat` talks to): the model as `load_for_export`
+    loads it (an adapter not merged stays a peft model), and the tokenizer saved beside it, else its base's
+    (`base_model`, or the one the adapter names), through `models.load_tokenizer` as training loaded it: a tokenizer
+    without a chat template gets the default one training gave it."""
+    import json
+
+    from finetune.args import ModelArguments
+    from finetune.models import load_tokenizer
+
+    source = Path(source)
+    model, _ = load_for_export(source, merge_lora, base_model, seed)
+    saved, adapter = _beside(source, "tokenizer_config.json"), _beside(source, "adapter_config.json")
+    name = str(saved.parent) if saved is not None else base_model or (
+        adapter is not None and json.loads(adapter.read_text()).get("base_model_name_or_path"))
+    if not name:
+        raise RecipeError(f"{source} has no tokenizer (no tokenizer_config.json there, nor in {source.parent}): copy "
+                          "the tokenizer files of the model it was trained from next to the weights.")
+    return model, load_tokenizer(ModelArguments(model_name_or_path=name))

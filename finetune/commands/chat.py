@@ -1,0 +1,164 @@
+"""`finetune chat OUTPUT_DIR|CHECKPOINT [--prompt TEXT]`: talk to a fine-tuned model, one prompt or a conversation
+read from stdin (what `llamafactory-cli chat` and torchtune's generate recipe do).
+
+The model and tokenizer are loaded as `finetune export` loads them (`finetune.export.load_with_tokenizer`: full
+weights, ZeRO or FSDP shards consolidated, a LoRA adapter on its base, merged or not), each prompt is rendered with the
+tokenizer's chat template and `add_generation_prompt` as training and evaluation render it, and the answer streams
+to stdout token by token (Transformers' `TextStreamer`); notes go to stderr, so stdout holds the answers alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+COMMANDS_HELP = "/reset clears the conversation, /exit or Ctrl-D ends it; end a line with \\ to go on on the next"
+
+
+def chat_command_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "chat", help="talk to a trained model: one prompt, or a conversation on stdin",
+        description="Load a run's output_dir or one of its checkpoint-N folders (full weights, DeepSpeed ZeRO or FSDP "
+        "shards, a LoRA adapter on its base) and answer with the tokenizer's chat template, greedily unless "
+        f"--temperature or --top-p asks to sample. Without --prompt, turns are read from stdin: {COMMANDS_HELP}.",
+    )
+    parser.add_argument("checkpoint", help="a run's output_dir or one of its checkpoint-N folders")
+    parser.add_argument("--prompt", help="answer this one user turn and exit (default: read turns from stdin)")
+    parser.add_argument("--system", help="a system turn that opens the conversation")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
+    parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy decoding)")
+    parser.add_argument("--top-p", type=float, help="sample from the most likely tokens holding this probability "
+                        "(nucleus sampling; default: greedy decoding)")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="merge the LoRA adapter into its base before generating (default: generate through peft)")
+    parser.add_argument("--base-model", help="the adapter's base model (default: the one the adapter names)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed that built the `tiny` base (the recipe's seed), and of sampling")
+    parser.add_argument("--show-prompt", action="store_true",
+                        help="print each prompt to stderr as the chat template renders it, history included")
+    parser.set_defaults(func=chat_command)
+
+
+def generation_settings(max_new_tokens: int, temperature: float | None, top_p: float | None) -> dict:
+    """`generate` keyword arguments: greedy decoding unless a temperature or a top-p asks to sample (the other then
+    left at 1, neutral); what is not named here comes from the model's generation config (EOS, top_k)."""
+    from finetune.errors import RecipeError
+
+    if max_new_tokens < 1:
+        raise RecipeError(f"--max-new-tokens {max_new_tokens}: give 1 or more.")
+    if temperature is not None and temperature <= 0:
+        raise RecipeError(f"--temperature {temperature}: give a value above 0, or leave it out for greedy decoding.")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise RecipeError(f"--top-p {top_p}: give a value in (0, 1], or leave it out for greedy decoding.")
+    if temperature is None and top_p is None:
+        # None, not the model's own sampling values, which greedy decoding would ignore with a warning
+        return {"max_new_tokens": max_new_tokens, "do_sample": False, "temperature": None, "top_p": None,
+                "top_k": None}
+    return {"max_new_tokens": max_new_tokens, "do_sample": True, "temperature": temperature or 1.0,
+            "top_p": top_p or 1.0}
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> str:
+    """The conversation as the model sees it: the chat template with the generation prompt, as `generate_answers`
+    (finetune.evaluation) renders eval prompts and training renders the turns before each answer."""
+    from jinja2.exceptions import TemplateError
+
+    from finetune.data.tokenize import template_name
+    from finetune.errors import RecipeError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except (TemplateError, TypeError) as error:
+        fix = " (leave out --system: it may not take a system turn)" if messages[0]["role"] == "system" else ""
+        raise RecipeError(f"{template_name(tokenizer)} cannot render the conversation: {error}{fix}.") from None
+
+
+class Conversation:
+    """The turns so far (after an optional system turn), answered one user turn at a time by `model`, the answer
+    streamed to stdout as it is generated."""
+
+    def __init__(self, model, tokenizer, generation: dict, system: str | None = None, show_prompt: bool = False):
+        self.model, self.tokenizer, self.generation = model, tokenizer, generation
+        self.opening = [{"role": "system", "content": system}] if system else []
+        self.messages = list(self.opening)
+        self.show_prompt = show_prompt
+
+    def reset(self) -> None:
+        self.messages = list(self.opening)
+
+    def ask(self, text: str) -> str:
+        import torch
+        from transformers import TextStreamer
+
+        messages = [*self.messages, {"role": "user", "content": text}]
+        prompt = render_prompt(self.tokenizer, messages)
+        if self.show_prompt:
+            print(f"[prompt] {prompt!r}", file=sys.stderr, flush=True)
+        # Templates write BOS themselves, as training tokenized them (finetune.data.tokenize)
+        inputs = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.model.device)
+        streamer = TextStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        with torch.no_grad():
+            output = self.model.generate(**inputs, **self.generation, streamer=streamer,
+                                         pad_token_id=self.tokenizer.pad_token_id)
+        answer = self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        self.messages = [*messages, {"role": "assistant", "content": answer}]
+        return answer
+
+
+def read_turn(stream, on_terminal: bool) -> str | None:
+    """The next user turn from `stream` (a `>>> ` prompt on a terminal), lines ending in `\\` joined to the next;
+    None at the end of input."""
+    lines: list[str] = []
+    while True:
+        if on_terminal:
+            try:
+                line = input("... " if lines else ">>> ")
+            except EOFError:
+                line = None
+        else:
+            line = stream.readline() or None
+        if line is None:
+            return "\n".join(lines) if lines else None
+        line = line.rstrip("\r\n")
+        if not line.endswith("\\"):
+            return "\n".join([*lines, line])
+        lines.append(line[:-1])
+
+
+def converse(conversation: Conversation, stream, on_terminal: bool) -> None:
+    """Answers turns from `stream` until `/exit` or the end of input; `/reset` starts the conversation over."""
+    if on_terminal:
+        print(f"chatting: {COMMANDS_HELP}.", file=sys.stderr)
+    while (text := read_turn(stream, on_terminal)) is not None:
+        command = text.strip()
+        if command == "/exit":
+            return
+        if command == "/reset":
+            conversation.reset()
+            print("(conversation cleared)", file=sys.stderr, flush=True)
+        elif command:
+            conversation.ask(text)
+
+
+def chat_command(args) -> int:
+    import torch
+    from transformers import set_seed
+
+    from finetune.export import load_with_tokenizer
+
+    generation = generation_settings(args.max_new_tokens, args.temperature, args.top_p)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's consolidation prints: stdout is for the answers
+        model, tokenizer = load_with_tokenizer(args.checkpoint, args.merge_lora, args.base_model, args.seed)
+    model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    adapter = " with its LoRA adapter" if hasattr(model, "peft_config") else ""
+    print(f"loaded {args.checkpoint}{adapter} ({model.dtype}, {model.device})", file=sys.stderr, flush=True)
+    set_seed(args.seed)
+    conversation = Conversation(model, tokenizer, generation, args.system, args.show_prompt)
+    if args.prompt is not None:
+        conversation.ask(args.prompt)
+        return 0
+    try:
+        converse(conversation, sys.stdin, sys.stdin.isatty())
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    return 0
