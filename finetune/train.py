@@ -25,7 +25,7 @@ from finetune.checkpoints import (
 )
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
-from finetune.data.cache import cache_dir, cache_key, load_preprocessed
+from finetune.data.cache import cache_dir, load_preprocessed
 from finetune.data.collate import data_collator, pack_prepared, prepare_model_for_packing
 from finetune.data.summary import dropped_rows, fingerprint, print_data_summary, write_data_summary
 from finetune.data.tokenize import PreparedData
@@ -151,7 +151,7 @@ def read_preprocessed(recipe: Recipe, tokenizer) -> PreparedData | None:
     which data it reads, or why it tokenizes instead."""
     args = recipe.training
     directory = cache_dir(recipe.data, args.output_dir)
-    data, why_not = load_preprocessed(directory, cache_key(recipe.data, tokenizer, args.seed))
+    data, why_not = load_preprocessed(directory, recipe.data, tokenizer, args.seed)
     if data is None and not why_not and recipe.data.preprocessed_dir is not None:
         why_not = f"`preprocessed_dir: {directory}` holds no preprocessed data (`finetune preprocess` writes it)"
     ranks = gather_object([(data is not None, why_not)]) if args.world_size > 1 else [(data is not None, why_not)]

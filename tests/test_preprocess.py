@@ -9,7 +9,8 @@ from support import PROJECT_ROOT
 
 from finetune import outputs
 from finetune.cli import main
-from finetune.data.cache import KEY_FILE, cache_dir, cache_key, load_preprocessed, save_preprocessed
+from finetune.data import cache
+from finetune.data.cache import KEY_FILE, cache_dir, load_preprocessed, save_preprocessed
 from finetune.errors import RecipeError
 from finetune.models import load_tokenizer
 from finetune.recipe import parse_recipe
@@ -77,17 +78,28 @@ def test_a_changed_chat_template_tokenizer_or_data_file_is_never_served_stale(tm
     assert preprocess(tmp_path, "--train_file", str(data)) == 0
     recipe, tokenizer = recipe_and_tokenizer(tmp_path, "--train_file", str(data))
     directory = cache_dir(recipe.data, tmp_path)
-    assert load_preprocessed(directory, cache_key(recipe.data, tokenizer, 0))[0] is not None
+    assert load_preprocessed(directory, recipe.data, tokenizer, 0)[0] is not None
 
     templated = load_tokenizer(recipe.model)
     templated.chat_template = tokenizer.chat_template.replace("\n", "\n\n", 1) + " "
-    assert load_preprocessed(directory, cache_key(recipe.data, templated, 0))[1].endswith("(`chat_template` changed)")
+    assert load_preprocessed(directory, recipe.data, templated, 0)[1].endswith("(`chat_template` changed)")
     renamed = load_tokenizer(recipe.model)
     renamed.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
-    assert "`tokenizer` changed" in load_preprocessed(directory, cache_key(recipe.data, renamed, 0))[1]
+    assert "`tokenizer` changed" in load_preprocessed(directory, recipe.data, renamed, 0)[1]
     with data.open("a") as file:
         file.write(json.dumps({"instruction": "say 20", "output": "20"}) + "\n")
-    assert "`train_file` changed" in load_preprocessed(directory, cache_key(recipe.data, tokenizer, 0))[1]
+    assert "`train_file` changed" in load_preprocessed(directory, recipe.data, tokenizer, 0)[1]
+
+
+def test_without_a_cache_no_data_file_is_hashed(tmp_path, monkeypatch):
+    recipe, tokenizer = recipe_and_tokenizer(tmp_path)
+
+    def hashing(*args):
+        raise AssertionError("the cache key (a digest of every data file) was computed with no cache to compare")
+
+    monkeypatch.setattr(cache, "cache_key", hashing)
+    assert load_preprocessed(tmp_path / "none", recipe.data, tokenizer, 0) == (None, "")
+    assert read_preprocessed(recipe, tokenizer) is None
 
 
 def test_a_damaged_cache_is_named_and_tokenized_instead(tmp_path, capsys):

@@ -160,14 +160,15 @@ def save_preprocessed(data: PreparedData, directory, key: dict[str, str]) -> Pat
     return directory
 
 
-def load_preprocessed(directory, key: dict[str, str]) -> tuple[PreparedData | None, str]:
-    """The cached data in `directory` (memory-mapped) when it was written for `key`; otherwise None and why ("" when
-    there is no cache there)."""
+def load_preprocessed(directory, data_args, tokenizer, seed: int) -> tuple[PreparedData | None, str]:
+    """The cached data in `directory` (memory-mapped) when it was written for this data, tokenizer and seed
+    (`cache_key`); otherwise None and why ("" when there is no cache there). The key, which reads every data file,
+    is computed only when there is a cache to compare it with."""
     directory = Path(directory)
     record = outputs.read_record(directory, KEY_FILE, missing=None)
     if record is None:
         return None, ""
-    changes = stale_parts(record.get("parts", {}), key)
+    changes = stale_parts(record.get("parts", {}), cache_key(data_args, tokenizer, seed))
     if changes:
         return None, f"the preprocessed data in {directory} is stale ({'; '.join(changes)})"
     splits = load_from_disk(str(directory / DATASETS))
