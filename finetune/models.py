@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from finetune import presets
 from finetune.errors import RecipeError, did_you_mean
+from finetune.memory.shapes import attention_projections
 from finetune.strategies import Strategy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -215,17 +216,6 @@ def lora_target_modules(model, targets: list[str] | None) -> str | list[str]:
                               "*Attention): name the layers to adapt, e.g. `lora_target_modules: [q_proj, v_proj]`.")
         return found
     return check_module_names(model, targets, "lora_target_modules")
-
-
-def attention_projections(model) -> list[str]:
-    """The names of the linear layers directly inside the model's attention modules (by class: `LlamaAttention`,
-    `Qwen2Attention`, `GPTNeoXAttention`, ...): `q_proj`, `k_proj`, `v_proj`, `o_proj` in Llama-style models,
-    `query_key_value` and `dense` in GPT-NeoX. Found by type, so any family Transformers models this way works."""
-    names = set()
-    for module in model.modules():
-        if type(module).__name__.endswith("Attention"):
-            names.update(name for name, child in module.named_children() if isinstance(child, torch.nn.Linear))
-    return sorted(names)
 
 
 def check_module_names(model, names: list[str] | None, key: str) -> list[str] | None:

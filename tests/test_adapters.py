@@ -12,8 +12,8 @@ from finetune import presets
 from finetune.args import LoraArguments
 from finetune.errors import RecipeError
 from finetune.memory.estimate import Setup, lora_trainable_parameters
-from finetune.memory.shapes import model_shape
-from finetune.models import apply_lora, attention_projections
+from finetune.memory.shapes import attention_projections, model_shape
+from finetune.models import apply_lora
 from finetune.recipe import parse_recipe
 
 DEMO = PROJECT_ROOT / "recipes" / "demo.yaml"

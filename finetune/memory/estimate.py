@@ -236,15 +236,13 @@ def lora_trainable_parameters(shape: ModelShape, setup: Setup) -> int:
 
 
 def lora_target_names(shape: ModelShape, target_modules: tuple[str, ...] | None) -> tuple[str, ...] | None:
-    """The recipe's `lora_target_modules` as layer names (None: every linear in the blocks). A shape knows names,
-    not classes: `attention` is the linears whose parent is named like an attention module (`self_attn`, `attn`,
-    `attention`, `self_attention`), which `finetune.models.attention_projections` finds by class on a live model."""
+    """The recipe's `lora_target_modules` as layer names (None: every linear in the blocks; `attention`: the
+    projections the shape found inside attention modules, `finetune.memory.shapes.attention_projections`)."""
     if not target_modules or tuple(target_modules) == ("all-linear",):
         return None
-    if tuple(target_modules) != ("attention",):
-        return tuple(target_modules)
-    return tuple(sorted({linear.name.rsplit(".", 1)[-1] for linear in shape.linears if linear.in_layers
-                         and "attn" in linear.name.rsplit(".", 2)[-2].replace("attention", "attn")}))
+    if tuple(target_modules) == ("attention",):
+        return shape.attention_projections
+    return tuple(target_modules)
 
 
 def _half_or_fp32(setup: Setup) -> int:

@@ -68,6 +68,7 @@ class ModelShape:
     num_key_value_heads: int
     linears: tuple[LinearShape, ...]
     tied_embeddings: bool = False  # the output head is the input embedding (one matrix)
+    attention_projections: tuple[str, ...] = ()  # names of the linears inside attention modules (by class)
 
     @property
     def block_linear_parameters(self) -> int:
@@ -158,7 +159,22 @@ def shape_of(model, name: str | None = None) -> ModelShape:
         num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
         linears=linears,
         tied_embeddings=_tied_embeddings(model),
+        attention_projections=tuple(attention_projections(model)),
     )
+
+
+def attention_projections(model) -> list[str]:
+    """The names of the linear layers directly inside the model's attention modules (by class: `LlamaAttention`,
+    `Qwen2Attention`, `GPTNeoXAttention`, ...): `q_proj`, `k_proj`, `v_proj`, `o_proj` in Llama-style models,
+    `query_key_value` and `dense` in GPT-NeoX. Found by type, so any family Transformers models this way works; the
+    `attention` preset of `lora_target_modules` adapts these (finetune.models) and the estimator counts them."""
+    import torch
+
+    names = set()
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention"):
+            names.update(name for name, child in module.named_children() if isinstance(child, torch.nn.Linear))
+    return sorted(names)
 
 
 def _tied_embeddings(model) -> bool:
