@@ -120,6 +120,17 @@ def test_a_tokenizer_without_a_template_gets_the_one_training_gives_it(tmp_path,
     assert "[prompt] '<|system|>be brief<|end|><|user|>hi<|end|><|assistant|>'" in capsys.readouterr().err
 
 
+def test_a_hub_like_bf16_checkpoint_answers_in_its_own_chat_template(hub_model_dir, capsys):
+    """A Qwen2-shaped model stored in bf16 safetensors with a BPE tokenizer and a ChatML template: loaded in the
+    dtype it was saved in, prompts rendered by its own template, history kept."""
+    assert main(["chat", str(hub_model_dir), "--prompt", "hello there", "--system", "be brief", "--max-new-tokens",
+                 "2", "--show-prompt"]) == 0
+    err = capsys.readouterr().err
+    assert "torch.bfloat16" in err
+    assert ("[prompt] '<|im_start|>system\\nbe brief<|im_end|>\\n<|im_start|>user\\nhello there<|im_end|>\\n"
+            "<|im_start|>assistant\\n'") in err
+
+
 @pytest.mark.distributed
 def test_zero3_shards_answer_as_the_gathered_model(deepspeed_runs, tmp_path, capsys):
     output_dir = deepspeed_runs["zero3"]["output_dir"]

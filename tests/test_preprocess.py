@@ -147,3 +147,23 @@ def test_saving_refuses_a_folder_that_is_not_a_cache_before_writing_anything(tmp
     with pytest.raises(RecipeError, match="holds something other than preprocessed data"):
         save_preprocessed(None, tmp_path, {})
     assert [path.name for path in tmp_path.iterdir()] == ["weights.safetensors"]
+
+
+def test_a_hub_like_tokenizer_and_conversations_are_cached_and_a_changed_template_is_stale(tmp_path, hub_model_dir):
+    """The real path: a BPE tokenizer with its own ChatML template and OpenAI-style conversations."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"what is {i} + {i}?"},
+                                                     {"role": "assistant", "content": str(2 * i)}]}) + "\n"
+                            for i in range(30)))
+    keys = ["--model_name_or_path", str(hub_model_dir), "--train_file", str(data), "--eval_split_ratio", "0.2",
+            "--generation_eval_samples", "3"]
+    assert main(["preprocess", str(DEMO), "--output_dir", str(tmp_path / "out"), *keys]) == 0
+    recipe = parse_recipe(DEMO, ["--output_dir", str(tmp_path / "out"), *keys])
+    tokenizer = load_tokenizer(recipe.model)
+    cached, fresh = read_preprocessed(recipe, tokenizer), tokenize_data(recipe, tokenizer)
+    assert cached.summary["train_fingerprint"] == fresh.summary["train_fingerprint"]
+    assert cached.train[:3] == fresh.train[:3] and cached.generation_examples == fresh.generation_examples
+    assert "<|im_end|>" in tokenizer.decode(cached.train[0]["input_ids"])  # rendered by the fixture's template
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|im_start|>assistant", "<|im_start|>bot")
+    assert "`chat_template` changed" in load_preprocessed(cache_dir(recipe.data, tmp_path / "out"), recipe.data,
+                                                          tokenizer, 0)[1]
