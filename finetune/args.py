@@ -1,7 +1,8 @@
 """The recipe's sections as dataclasses, each field documented where it is declared.
 
-A recipe is flat YAML, as with TRL: model, data, LoRA and `TrainingArguments` keys side by side, every Trainer flag
-under its own name. `finetune.recipe` parses a file and `--key value` overrides onto these sections.
+A recipe is flat YAML, as with TRL: model, data, LoRA, method (SFT or DPO) and `TrainingArguments` keys side by
+side, every Trainer flag under its own name. `finetune.recipe` parses a file and `--key value` overrides onto these
+sections.
 """
 
 from __future__ import annotations
@@ -207,6 +208,55 @@ class LoraArguments:
                               "names: give the preset alone, or a list of module names.")
 
 
+# TRL's DPO loss types (DPOConfig.loss_type) that take paired data and no extra keys beyond `beta`.
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+
+
+@dataclass
+class PreferenceArguments:
+    """What is trained for: the answers of the data (SFT), or preferences between two answers (DPO, through TRL's
+    `DPOTrainer`; finetune.preference)."""
+
+    method: Literal["sft", "dpo"] = field(
+        default="sft",
+        metadata={"help": "sft: learn the answers of the data. dpo: Direct Preference Optimization on prompt/chosen/"
+                          "rejected pairs (`dataset: synthetic` gives pairs made from the synthetic tasks), against a "
+                          "frozen reference copy of the starting model (the adapter-disabled base under LoRA)."},
+    )
+    beta: float = field(
+        default=0.1,
+        metadata={"help": "DPO: how far the policy may move from the reference (higher: closer). TRL's `beta`."},
+    )
+    dpo_loss_type: list[str] = field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={"help": "DPO: TRL's `loss_type`, one or several of " + ", ".join(DPO_LOSS_TYPES)
+                          + " (sigmoid: DPO; ipo: IPO; sigmoid + sft: RPO)."},
+    )
+    dpo_loss_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "DPO: a weight per `dpo_loss_type` when several are combined (TRL's `loss_weights`)."},
+    )
+
+    def __post_init__(self):
+        if self.method == "sft":
+            changed = [key for key, default in (("beta", 0.1), ("dpo_loss_type", ["sigmoid"]),
+                                                ("dpo_loss_weights", None)) if getattr(self, key) != default]
+            if changed:
+                raise RecipeError(f"`{changed[0]}` configures preference training but `method` is sft: set "
+                                  f"`method: dpo` (or drop `{changed[0]}`).")
+            return
+        if self.beta <= 0:
+            raise RecipeError(f"`beta` must be positive, got {self.beta}.")
+        unknown = [name for name in self.dpo_loss_type if name not in DPO_LOSS_TYPES]
+        if unknown or not self.dpo_loss_type:
+            raise RecipeError(f"`dpo_loss_type: {unknown[0] if unknown else '[]'}` is not one of "
+                              f"{', '.join(DPO_LOSS_TYPES)}.")
+        if self.dpo_loss_weights is not None and len(self.dpo_loss_weights) != len(self.dpo_loss_type):
+            raise RecipeError(f"`dpo_loss_weights` gives {len(self.dpo_loss_weights)} weight(s) for "
+                              f"{len(self.dpo_loss_type)} `dpo_loss_type`(s): give one per loss.")
+
+
 @dataclass
 class FinetuneTrainingArguments(TrainingArguments):
     """Hugging Face `TrainingArguments`, with defaults suited to fine-tuning and the demo's before/after report."""
@@ -288,4 +338,5 @@ class FinetuneTrainingArguments(TrainingArguments):
 
 
 # In the order they are built: the training section last, since constructing it starts the process group.
-RECIPE_SECTIONS = (ModelArguments, DataArguments, LoraArguments, FinetuneTrainingArguments)
+RECIPE_SECTIONS = (ModelArguments, DataArguments, LoraArguments, PreferenceArguments,
+                   FinetuneTrainingArguments)

@@ -105,6 +105,7 @@ def summarize_evaluations(log_history: list[dict], exact_match_history: list[dic
     for label, position in labels:
         step = evaluations[position]["step"]
         evaluation = {"step": step, "eval_loss": evaluations[position]["eval_loss"]}
+        evaluation.update(preference_metrics(evaluations[position]))
         scores = [entry for entry in log_history if entry.get("step") == step
                   and any(key.startswith(EXACT_MATCH_PREFIX) for key in entry)]
         if scores:
@@ -116,7 +117,17 @@ def summarize_evaluations(log_history: list[dict], exact_match_history: list[dic
             evaluation["samples"] = _pick_samples(scored[position]["samples"])
         summary[label] = evaluation
     summary["after"]["eval_loss"] = final_evaluation["eval_loss"]
+    summary["after"].update(preference_metrics(final_evaluation))
     return summary
+
+
+# DPO's evaluation (TRL): how often the policy prefers the chosen answer more than the reference does, and by how
+# much (β times the log-ratio difference). Both are 0 before training, when the policy is the reference.
+PREFERENCE_METRICS = {"eval_rewards/accuracies": "reward_accuracy", "eval_rewards/margins": "reward_margin"}
+
+
+def preference_metrics(evaluation: dict) -> dict:
+    return {name: evaluation[key] for key, name in PREFERENCE_METRICS.items() if key in evaluation}
 
 
 def _pick_samples(samples: list[dict]) -> list[dict]:
@@ -139,6 +150,9 @@ def print_before_after(summary: dict, console: Console | None = None) -> None:
         table.add_column("metric")
         table.add_column(f"after (step {after['step']})", justify="right")
         table.add_row("eval loss", f"{after['eval_loss']:.4f}")
+        for name in PREFERENCE_METRICS.values():
+            if name in after:
+                table.add_row(name.replace("_", " "), f"{after[name]:.3f}")
         for task, accuracy in after.get("exact_match", {}).items():
             table.add_row(f"exact match: {task}", f"{accuracy:.1%}")
         console.print(table)
@@ -148,6 +162,10 @@ def print_before_after(summary: dict, console: Console | None = None) -> None:
     table.add_column(f"before (step {before['step']})", justify="right")
     table.add_column(f"after (step {after['step']})", justify="right")
     table.add_row("eval loss", f"{before['eval_loss']:.4f}", f"{after['eval_loss']:.4f}")
+    for name in PREFERENCE_METRICS.values():
+        if name in after:
+            then = before.get(name)
+            table.add_row(name.replace("_", " "), "–" if then is None else f"{then:.3f}", f"{after[name]:.3f}")
     for task, accuracy in after.get("exact_match", {}).items():
         then = before.get("exact_match", {}).get(task)
         table.add_row(f"exact match: {task}", "–" if then is None else f"{then:.1%}", f"{accuracy:.1%}")

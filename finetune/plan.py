@@ -79,6 +79,7 @@ class PlanRequest:
     padding_free: bool = False  # each micro-batch flattened into one row (its tokens, no padding)
     your_strategy: Strategy | None = None  # the strategy the recipe or `--config` launches, checked beside the tree
     your_config: str | None = None
+    method: str = "sft"  # "dpo": a frozen reference model beside the policy, two sequences per pair
     recipe_sets_deepspeed: bool = False  # the recipe's `deepspeed` key, which wins over the launch config
     gpu_overhead_bytes: int = 0  # measured beyond the prediction on this GPU (`finetune plan --calibrate`)
     nodes: int = 1
@@ -122,6 +123,7 @@ def _setup(request: PlanRequest, options: dict, micro_batch_size: int) -> Setup:
         gradient_checkpointing=request.gradient_checkpointing,
         gpus_per_node=request.gpus // request.nodes if request.nodes > 1 else None,
         gradient_accumulation_steps=accumulation_steps(request, micro_batch_size),
+        method=request.method,
     )
 
 
@@ -330,6 +332,8 @@ def launch_command(request: PlanRequest, candidate: Candidate, batch: dict) -> s
         parts.append(f"--use_lora true --lora_r {request.lora_rank}")
     if request.gradient_checkpointing:
         parts.append("--gradient_checkpointing true")
+    if request.method != "sft":
+        parts.append(f"--method {request.method}")
     return " ".join(parts)
 
 

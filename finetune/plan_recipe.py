@@ -69,7 +69,9 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
 
     sections = read_recipe(recipe, auto_precision=default_precision(gpu))
     training, data, lora = sections.training_inputs, sections.data, sections.lora
-    lengths, summary = data_lengths(sections)
+    dpo = sections.preference.method == "dpo"
+    # DPO's pairs are tokenized by TRL when training starts: each pair is planned at `max_seq_length`.
+    lengths, summary = (None, {"method": "dpo"}) if dpo else data_lengths(sections)
     strategy, strategy_source = your_strategy(training, config)
     given = {key: value for key, value in (batch_options or {}).items() if value is not None}
     micro, accumulation = training["per_device_train_batch_size"], training["gradient_accumulation_steps"]
@@ -94,8 +96,8 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
         lr_scaling=given.get("lr_scaling") or training.get("lr_scaling"),
         recipe=recipe, from_recipe=True, launch_keys=tuple(launch_keys), token_lengths=lengths,
         padding_free=data.padding_free, your_strategy=strategy, your_config=strategy_source,
-        recipe_sets_deepspeed=bool(training.get("deepspeed")), **hardware,
+        recipe_sets_deepspeed=bool(training.get("deepspeed")), method=sections.preference.method, **hardware,
     )
-    if not lengths:
+    if not lengths and not dpo:
         raise RecipeError(f"recipe `{recipe}`: no training row is left after the data policies.")
     return request, summary

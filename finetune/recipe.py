@@ -24,6 +24,7 @@ from finetune.args import (
     FinetuneTrainingArguments,
     LoraArguments,
     ModelArguments,
+    PreferenceArguments,
 )
 from finetune.errors import RecipeError, did_you_mean, launched_rank
 from finetune.preflight import check_lora_adapters, check_pure_bf16, check_qlora, preflight_launch
@@ -42,6 +43,7 @@ class Recipe:
     data: DataArguments
     lora: LoraArguments
     training: FinetuneTrainingArguments
+    preference: PreferenceArguments = field(default_factory=PreferenceArguments)  # sft, or dpo and its keys
     # Where each key given by the user came from: "recipe <path>", COMMAND_LINE or BATCH_PLAN.
     sources: dict[str, str] = field(default_factory=dict)
     batch_plan: BatchPlan | None = None
@@ -50,7 +52,7 @@ class Recipe:
 
     @property
     def sections(self) -> tuple:
-        return self.model, self.data, self.lora, self.training
+        return self.model, self.data, self.lora, self.preference, self.training
 
     @property
     def planned_keys(self) -> set[str]:
@@ -114,6 +116,7 @@ class RecipeSections:
     model: ModelArguments
     data: DataArguments
     lora: LoraArguments
+    preference: PreferenceArguments
     training_inputs: dict[str, Any]
     sources: dict[str, str]
     values: dict[str, Any]  # the YAML's own values
@@ -138,9 +141,14 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
     _check_steps_and_accumulation(training_inputs, sources, batch_plan)
     _apply_batch_plan(batch_plan, training_inputs, sources)
-    training = _build(FinetuneTrainingArguments, training_inputs, sections.values, sections.overrides)
-    return Recipe(model=model, data=data, lora=lora, training=training, sources=sources, batch_plan=batch_plan,
-                  strategy=strategy, deepspeed_config=deepspeed_config)
+    training_type = FinetuneTrainingArguments
+    if sections.preference.method == "dpo":  # TRL's DPOConfig and ours in one (finetune.preference)
+        from finetune.preference import FinetuneDPOConfig, dpo_keys
+
+        training_type, training_inputs = FinetuneDPOConfig, {**training_inputs, **dpo_keys(sections.preference, data)}
+    training = _build(training_type, training_inputs, sections.values, sections.overrides)
+    return Recipe(model=model, data=data, lora=lora, training=training, preference=sections.preference,
+                  sources=sources, batch_plan=batch_plan, strategy=strategy, deepspeed_config=deepspeed_config)
 
 
 def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None,
@@ -174,7 +182,9 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     model = _build(ModelArguments, inputs[ModelArguments], values, overrides)
     data = _build(DataArguments, inputs[DataArguments], values, overrides)
     lora = _build(LoraArguments, inputs[LoraArguments], values, overrides)
-    return RecipeSections(model, data, lora, inputs[FinetuneTrainingArguments], sources, values, overrides)
+    preference = _build(PreferenceArguments, inputs[PreferenceArguments], values, overrides)
+    return RecipeSections(model, data, lora, preference, inputs[FinetuneTrainingArguments], sources, values,
+                          overrides)
 
 
 def _name_the_aliases(sources: dict[str, str], from_file: Translation, from_command_line: Translation) -> None:

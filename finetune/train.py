@@ -54,16 +54,17 @@ def train(recipe: Recipe) -> dict:
     args = recipe.training
     set_seed(args.seed)
 
+    dpo = recipe.preference.method == "dpo"
     with output_dir_lock(args):  # one run per output_dir, held until this run returns (finetune.run_lock)
         tokenizer = load_tokenizer(recipe.model)
         model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
                            strategy=recipe.strategy)
-        if recipe.lora.use_lora:
+        if recipe.lora.use_lora and not dpo:  # DPO: TRL applies the adapters (finetune.preference.dpo_trainer)
             model = apply_lora(model, recipe.lora)
         # fp32 master weights under mixed precision, whatever dtype the checkpoint was stored in
         hold_trainable_parameters(model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
 
-        data = prepare_data(recipe, tokenizer, model)
+        data = prepare_preference_data(recipe) if dpo else prepare_data(recipe, tokenizer, model)
         resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"])  # may stop: nothing written yet
         if args.process_index == 0:
             write_data_summary(data.summary, args.output_dir)
@@ -71,24 +72,30 @@ def train(recipe: Recipe) -> dict:
             args.eval_on_start = False  # nothing to evaluate on: no 'before' column
 
         check_fsdp_wrap_classes(model)
-        exact_match = ExactMatchCallback(tokenizer, data.generation_examples, recipe.data.generation_max_new_tokens)
+        exact_match = None if dpo else ExactMatchCallback(tokenizer, data.generation_examples,
+                                                          recipe.data.generation_max_new_tokens)
         frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
         memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
         throughput = ThroughputCallback(peak_tflops=args.peak_tflops) if args.throughput_report else None
         divergence = NonFiniteLossCallback(fp16=args.fp16)
         callbacks = [callback for callback in (exact_match, memory_report, throughput, frozen_check, divergence)
                      if callback is not None]
-        trainer = FinetuneTrainer(
-            model=model,
-            args=args,
-            train_dataset=data.train,
-            eval_dataset=data.eval,
-            data_collator=data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free, model=model),
-            processing_class=tokenizer,
-            callbacks=callbacks,
-            recipe_values=recipe_values(recipe),
-            train_data=data.summary["train_fingerprint"],
-        )
+        if dpo:
+            trainer = dpo_trainer(recipe, model, tokenizer, data, callbacks)
+            if memory_report is not None:
+                memory_report.reference_model = trainer.ref_model
+        else:
+            trainer = FinetuneTrainer(
+                model=model,
+                args=args,
+                train_dataset=data.train,
+                eval_dataset=data.eval,
+                data_collator=data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free, model=model),
+                processing_class=tokenizer,
+                callbacks=callbacks,
+                recipe_values=recipe_values(recipe),
+                train_data=data.summary["train_fingerprint"],
+            )
         if trainer.is_world_process_zero():
             print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
         report_and_guard_launch(trainer, recipe)  # effective_config.json; stops on a fallback
@@ -99,11 +106,14 @@ def train(recipe: Recipe) -> dict:
         trainer.save_state()
 
         since = evaluations_comparable_since(resume, data.summary["train_fingerprint"])
-        summary = summarize_evaluations(trainer.state.log_history, exact_match.history, final_evaluation, since)
+        scored = [] if exact_match is None else exact_match.history
+        summary = summarize_evaluations(trainer.state.log_history, scored, final_evaluation, since)
         summary["world_size"] = args.world_size
         summary["deepspeed_zero_stage"] = recipe.strategy.zero_stage  # what ran: the strategy check stops otherwise
         summary["train_loss"] = train_output.training_loss
         summary["dropped_examples"] = dropped_rows(data.summary)
+        if dpo:
+            summary["method"] = "dpo"
         if frozen_check is not None:
             summary["frozen_weights_unchanged"] = frozen_check.unchanged
         if trainer.is_world_process_zero():
@@ -133,6 +143,45 @@ def prepare_data(recipe: Recipe, tokenizer, model) -> PreparedData:
     if args.process_index == 0:
         print_data_summary(data.summary)
     return data
+
+
+def prepare_preference_data(recipe: Recipe):
+    """DPO's preference pairs (finetune.preference), with the fingerprint checkpoints record; rank 0 prints the
+    summary. TRL tokenizes them when the trainer is built."""
+    from finetune.preference import load_preference_data, print_preference_summary
+
+    data = load_preference_data(recipe.data, recipe.training.seed)
+    data.summary["train_fingerprint"] = fingerprint(data.train)
+    if recipe.training.process_index == 0:
+        print_preference_summary(data.summary)
+    return data
+
+
+def dpo_trainer(recipe: Recipe, model, tokenizer, data, callbacks):
+    """TRL's DPOTrainer with the toolkit's guarantees (finetune.preference.FinetuneDPOTrainer): the reference is a
+    second copy of the starting model, frozen, or under LoRA the policy with its adapters disabled (TRL applies the
+    adapters from `lora_config`, so no reference adapter is copied)."""
+    from finetune.models import lora_config
+    from finetune.preference import FinetuneDPOTrainer, frozen_reference, prepare_reference_for_zero3
+
+    args = recipe.training
+    reference, peft_config = None, None
+    if recipe.lora.use_lora:
+        peft_config = lora_config(model, recipe.lora)
+    else:
+        reference = load_model(recipe.model, tokenizer, seed=args.seed, strategy=recipe.strategy)
+        frozen_reference(reference)
+    prepare_reference_for_zero3(args, model)
+    try:
+        trainer = FinetuneDPOTrainer(model=model, ref_model=reference, args=args, train_dataset=data.train,
+                                     eval_dataset=data.eval, processing_class=tokenizer, callbacks=callbacks,
+                                     peft_config=peft_config, recipe_values=recipe_values(recipe),
+                                     train_data=data.summary["train_fingerprint"])
+    except (ValueError, NotImplementedError) as error:  # TRL's refusals of a setting, said in one line
+        raise RecipeError(f"TRL's DPOTrainer refuses this recipe: {str(error).splitlines()[0]}") from None
+    # adapters TRL added are held as the strategy holds trainable weights (fp32 under mixed precision)
+    hold_trainable_parameters(trainer.model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
+    return trainer
 
 
 def tokenize_data(recipe: Recipe, tokenizer) -> PreparedData:

@@ -1,6 +1,7 @@
-"""`FinetuneTrainer`: Hugging Face `Trainer` with the toolkit's guarantees, each in the method a reader looks in.
+"""`FinetuneTrainerMixin`: the toolkit's guarantees for a Hugging Face `Trainer`, each in the method a reader looks in;
+`FinetuneTrainer` is Trainer with them, `finetune.preference.FinetuneDPOTrainer` TRL's DPOTrainer with them.
 
-- `compute_loss`: how the loss of a micro-batch is normalised (`loss_normalization`).
+- `FinetuneTrainer.compute_loss`: how the loss of a micro-batch is normalised (`loss_normalization`).
 - `_save_checkpoint`: a checkpoint counts as complete only once every rank saved it; rotation then keeps the
   `save_total_limit` newest complete ones and the best one (finetune.checkpoints), on every node's disk under
   `save_on_each_node`.
@@ -46,8 +47,11 @@ def log_metrics_first(trainer: Trainer) -> None:
     callbacks.sort(key=lambda callback: not getattr(callback, "adds_logged_metrics", False))  # stable: order kept
 
 
-class FinetuneTrainer(Trainer):
-    """`recipe_values` (finetune.checkpoints.recipe_values) and `train_data` (the training rows' fingerprint,
+class FinetuneTrainerMixin:
+    """The toolkit's guarantees for any `Trainer` subclass: `class X(FinetuneTrainerMixin, SomeTrainer)`.
+    `FinetuneTrainer` (supervised fine-tuning) and `finetune.preference.FinetuneDPOTrainer` (TRL's DPO) are two such.
+
+    `recipe_values` (finetune.checkpoints.recipe_values) and `train_data` (the training rows' fingerprint,
     finetune.data.summary.fingerprint) are recorded in every checkpoint, so that a resumed run can name what
     changed."""
 
@@ -60,11 +64,6 @@ class FinetuneTrainer(Trainer):
         self.save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
         if self.args.ddp_comm_hook != "no":  # Trainer builds the DDP kwargs handler; the hook goes on at wrapping
             self.accelerator.ddp_handler.comm_hook = DDPCommunicationHookType(self.args.ddp_comm_hook)
-        if self.args.loss_normalization == "micro_batch_mean":
-            # compute_loss returns each micro-batch's own mean and training_step divides it by the accumulation steps;
-            # Trainer then need not count (and all-reduce) the step's answer tokens before every step.
-            self.loss_is_scaled_for_ga = False
-            self.model_accepts_loss_kwargs = False
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -77,23 +76,6 @@ class FinetuneTrainer(Trainer):
             # them) to the half dtype: a loss logged to 3 significant digits and half-precision gradient sums.
             compute = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float16
             plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The loss of one micro-batch.
-
-        `tokens` (default): every answer token of the optimizer step weighs the same, whatever the micro-batch, the
-        accumulation step or the rank it falls in. Trainer counts the answer tokens of the whole step over every
-        micro-batch and rank (`num_items_in_batch`); the model sums its token losses and divides by that count, and
-        Trainer multiplies by the number of processes, which DDP's and DeepSpeed's gradient averaging divide out.
-        So 1 process × 4 accumulation steps and 2 processes × 2 give the same update.
-
-        `micro_batch_mean`: the classic mean over this micro-batch's answer tokens, divided by the accumulation steps
-        (`loss_is_scaled_for_ga` False); a micro-batch with few answer tokens then weighs as much as a full one, and
-        the update changes with the GPU count. Kept for comparison.
-        """
-        if self.args.loss_normalization == "micro_batch_mean":
-            num_items_in_batch = None
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _save_checkpoint(self, model, trial):
         folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
@@ -184,3 +166,32 @@ class FinetuneTrainer(Trainer):
         if isinstance(resume_from_checkpoint, str):
             prepare_resume(self, resume_from_checkpoint)  # stops, or converts a checkpoint saved with another layout
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
+    """Supervised fine-tuning: Trainer with the toolkit's guarantees and its loss normalisation."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.loss_normalization == "micro_batch_mean":
+            # compute_loss returns each micro-batch's own mean and training_step divides it by the accumulation steps;
+            # Trainer then need not count (and all-reduce) the step's answer tokens before every step.
+            self.loss_is_scaled_for_ga = False
+            self.model_accepts_loss_kwargs = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The loss of one micro-batch.
+
+        `tokens` (default): every answer token of the optimizer step weighs the same, whatever the micro-batch, the
+        accumulation step or the rank it falls in. Trainer counts the answer tokens of the whole step over every
+        micro-batch and rank (`num_items_in_batch`); the model sums its token losses and divides by that count, and
+        Trainer multiplies by the number of processes, which DDP's and DeepSpeed's gradient averaging divide out.
+        So 1 process × 4 accumulation steps and 2 processes × 2 give the same update.
+
+        `micro_batch_mean`: the classic mean over this micro-batch's answer tokens, divided by the accumulation steps
+        (`loss_is_scaled_for_ga` False); a micro-batch with few answer tokens then weighs as much as a full one, and
+        the update changes with the GPU count. Kept for comparison.
+        """
+        if self.args.loss_normalization == "micro_batch_mean":
+            num_items_in_batch = None
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)

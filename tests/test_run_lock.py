@@ -160,7 +160,7 @@ def test_every_rank_raises_the_error_of_the_rank_that_could_not_lock(tmp_path, m
     assert not (tmp_path / "rank1").exists()
 
 
-# Run A: one process, ~100 steps (about 30 s here), a checkpoint every 25 steps, all kept.
+# Run A: one process, 100 steps, a checkpoint every 25 steps, all kept.
 FIRST_RUN = ["--max_steps", "100", "--save_strategy", "steps", "--save_steps", "25", "--logging_steps", "25",
              "--eval_on_start", "false", "--generation_eval_samples", "0", "--disable_tqdm", "true"]
 FIRST_RUN_CHECKPOINTS = [25, 50, 75, 100]
@@ -194,10 +194,16 @@ def test_a_second_run_on_a_busy_output_dir_stops_naming_the_first_which_finishes
                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_for_holder(output_dir, first.pid, first)
-        started = time.monotonic()
-        second = launch_demo(CPU_LAUNCHES["ddp"], output_dir, timeout=120)  # 2 processes; a hung rank times out
-        second_seconds = time.monotonic() - started
-        assert first.poll() is None, "the first run ended before the second was refused: lengthen FIRST_RUN"
+        # The first run is suspended while the second starts, so however fast it trains it still holds the folder
+        # when the second run asks for it; a stop and continue is all a single-process run sees of it.
+        first.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            second = launch_demo(CPU_LAUNCHES["ddp"], output_dir, timeout=120)  # 2 processes; a hung rank times out
+            second_seconds = time.monotonic() - started
+        finally:
+            first.send_signal(signal.SIGCONT)
+        assert first.poll() is None, "the first run ended before the second was refused"
         first.wait(timeout=240)
     finally:
         if first.poll() is None:

@@ -46,6 +46,8 @@ def plan_command_parser(subparsers) -> None:
     model.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
     model.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048)")
     model.add_argument("--gradient-checkpointing", action="store_true")
+    model.add_argument("--method", choices=("sft", "dpo"),
+                       help="dpo: add the frozen reference model and two sequences per pair (default sft)")
     batch = parser.add_argument_group("batch and learning rate (with --recipe: override the recipe's)")
     batch.add_argument("--global-batch-size", type=int,
                        help="sequences per optimizer step; must split over --gpus (default "
@@ -133,7 +135,8 @@ def make_plan_for(args, gpu, gpu_memory: float) -> dict:
         sequence_length=args.seq_len or 2048, gradient_checkpointing=args.gradient_checkpointing,
         global_batch_size=batch["global_batch_size"], max_micro_batch_size=batch["max_micro_batch_size"] or 64,
         learning_rate=batch["learning_rate"], base_batch_size=batch["base_batch_size"],
-        lr_scaling=batch["lr_scaling"], your_strategy=your_strategy, your_config=your_config, **hardware,
+        lr_scaling=batch["lr_scaling"], your_strategy=your_strategy, your_config=your_config,
+        method=args.method or "sft", **hardware,
     )
     return make_plan(request)
 
@@ -221,8 +224,9 @@ def print_plan(plan: dict) -> None:
                         f"({plan['trainable_parameters'] / 1e9:.3g}B trained) on {plan['gpus']} × "
                         f"{plan['gpu_memory_gib']:g} GiB{' ' + plan['gpu'] if plan['gpu'] else ''}, "
                         f"{plan['precision']} — {unit_name} per GPU")
-    for column in ("strategy", "params", "grads", "optimizer", "activations", "buffers", "total / GPU",
-                   "offloaded / node", "host RAM at load / node", "fits"):
+    dpo = rows[0]["estimate"].setup.method == "dpo"
+    for column in ("strategy", "params", "grads", "optimizer", *(("reference",) if dpo else ()), "activations",
+                   "buffers", "total / GPU", "offloaded / node", "host RAM at load / node", "fits"):
         table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
     yours = plan["your_strategy"]
     for row in rows:
@@ -231,7 +235,7 @@ def print_plan(plan: dict) -> None:
         table.add_row(
             # Gradients at their peak (between accumulation micro-steps under ZeRO-1), as the total counts them.
             row["name"], size(result.params_bytes), size(result.grads_peak_bytes),
-            size(result.optimizer_bytes),
+            size(result.optimizer_bytes), *((size(result.reference_bytes),) if dpo else ()),
             size(result.activations_bytes), size(result.temporary_bytes), size(result.total_bytes),
             size(result.host_bytes_per_node) if result.offloaded else "–", size(result.host_load_bytes_per_node),
             "yes" if row["fits"] else f"no ({row['shortfall']})", style=style,

@@ -5,6 +5,7 @@ that a checkpoint records, so a resume can tell the data changed."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from rich.console import Console
@@ -23,6 +24,10 @@ def fingerprint(dataset) -> str:
     million rows of 512 tokens take about a second."""
     digest = hashlib.sha256()
     columns = [name for name in ("input_ids", "labels", "position_ids") if name in dataset.column_names]
+    if not columns:  # preference pairs (finetune.preference), which TRL tokenizes later: their text
+        for row in dataset:
+            digest.update(json.dumps(row, sort_keys=True, default=str).encode())
+        return f"{len(dataset)} rows, sha256 {digest.hexdigest()[:16]}"
     for batch in dataset.with_format("arrow").iter(batch_size=8192):
         for name in columns:
             column = batch.column(name).combine_chunks()

@@ -18,7 +18,15 @@ from transformers.utils import logging
 
 from finetune.errors import RecipeError
 from finetune.memory.estimate import Setup, estimate
-from finetune.memory.ledger import GradientProbe, PhasePeaks, gradient_peaks, measure_states, peak_memory
+from finetune.memory.ledger import (
+    GradientProbe,
+    PhasePeaks,
+    StorageCount,
+    gradient_peaks,
+    local_parameters,
+    measure_states,
+    peak_memory,
+)
 from finetune.memory.report import write_memory_report
 from finetune.memory.shapes import shape_of
 from finetune.strategies import PURE_BF16_KINDS, Strategy, prepared_strategy
@@ -37,6 +45,11 @@ def optimizer_kind(optim: str) -> str | None:
     if "adam" in name:
         return "adamw_8bit" if "8bit" in name else "adamw"
     return "sgd" if name == "sgd" else None
+
+
+def training_method(args) -> str:
+    """"dpo" for TRL's DPO arguments (finetune.preference.FinetuneDPOConfig, or any DPOConfig), else "sft"."""
+    return "dpo" if any(cls.__name__ == "DPOConfig" for cls in type(args).__mro__) else "sft"
 
 
 def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, Setup]:
@@ -75,6 +88,7 @@ def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, S
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         sub_group_size=None if sub_group_size is None else int(sub_group_size),
         zero3_init=zero3_init,
+        method=training_method(args),
     )
 
 
@@ -86,11 +100,18 @@ def predicted_ledger(model, args, sequence_length: int | None) -> tuple[Strategy
     ledger["grads_between_micro_steps_bytes"] = prediction.grads_between_micro_steps_bytes
     ledger["grads_peak_bytes"] = max(ledger["grads_bytes"], prediction.grads_between_micro_steps_bytes)
     ledger["offloaded_bytes"] = sum(offloaded.values())
+    if setup.method == "dpo":
+        ledger["reference_bytes"] = prediction.reference_bytes
     ledger["peak_bytes"] = prediction.total_bytes
     ledger["estimate"] = prediction.to_dict()
     if optimizer_kind(args.optim) is None:
         ledger["note"] = f"optimizer {args.optim} is not modelled: AdamW's 8 bytes/param assumed"
     return strategy, ledger
+
+
+def reference_bytes(reference_model) -> int:
+    """Bytes of the reference model's parameters this rank holds (ZeRO-3: its partition); 0 without one."""
+    return 0 if reference_model is None else StorageCount().add(local_parameters(reference_model)).total
 
 
 class MemoryReportCallback(TrainerCallback):
@@ -105,6 +126,9 @@ class MemoryReportCallback(TrainerCallback):
     def __init__(self, sequence_length: int | None = None, output_dir: str | None = None):
         self.sequence_length = sequence_length
         self.output_dir = output_dir
+        # DPO: the frozen reference model as the trainer prepared it (`trainer.ref_model`; None under LoRA, where the
+        # reference is the policy without its adapters), counted as `reference_bytes`.
+        self.reference_model = None
         self.probe: GradientProbe | None = None
         self.measured: dict | None = None
         self.pending_log: dict | None = None
@@ -126,8 +150,10 @@ class MemoryReportCallback(TrainerCallback):
         self.phases.record("step")
         if self.measured is None:
             self.measured = measure_states(model, optimizer, self.probe.by_device())
+            if training_method(args) == "dpo":
+                self.measured["reference_bytes"] = reference_bytes(self.reference_model)
             self.probe.remove()
-            keys = (*STATE_KEYS, *GRADIENT_PEAK_KEYS)
+            keys = (*STATE_KEYS, *GRADIENT_PEAK_KEYS, "reference_bytes")
             self.pending_log = {f"memory/{key}": value for key, value in self.measured.items() if key in keys}
         if state.global_step >= PROBED_STEPS or args.gradient_accumulation_steps == 1:
             self._finish_probe()

@@ -23,6 +23,9 @@ Model states follow what DeepSpeed and Trainer really allocate, measured on real
   the gradients, `gradient_as_bucket_view=False`). `pure_bf16` holds all three in bf16: torch's AdamW keeps its
   moments in the parameter's dtype (`torch/optim/adamw.py`, `zeros_like(p)`), so 2 + 2 + 4 = 8 bytes/param.
 
+DPO (`method: dpo`) adds TRL's frozen reference model (`reference_model_bytes`) and runs each pair as two
+sequences.
+
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models"), counted tensor by tensor for today's decoder block (RMSNorm, gated MLP, grouped-query attention,
 no dropout), plus the logits, which the loss upcasts to fp32.
@@ -38,6 +41,7 @@ from finetune.memory.shapes import ModelShape
 from finetune.strategies import FSDP_SHARDING, KINDS, PURE_BF16_KINDS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+METHODS = ("sft", "dpo")
 # Bytes of optimizer state per trainable parameter, besides any master copy.
 OPTIMIZER_STATE_BYTES = {
     "adamw": 8,        # momentum + variance, fp32
@@ -82,6 +86,7 @@ class Setup:
     gradient_accumulation_steps: int = 1      # micro-batches per optimizer step (Trainer's name)
     sub_group_size: int | None = None         # DeepSpeed ZeRO-3, elements; None: DeepSpeed's default (1e9)
     zero3_init: bool = False                  # ZeRO-3 partitions while loading (Accelerate's `zero3_init_flag`)
+    method: str = "sft"                       # "dpo": a frozen reference model and two sequences per pair
 
     @property
     def nodes(self) -> int:
@@ -101,7 +106,7 @@ class Setup:
     def check(self) -> None:
         choices = {"strategy": (self.strategy, KINDS), "precision": (self.precision, PRECISIONS),
                    "optimizer": (self.optimizer, tuple(OPTIMIZER_STATE_BYTES)),
-                   "fsdp_sharding": (self.fsdp_sharding, FSDP_SHARDING)}
+                   "fsdp_sharding": (self.fsdp_sharding, FSDP_SHARDING), "method": (self.method, METHODS)}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise RecipeError(f"`{key}: {value}` is not one of {', '.join(allowed)}.")
@@ -139,6 +144,7 @@ class MemoryEstimate:
     offloaded: dict = field(default_factory=dict)
     grads_between_micro_steps_bytes: int = 0  # on the GPU between two micro-steps of one accumulation window
     host_load_bytes_per_node: int = 0         # host RAM one node needs while loading, before sharding
+    reference_bytes: int = 0                  # DPO: the frozen reference model's weights held on this GPU
 
     @property
     def model_states_bytes(self) -> int:
@@ -155,7 +161,7 @@ class MemoryEstimate:
         """Predicted peak allocated on one GPU: every part counted as live at once, gradients at their peak (an
         upper bound: in practice activations shrink as gradients appear)."""
         return (self.params_bytes + self.grads_peak_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.temporary_bytes)
+                + self.temporary_bytes + self.reference_bytes)
 
     @property
     def host_bytes_per_node(self) -> int:
@@ -175,7 +181,8 @@ class MemoryEstimate:
                         "grads_between_micro_steps_bytes": self.grads_between_micro_steps_bytes,
                         "grads_peak_bytes": self.grads_peak_bytes,
                         "optimizer_bytes": self.optimizer_bytes, "activations_bytes": self.activations_bytes,
-                        "temporary_bytes": self.temporary_bytes, "total_bytes": self.total_bytes},
+                        "temporary_bytes": self.temporary_bytes, "reference_bytes": self.reference_bytes,
+                        "total_bytes": self.total_bytes},
             "offloaded_per_rank": dict(self.offloaded),
             "host_bytes_per_node": self.host_bytes_per_node,
             "host_load_bytes_per_node": self.host_load_bytes_per_node,
@@ -210,7 +217,21 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         offloaded={key: int(value) for key, value in offloaded.items() if value},
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
         host_load_bytes_per_node=int(host_load_bytes_per_node(trainable, frozen_bytes, setup)),
+        reference_bytes=int(reference_model_bytes(shape, setup)),
     )
+
+
+def reference_model_bytes(shape: ModelShape, setup: Setup) -> float:
+    """DPO's frozen reference model on one GPU, as TRL prepares it (trl/models/utils.py): none under LoRA (the
+    reference is the policy with its adapters disabled); under DeepSpeed an inference engine of the whole model in the
+    half dtype, ZeRO-3 partitioned like the policy (`prepare_deepspeed`: stage 3 kept, any other stage run as 0);
+    under FSDP sharded like the policy (`prepare_fsdp`); under DDP or one GPU a whole copy in the loaded dtype."""
+    if setup.method != "dpo" or setup.lora_rank:
+        return 0
+    model = shape.num_parameters * _half_or_fp32(setup)
+    if setup.strategy == "deepspeed":
+        return model / setup.num_gpus if setup.zero_stage == 3 else model
+    return model / setup.shard_degree
 
 
 def lora_trainable_parameters(shape: ModelShape, setup: Setup) -> int:
@@ -350,6 +371,8 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> float:
     softmax (2·a·s²·b). Full checkpointing keeps only each layer's input (s·b·h) and recomputes one layer.
     """
     s, b, h = setup.sequence_length, setup.micro_batch_size, shape.hidden_size
+    if setup.method == "dpo":
+        b *= 2  # each pair is a chosen and a rejected sequence, in one forward (TRL concatenates them)
     c = _half_or_fp32(setup)  # activations are in the autocast dtype
     kv = h * shape.num_key_value_heads // shape.num_attention_heads
     per_layer = s * b * (6 * h + 2 * kv + 4 * shape.intermediate_size)
@@ -359,8 +382,10 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> float:
         layers = shape.num_layers * s * b * h + per_layer
     else:
         layers = shape.num_layers * per_layer
-    # Logits in the compute dtype, their fp32 upcast for the loss, and its saved log-softmax.
-    logits = s * b * shape.vocab_size * (c + 4 + (4 if c != 4 else 0))
+    # Logits in the compute dtype, their fp32 upcast for the loss, and its saved log-softmax. DPO's log-probabilities
+    # come from TRL's fused head, which projects the answer positions in tiles (trl/trainer/utils.py
+    # add_fused_lm_head): no (2b, s, vocab) logits are held.
+    logits = 0 if setup.method == "dpo" else s * b * shape.vocab_size * (c + 4 + (4 if c != 4 else 0))
     return layers * c + logits
 
 

@@ -11,6 +11,7 @@ from finetune.errors import RecipeError
 
 PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"))
 # Gradients where they can peak besides the step (rows shown when a record has them).
+REFERENCE = ("reference_bytes", "DPO reference model")
 GRADIENT_PEAKS = (("grads_between_micro_steps_bytes", "gradients between micro-steps"),
                   ("grads_peak_bytes", "gradients at their peak"))
 MiB = 1024**2
@@ -56,7 +57,8 @@ def markdown_table(records: list[dict]) -> str:
     for record in records:
         predicted, measured = record["predicted"] or {}, record["measured"] or {}
         peaks = [row for row in GRADIENT_PEAKS if row[0] in predicted or row[0] in measured]
-        rows = [*PARTS, *peaks, ("peak_bytes", f"peak ({measured.get('peak_kind', 'not measured')})")]
+        reference = [REFERENCE] if REFERENCE[0] in predicted or REFERENCE[0] in measured else []
+        rows = [*PARTS, *reference, *peaks, ("peak_bytes", f"peak ({measured.get('peak_kind', 'not measured')})")]
         for key, label in rows:
             want, got = predicted.get(key), measured.get(key)
             comparable = key != "peak_bytes" or measured.get("peak_kind", "").startswith("cuda")

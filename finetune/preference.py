@@ -1,0 +1,232 @@
+"""Preference fine-tuning (`method: dpo`): TRL's `DPOTrainer` on the toolkit's rails.
+
+The same recipe, launchers and generated configs as supervised fine-tuning, the same callbacks (memory report,
+throughput, divergence stop) and the same checkpoint and resume guarantees (`FinetuneTrainerMixin`). What differs:
+
+- the data are pairs: a prompt, a chosen answer and a rejected one (`PAIR_FORMATS`); `dataset: synthetic` makes pairs
+  from the synthetic tasks, the correct answer chosen and a plausible wrong one rejected (`synthetic_pair`);
+- a frozen reference model scores both answers: a second copy of the starting model, which TRL prepares as the
+  strategy says (DeepSpeed ZeRO-3 shards it like the policy, ZeRO-0/1/2 keep it whole in the half dtype, DDP keeps it
+  whole), or, under LoRA, the policy itself with its adapters disabled (no copy);
+- the loss is TRL's (`dpo_loss_type`, `beta`), and the evaluation reports TRL's reward accuracy and margin: how often,
+  and by how much, the policy prefers the chosen answer more than the reference did.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from datasets import Dataset, interleave_datasets
+from trl import DPOConfig, DPOTrainer
+
+from finetune.args import FinetuneTrainingArguments
+from finetune.data.formats import _openai_message, _sharegpt_message
+from finetune.errors import RecipeError
+from finetune.trainer import FinetuneTrainerMixin
+
+# In detection order: a format's columns must all be present. `pairs`: TRL's preference format, strings or
+# conversations (`prompt` may be left out when `chosen` and `rejected` are whole conversations that share it);
+# the alpaca and sharegpt pairs are LLaMA-Factory's.
+PAIR_FORMATS = {
+    "sharegpt_pairs": ("conversations", "chosen", "rejected"),
+    "alpaca_pairs": ("instruction", "chosen", "rejected"),
+    "pairs": ("chosen", "rejected"),
+}
+
+
+@dataclass
+class PreferenceData:
+    train: Dataset
+    eval: Dataset | None
+    summary: dict
+
+
+def detect_pair_format(column_names) -> str:
+    columns = set(column_names)
+    for name, required in PAIR_FORMATS.items():
+        if set(required) <= columns:
+            return name
+    expected = "; ".join(f"{name}: {', '.join(required)}" for name, required in PAIR_FORMATS.items())
+    raise RecipeError(f"`method: dpo` trains on preference pairs, but the data's columns are "
+                      f"{', '.join(sorted(columns))}; expected one of: {expected} (`prompt` optional with `pairs`).")
+
+
+def to_pair(example: dict, pair_format: str) -> dict:
+    """One example as TRL's preference row: `prompt`, `chosen`, `rejected`, each a string (plain text) or a list of
+    chat messages (rendered with the tokenizer's template)."""
+    if pair_format == "alpaca_pairs":
+        prompt = example["instruction"]
+        if example.get("input"):
+            prompt = f"{prompt}\n\n{example['input']}"
+        return {"prompt": [{"role": "user", "content": prompt}],
+                "chosen": [{"role": "assistant", "content": example["chosen"]}],
+                "rejected": [{"role": "assistant", "content": example["rejected"]}]}
+    if pair_format == "sharegpt_pairs":
+        prompt = [_sharegpt_message(turn) for turn in example["conversations"]]
+        if example.get("system") and (not prompt or prompt[0]["role"] != "system"):
+            prompt.insert(0, {"role": "system", "content": example["system"]})
+        return {"prompt": prompt, "chosen": [_sharegpt_message(example["chosen"])],
+                "rejected": [_sharegpt_message(example["rejected"])]}
+    row = {key: example.get(key) for key in ("prompt", "chosen", "rejected")}
+    for key, value in row.items():
+        if isinstance(value, list):
+            row[key] = [_openai_message(message) for message in value]
+    if row["prompt"] is None:
+        if not isinstance(row["chosen"], list):
+            raise RecipeError("preference rows without a `prompt` column must give `chosen` and `rejected` as whole "
+                              "conversations (lists of messages) that share the prompt; plain-text pairs need a "
+                              "`prompt` column.")
+        del row["prompt"]  # TRL's extract_prompt takes the shared start of both conversations
+    return row
+
+
+def answer_text(answer) -> str:
+    """The text of an answer: a string, or the content of its messages."""
+    if isinstance(answer, list):
+        return "".join(str(message.get("content") or "") for message in answer
+                       if message.get("role") == "assistant" or message.get("tool_calls"))
+    return "" if answer is None else str(answer)
+
+
+def check_pairs(dataset: Dataset, name: str, unlabeled_policy: str) -> tuple[Dataset, dict]:
+    """Refuses rows whose parts differ in kind (text vs conversation); drops, counted, pairs with an empty answer
+    (`unlabeled_policy: error` stops on the first) and pairs whose answers are equal (they teach nothing)."""
+    dropped = {"empty_answer": 0, "same_answers": 0}
+    keep = []
+    for index, row in enumerate(dataset):
+        kinds = {key: isinstance(row[key], list) for key in ("prompt", "chosen", "rejected") if key in row}
+        if len(set(kinds.values())) > 1:
+            raise RecipeError(f"{name} row {index}: {', '.join(k for k, v in kinds.items() if v)} are conversations "
+                              f"but {', '.join(k for k, v in kinds.items() if not v)} plain text; give all of a "
+                              "pair as strings or all as lists of messages.")
+        chosen, rejected = answer_text(row["chosen"]), answer_text(row["rejected"])
+        if not chosen.strip() or not rejected.strip():
+            if unlabeled_policy == "error":
+                raise RecipeError(f"{name} row {index} has an empty {'chosen' if not chosen.strip() else 'rejected'} "
+                                  "answer (`unlabeled_policy: error`); fix the row or let such rows be dropped.")
+            dropped["empty_answer"] += 1
+        elif chosen == rejected and row["chosen"] == row["rejected"]:
+            dropped["same_answers"] += 1
+        else:
+            keep.append(index)
+    if not keep:
+        raise RecipeError(f"no preference pair of {name} is left ({dropped}): every pair has an empty answer or two "
+                          "equal answers.")
+    return (dataset if len(keep) == len(dataset) else dataset.select(keep)), dropped
+
+
+def synthetic_pair(example: dict, rng: random.Random) -> dict:
+    """A synthetic task as a preference pair: the correct answer chosen, a plausible wrong one rejected (the input
+    left as it is, the answer with two neighbours swapped, a sum off by one or ten)."""
+    answer, given = example["output"], example["input"]
+    if example["task"] == "add":
+        total = int(answer)
+        wrong = [str(total + delta) for delta in (1, -1, 10, -10) if total + delta >= 0]
+    else:
+        wrong = [given, answer[::-1]] + [answer[:i] + answer[i + 1] + answer[i] + answer[i + 2:]
+                                         for i in range(len(answer) - 1)]
+    wrong = sorted({candidate for candidate in wrong if candidate != answer})
+    prompt = f"{example['instruction']}\n\n{given}"
+    return {"prompt": [{"role": "user", "content": prompt}],
+            "chosen": [{"role": "assistant", "content": answer}],
+            "rejected": [{"role": "assistant", "content": rng.choice(wrong) if wrong else answer + answer}]}
+
+
+def synthetic_pairs(dataset: Dataset, seed: int) -> Dataset:
+    rng = random.Random(seed)
+    return Dataset.from_list([synthetic_pair(row, rng) for row in dataset])
+
+
+def load_preference_data(data_args, seed: int) -> PreferenceData:
+    """The training and eval pairs of every source (mixed by `mix_weights`), checked, with a summary per source."""
+    from finetune import presets
+    from finetune.data.loading import load_raw_data
+
+    if data_args.packing or data_args.padding_free:
+        raise RecipeError("`packing` and `padding_free` are for supervised fine-tuning; TRL's DPO pads each pair "
+                          "(drop them with `method: dpo`).")
+    raw = load_raw_data(data_args)
+    trains, evals, sources = [], [], []
+    for source in raw.sources:
+        record = {"name": source.name}
+        splits = {"train": source.train, "eval": source.eval}
+        if data_args.max_eval_samples is not None and source.eval is not None:
+            splits["eval"] = source.eval.select(range(min(data_args.max_eval_samples, len(source.eval))))
+        for split, dataset in splits.items():
+            if dataset is None:
+                record[split] = None
+                continue
+            if data_args.dataset == presets.SYNTHETIC_DATASET and data_args.train_file is None \
+                    and not data_args.mix_files and "task" in dataset.column_names:
+                pair_format, pairs = "synthetic_pairs", synthetic_pairs(dataset, seed + (split == "eval"))
+            else:
+                pair_format = detect_pair_format(dataset.column_names)
+                pairs = Dataset.from_list([to_pair(row, pair_format) for row in dataset])
+            pairs, dropped = check_pairs(pairs, f"{source.name} ({split})", data_args.unlabeled_policy)
+            record["format"] = pair_format
+            record[split] = {"rows": len(dataset), "pairs": len(pairs), "dropped": dropped}
+            (trains if split == "train" else evals).append(pairs)
+        sources.append(record)
+    train = interleave_datasets(trains, probabilities=raw.weights, seed=seed) if len(trains) > 1 else trains[0]
+    evaluation = None
+    if evals:
+        from datasets import concatenate_datasets
+
+        evaluation = concatenate_datasets(evals) if len(evals) > 1 else evals[0]
+    summary = {"method": "dpo", "sources": sources, "train_rows": len(train),
+               "eval_rows": 0 if evaluation is None else len(evaluation)}
+    return PreferenceData(train, evaluation, summary)
+
+
+def print_preference_summary(summary: dict) -> None:
+    for source in summary["sources"]:
+        parts = []
+        for split in ("train", "eval"):
+            if source.get(split):
+                dropped = {reason: count for reason, count in source[split]["dropped"].items() if count}
+                parts.append(f"{split} {source[split]['pairs']} pairs" + (f" (dropped {dropped})" if dropped else ""))
+        print(f"preference data {source['name']} ({source['format']}): {', '.join(parts)}")
+
+
+@dataclass
+class FinetuneDPOConfig(FinetuneTrainingArguments, DPOConfig):
+    """The recipe's training arguments and TRL's DPO keys in one object, as DPOTrainer reads them. Every Trainer key
+    keeps the value the recipe gave (or Trainer's default): TRL's own defaults for them (bf16, gradient checkpointing,
+    learning rate 1e-6, logging every 10 steps) do not apply, so a DPO recipe reads as an SFT one."""
+
+
+def dpo_keys(preference, data_args) -> dict:
+    """TRL's DPO keys from the recipe: `beta`, the loss, and `max_length` from `max_seq_length`."""
+    return {"beta": preference.beta, "loss_type": list(preference.dpo_loss_type),
+            "loss_weights": preference.dpo_loss_weights, "max_length": data_args.max_seq_length}
+
+
+class FinetuneDPOTrainer(FinetuneTrainerMixin, DPOTrainer):
+    """TRL's DPOTrainer with the toolkit's checkpoints, resume, rotation and saving (`FinetuneTrainerMixin`).
+    `ref_model` is always given, or None under LoRA: TRL would otherwise reload the reference by the model's name
+    (a hub download, or nothing for the embedded model)."""
+
+    def _send_telemetry(self):
+        """No usage pings: nothing leaves the machine unless the user asks (`report_to`)."""
+
+    def create_model_card(self, *args, **kwargs):
+        """TRL writes a README.md model card into every checkpoint; the run's own records say what was trained."""
+
+
+def prepare_reference_for_zero3(args, model) -> None:
+    """ZeRO-3 fills its "auto" bucket sizes from the model only when training starts, but TRL builds the reference
+    engine when the trainer is constructed, from the config as it is then: fill them now with the values Transformers
+    would (hidden², 0.9·hidden², 10·hidden), so the reference is partitioned like the policy."""
+    config = getattr(args, "hf_deepspeed_config", None)
+    hidden = getattr(model.config, "hidden_size", None)
+    if config is None or hidden is None or config.get_value("zero_optimization.stage") != 3:
+        return
+    config.fill_only("zero_optimization.reduce_bucket_size", hidden * hidden)
+    config.fill_only("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden * hidden))
+    config.fill_only("zero_optimization.stage3_param_persistence_threshold", 10 * hidden)
+
+
+def frozen_reference(model) -> None:
+    model.requires_grad_(False)
+    model.eval()
