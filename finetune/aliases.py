@@ -83,7 +83,8 @@ TRL_KEYS = (
     TrlKey("eval_packing", SFT_CONFIG, kept=(None,),
            why="eval data is packed exactly when training data is (`packing`); drop the key"),
     TrlKey("loss_type", SFT_CONFIG, kept=("nll",),
-           why="the loss is the answer tokens' cross-entropy (finetune/trainer.py, compute_loss); drop the key"),
+           why="the loss is the answer tokens' cross-entropy (finetune/trainer.py, compute_loss); drop the key "
+               "(DPOConfig's loss types: `method: dpo` with `dpo_loss_type`, docs/preference.md)"),
     TrlKey("router_aux_loss_coef", SFT_CONFIG, kept=(None,),
            why="the loss is the answer tokens' cross-entropy alone, no router auxiliary loss is added; drop the key"),
     TrlKey("activation_offloading", SFT_CONFIG, kept=(False,),

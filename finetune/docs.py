@@ -10,7 +10,13 @@ import enum
 from transformers import TrainingArguments
 
 from finetune.aliases import TRL_KEYS, TrlKey, shown
-from finetune.args import DataArguments, FinetuneTrainingArguments, LoraArguments, ModelArguments
+from finetune.args import (
+    DataArguments,
+    FinetuneTrainingArguments,
+    LoraArguments,
+    ModelArguments,
+    PreferenceArguments,
+)
 
 RECIPE_REFERENCE = "docs/recipes.md"
 FROM_TRL = "docs/from_trl.md"
@@ -27,6 +33,8 @@ SECTIONS = (
     ("Model", ModelArguments, "What to load: the embedded tiny default, a local directory or a hub id."),
     ("Data", DataArguments, "Formats, mixes, packing and what happens to rows that do not fit."),
     ("LoRA and QLoRA", LoraArguments, "Adapters (peft) instead of all weights; QLoRA on a 4-bit base."),
+    ("Method: SFT or DPO", PreferenceArguments, "Learn the answers (SFT), or preferences between two answers with "
+     "TRL's DPOTrainer (docs/preference.md)."),
 )
 
 

@@ -114,6 +114,9 @@ def run_results(output_dir) -> dict:
         "train loss": summary.get("train_loss"),
         "exact match after": _mean(after.get("exact_match")),
     }
+    if "reward_accuracy" in after:  # DPO (finetune.preference): held-out pairs won, against the reference
+        row.update({"reward accuracy before": before.get("reward_accuracy"),
+                    "reward accuracy after": after["reward_accuracy"], "reward margin after": after["reward_margin"]})
     throughput = outputs.read_record(output_dir, outputs.THROUGHPUT, missing=None)
     if throughput is not None:
         row["tokens/s"] = throughput["tokens_per_second"]
@@ -124,6 +127,9 @@ def run_results(output_dir) -> dict:
         states = ("params_bytes", "grads_bytes", "optimizer_bytes")
         row["model states GiB (measured)"] = sum(measured.get(key, 0) for key in states) / GiB
         row["model states GiB (predicted)"] = sum(predicted.get(key, 0) for key in states) / GiB
+        if "reference_bytes" in predicted:
+            row["reference model GiB (measured)"] = measured.get("reference_bytes", 0) / GiB
+            row["reference model GiB (predicted)"] = predicted["reference_bytes"] / GiB
         row["peak GiB"] = measured.get("peak_bytes", 0) / GiB
         row["peak kind"] = measured.get("peak_kind")
         row["trainable parameters"] = (predicted.get("estimate") or {}).get("trainable_parameters")

@@ -117,20 +117,23 @@ def check_pairs(dataset: Dataset, name: str, unlabeled_policy: str) -> tuple[Dat
 
 
 def synthetic_pair(example: dict, rng: random.Random) -> dict:
-    """A synthetic task as a preference pair: the correct answer chosen, a plausible wrong one rejected (the input
-    left as it is, the answer with two neighbours swapped, a sum off by one or ten)."""
+    """A synthetic task as a preference pair: the correct answer chosen, a typical mistake rejected: the letters left
+    as given (reverse, sort), sorted the wrong way round, or a sum off by one or ten; two neighbours swapped where
+    those would be right."""
     answer, given = example["output"], example["input"]
     if example["task"] == "add":
         total = int(answer)
-        wrong = [str(total + delta) for delta in (1, -1, 10, -10) if total + delta >= 0]
+        wrong = [str(total + delta) for delta in (1, -1, 10) if total + delta >= 0]
     else:
-        wrong = [given, answer[::-1]] + [answer[:i] + answer[i + 1] + answer[i] + answer[i + 2:]
-                                         for i in range(len(answer) - 1)]
+        wrong = [given] if example["task"] == "reverse" else [given, answer[::-1]]
     wrong = sorted({candidate for candidate in wrong if candidate != answer})
+    if not wrong:  # a palindrome, or letters already in order
+        wrong = [answer[:i] + answer[i + 1] + answer[i] + answer[i + 2:] for i in range(len(answer) - 1)
+                 if answer[i] != answer[i + 1]] or [answer + answer[-1:]]
     prompt = f"{example['instruction']}\n\n{given}"
     return {"prompt": [{"role": "user", "content": prompt}],
             "chosen": [{"role": "assistant", "content": answer}],
-            "rejected": [{"role": "assistant", "content": rng.choice(wrong) if wrong else answer + answer}]}
+            "rejected": [{"role": "assistant", "content": rng.choice(wrong)}]}
 
 
 def synthetic_pairs(dataset: Dataset, seed: int) -> Dataset:

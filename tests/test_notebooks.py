@@ -9,16 +9,19 @@ import pytest
 from support import PROJECT_ROOT
 
 NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
-TRAINING_NOTEBOOKS = {"01_full_finetune.ipynb": ["."], "02_lora_qlora_t4.ipynb": ["lora"]}
+TRAINING_NOTEBOOKS = {"01_full_finetune.ipynb": ["."], "02_lora_qlora_t4.ipynb": ["lora"],
+                      "04_preference_dpo.ipynb": ["sft"]}
+# DPO runs: the held-out reward accuracy rises from 0 (before the first step the policy is the reference).
+PREFERENCE_NOTEBOOKS = {"04_preference_dpo.ipynb": "dpo"}
 
 
 def code_cells(notebook):
     return [cell for cell in notebook.cells if cell.cell_type == "code"]
 
 
-def test_the_three_notebooks_are_shipped():
+def test_the_four_notebooks_are_shipped():
     assert [path.name for path in NOTEBOOKS] == ["01_full_finetune.ipynb", "02_lora_qlora_t4.ipynb",
-                                                 "03_memory_planning.ipynb"]
+                                                 "03_memory_planning.ipynb", "04_preference_dpo.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
@@ -51,3 +54,7 @@ def test_notebook_runs_on_the_tiny_default_and_draws_its_plots(path, tmp_path):
     for run in TRAINING_NOTEBOOKS.get(path.name, []):
         summary = json.loads((tmp_path / "outputs" / run / "eval_results.json").read_text())
         assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.5
+    if path.name in PREFERENCE_NOTEBOOKS:
+        summary = json.loads((tmp_path / "outputs" / PREFERENCE_NOTEBOOKS[path.name] / "eval_results.json").read_text())
+        assert summary["method"] == "dpo" and summary["before"]["reward_accuracy"] == 0.0
+        assert summary["after"]["reward_accuracy"] > 0.8, summary["after"]

@@ -77,7 +77,13 @@ def test_a_synthetic_pair_prefers_the_right_answer_to_a_plausible_wrong_one():
             assert pair["prompt"] == [{"role": "user", "content": f"{example['instruction']}\n\n{example['input']}"}]
             assert pair["chosen"] == [{"role": "assistant", "content": example["output"]}]
             wrong = pair["rejected"][0]["content"]
-            assert wrong != example["output"] and len(wrong) in (len(example["output"]), len(example["output"]) + 1)
+            assert wrong != example["output"]
+            if example["task"] == "add":
+                assert int(wrong) - 5 in (1, -1, 10)
+            else:  # a typical mistake: the letters as given, or in the wrong order
+                assert wrong in (example["input"], example["output"][::-1])
+    palindrome = synthetic_pair({"task": "reverse", "instruction": "reverse", "input": "aba", "output": "aba"}, rng)
+    assert palindrome["rejected"][0]["content"] in ("baa", "aab")
 
 
 def test_the_synthetic_dataset_gives_held_out_pairs_and_a_file_of_pairs_loads(tmp_path):

@@ -89,6 +89,7 @@ def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, S
         sub_group_size=None if sub_group_size is None else int(sub_group_size),
         zero3_init=zero3_init,
         method=training_method(args),
+        peft=hasattr(model, "peft_config"),
     )
 
 

@@ -87,6 +87,8 @@ class Setup:
     sub_group_size: int | None = None         # DeepSpeed ZeRO-3, elements; None: DeepSpeed's default (1e9)
     zero3_init: bool = False                  # ZeRO-3 partitions while loading (Accelerate's `zero3_init_flag`)
     method: str = "sft"                       # "dpo": a frozen reference model and two sequences per pair
+    peft: bool = False                        # a live model with peft adapters (its lora_rank need not be known):
+                                              # DPO's reference is then the policy with its adapters disabled
 
     @property
     def nodes(self) -> int:
@@ -226,7 +228,7 @@ def reference_model_bytes(shape: ModelShape, setup: Setup) -> float:
     reference is the policy with its adapters disabled); under DeepSpeed an inference engine of the whole model in the
     half dtype, ZeRO-3 partitioned like the policy (`prepare_deepspeed`: stage 3 kept, any other stage run as 0);
     under FSDP sharded like the policy (`prepare_fsdp`); under DDP or one GPU a whole copy in the loaded dtype."""
-    if setup.method != "dpo" or setup.lora_rank:
+    if setup.method != "dpo" or setup.lora_rank or setup.peft:
         return 0
     model = shape.num_parameters * _half_or_fp32(setup)
     if setup.strategy == "deepspeed":
