@@ -15,7 +15,7 @@ from finetune.cli import main
 # Held out: in the synthetic eval split, not among the training inputs (checked below). The fixture's model gets about
 # nine in ten held-out reversals right (exact match 0.87-0.99 after 800 to 1500 steps, varying with the libraries'
 # versions), so the one-shot test asks eight and wants a clear majority right, each answer alone on its line.
-HELD_OUT = ["plihu", "jvvsk", "dyl", "utpto", "cfwd", "qph", "vro", "oqva"]
+HELD_OUT = ["plihu", "jvvsk", "dyl", "utpto", "cfwd", "qph", "irc", "oqva"]
 # A LoRA run whose adapter changes the greedy answer (after 3 steps it is the base's, after 5 to 10 it is empty).
 LORA_RUN = ["--use_lora", "true", "--lora_r", "8", "--learning_rate", "1e-2", "--max_steps", "40",
             "--eval_on_start", "false", "--generation_eval_samples", "0", "--max_eval_samples", "10",
