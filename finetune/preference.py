@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from datasets import Dataset, interleave_datasets
+from datasets import Dataset, concatenate_datasets, interleave_datasets
 from trl import DPOConfig, DPOTrainer
 
 from finetune.args import FinetuneTrainingArguments
@@ -160,8 +160,7 @@ def load_preference_data(data_args, seed: int) -> PreferenceData:
             if dataset is None:
                 record[split] = None
                 continue
-            if data_args.dataset == presets.SYNTHETIC_DATASET and data_args.train_file is None \
-                    and not data_args.mix_files and "task" in dataset.column_names:
+            if source.name == presets.SYNTHETIC_DATASET:  # the embedded tasks (finetune.data.loading names it)
                 pair_format, pairs = "synthetic_pairs", synthetic_pairs(dataset, seed + (split == "eval"))
             else:
                 pair_format = detect_pair_format(dataset.column_names)
@@ -172,11 +171,7 @@ def load_preference_data(data_args, seed: int) -> PreferenceData:
             (trains if split == "train" else evals).append(pairs)
         sources.append(record)
     train = interleave_datasets(trains, probabilities=raw.weights, seed=seed) if len(trains) > 1 else trains[0]
-    evaluation = None
-    if evals:
-        from datasets import concatenate_datasets
-
-        evaluation = concatenate_datasets(evals) if len(evals) > 1 else evals[0]
+    evaluation = (concatenate_datasets(evals) if len(evals) > 1 else evals[0]) if evals else None
     summary = {"method": "dpo", "sources": sources, "train_rows": len(train),
                "eval_rows": 0 if evaluation is None else len(evaluation)}
     return PreferenceData(train, evaluation, summary)
