@@ -61,8 +61,8 @@ def train(recipe: Recipe) -> dict:
                            strategy=recipe.strategy)
         if recipe.lora.use_lora and not dpo:  # DPO: TRL applies the adapters (finetune.preference.dpo_trainer)
             model = apply_lora(model, recipe.lora)
-        # fp32 master weights under mixed precision, whatever dtype the checkpoint was stored in
-        hold_trainable_parameters(model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
+        if not dpo:  # DPO: once TRL has applied any adapters, or a LoRA run's frozen base would be cast too
+            hold_trainable_parameters(model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
 
         data = prepare_preference_data(recipe) if dpo else prepare_data(recipe, tokenizer, model)
         resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"])  # may stop: nothing written yet
@@ -179,7 +179,8 @@ def dpo_trainer(recipe: Recipe, model, tokenizer, data, callbacks):
                                      train_data=data.summary["train_fingerprint"])
     except (ValueError, NotImplementedError) as error:  # TRL's refusals of a setting, said in one line
         raise RecipeError(f"TRL's DPOTrainer refuses this recipe: {str(error).splitlines()[0]}") from None
-    # adapters TRL added are held as the strategy holds trainable weights (fp32 under mixed precision)
+    # fp32 master weights under mixed precision, whatever dtype the checkpoint was stored in (the adapters TRL added,
+    # or every weight of a full run); the frozen base and the reference keep the loaded dtype
     hold_trainable_parameters(trainer.model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
     return trainer
 

@@ -111,23 +111,28 @@ def test_a_resumed_dpo_run_logs_the_uninterrupted_runs_losses(dpo_runs, trained_
                                                                          ["reward_accuracy"], abs=1e-6)
 
 
-def test_dpo_on_a_bf16_hub_like_checkpoint_keeps_its_reference_in_bf16_and_trains_fp32_masters(hub_model_dir,
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_dpo_on_a_bf16_hub_like_checkpoint_keeps_its_reference_in_bf16_and_trains_fp32_masters(hub_model_dir, lora,
                                                                                                  tmp_path):
     """The one-GPU user's path: a bf16 safetensors checkpoint with a BPE tokenizer and its own ChatML template, bf16
     mixed precision, one process. The pairs are rendered with the checkpoint's template; the reference stays as loaded
-    (bf16, 2 bytes a parameter) while the policy trains on fp32 masters, both as predicted."""
+    (bf16, 2 bytes a parameter) while the policy trains on fp32 masters, both as predicted. Under LoRA there is no
+    reference copy and the frozen base stays bf16: only the adapters are fp32."""
     from safetensors.torch import load_file
 
     command = finetune_command("train", "recipes/demo.yaml", "--model_name_or_path", str(hub_model_dir),
                                "--output_dir", str(tmp_path), "--method", "dpo", "--bf16", "true", "--max_steps", "4",
                                "--per_device_train_batch_size", "4", "--learning_rate", "1e-4", "--logging_steps", "2",
-                               "--eval_on_start", "false", "--max_eval_samples", "8", "--disable_tqdm", "true")
+                               "--eval_on_start", "false", "--max_eval_samples", "8", "--disable_tqdm", "true",
+                               *(["--use_lora", "true", "--lora_r", "4"] if lora else []))
     assert_succeeded(run(command))
     parameters = sum(tensor.numel() for tensor in load_file(hub_model_dir / "model.safetensors").values())
     (record,) = json.loads((tmp_path / "memory_report.json").read_text())["ranks"]
     measured, predicted = record["measured"], record["predicted"]
-    assert measured["reference_bytes"] == predicted["reference_bytes"] == 2 * parameters
-    assert measured["params_bytes"] == predicted["params_bytes"] == 4 * parameters
+    adapters = predicted["estimate"]["trainable_parameters"]
+    assert measured["reference_bytes"] == predicted["reference_bytes"] == (0 if lora else 2 * parameters)
+    held = 2 * parameters + 4 * adapters if lora else 4 * parameters
+    assert measured["params_bytes"] == predicted["params_bytes"] == held
     summary = results(tmp_path)
     assert summary["method"] == "dpo" and 0 < summary["after"]["eval_loss"] < 1.5
     assert "reward_accuracy" in summary["after"]
