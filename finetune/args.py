@@ -191,7 +191,8 @@ class LoraArguments:
             import importlib.util
 
             if importlib.util.find_spec("bitsandbytes") is None:
-                raise RecipeError("`use_qlora: true` needs bitsandbytes: pip install 'finetune-kit[qlora]'.")
+                raise RecipeError("`use_qlora: true` needs bitsandbytes: pip install bitsandbytes "
+                                  "(the `qlora` extra of finetune-kit).")
             self.use_lora = True
         self._check_adapter_keys()
 

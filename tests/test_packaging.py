@@ -80,19 +80,25 @@ class FreshVenv(NamedTuple):
     after: dict[str, int]
 
 
-@pytest.fixture(scope="module")
-def fresh_venv(wheel, tmp_path_factory) -> FreshVenv:
+def new_venv(root: Path) -> tuple[Path, Path]:
     """A new virtualenv that sees this environment's packages (a .pth file lists its site-packages, as
-    --system-site-packages would list the interpreter's), with the wheel installed offline: pip resolves every
-    dependency from what it sees or fails. pip comes from this environment too (`--without-pip`): the one ensurepip
-    bundles brings a setuptools older than torch requires, which would shadow this environment's."""
-    root = tmp_path_factory.mktemp("fresh") / "venv"
+    --system-site-packages would list the interpreter's): pip resolves every dependency from what it sees or fails.
+    pip comes from this environment too (`--without-pip`): the one ensurepip bundles brings a setuptools older than
+    torch requires, which would shadow this environment's. Returns its python and site-packages."""
     assert_succeeded(run([sys.executable, "-m", "venv", "--without-pip", str(root)]))
     python = root / "bin" / "python"
     where = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
     assert_succeeded(where)
     site_packages = Path(where.output.strip())
     (site_packages / "project_environment.pth").write_text("".join(f"{path}\n" for path in site.getsitepackages()))
+    return python, site_packages
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(wheel, tmp_path_factory) -> FreshVenv:
+    """A new virtualenv with the wheel installed offline."""
+    root = tmp_path_factory.mktemp("fresh") / "venv"
+    python, site_packages = new_venv(root)
     before = this_environment()
     install = run([str(python), *PIP, "install", "--no-index", str(wheel)], env=OFFLINE, cwd=root, timeout=300)
     assert_succeeded(install)
@@ -166,6 +172,8 @@ def test_notebook_installs_the_distribution_and_opens_in_colab_from_the_reposito
     assert requirement.name == PROJECT["name"]
     assert requirement.extras <= set(PROJECT["optional-dependencies"]) and "plots" in requirement.extras
     assert ("qlora" in requirement.extras) == ("qlora" in path.name)
+    # Not on the package index yet: the cell installs from the repository (a name alone would fail on a fresh Colab).
+    assert requirement.url == f"git+{PROJECT['urls']['Repository']}"
     assert 'if importlib.util.find_spec("finetune") is None:' in install.source  # nothing to do where installed
     badges = [url for cell in notebook.cells for url in COLAB_BADGE.findall(cell.source)]
     assert notebook.cells[0].cell_type == "markdown" and COLAB_BADGE.search(notebook.cells[0].source)
@@ -176,3 +184,25 @@ def test_notebooks_readme_badges_open_the_notebooks_of_the_repository():
     badges = COLAB_BADGE.findall((PROJECT_ROOT / "notebooks" / "README.md").read_text())
     assert badges == [colab_url(path) for path in NOTEBOOKS]
 
+
+
+@pytest.mark.skipif(not (PROJECT_ROOT / ".git").exists() or shutil.which("git") is None,
+                    reason="needs the project as a git repository")
+def test_the_notebooks_install_cell_installs_from_the_repository_offline(tmp_path):
+    """The install cell's own requirement, with the repository's address pointed at this checkout's git repository
+    (what a fresh Colab gets from the real address): pip clones it, builds it and installs it with its extras offline,
+    and the command runs from the fresh venv."""
+    install = next(cell for cell in nbformat.read(NOTEBOOKS[0], as_version=4).cells if cell.cell_type == "code")
+    (spec,) = PIP_MAGIC.findall(install.source)
+    # file://localhost/...: the pip a venv bundles rejects a file URL without a host
+    local = spec.replace(PROJECT["urls"]["Repository"], f"file://localhost{PROJECT_ROOT}")
+    assert local != spec and Requirement(local).url.startswith("git+file://")
+    python, site_packages = new_venv(tmp_path / "venv")
+    result = run([str(python), *PIP, "install", "--no-index", "--no-build-isolation", local], env=OFFLINE,
+                 cwd=tmp_path, timeout=300)
+    assert_succeeded(result)
+    assert (site_packages / "finetune" / "__init__.py").is_file()  # installed, not linked to the checkout
+    plan = run([str(tmp_path / "venv" / "bin" / "finetune"), "plan", "--model", "tiny", "--gpus", "2",
+                "--gpu-memory", "24"], cwd=tmp_path)
+    assert_succeeded(plan)
+    assert "Recommended: DDP" in plan.output
