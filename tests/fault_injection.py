@@ -2,7 +2,8 @@
     accelerate launch --config_file C tests/fault_injection.py train recipes/demo.yaml ...
 
 FAULT_KILL_RANK=R, FAULT_KILL_STEP=N, FAULT_KILL_IN=step|save: rank R kills itself with SIGKILL when it starts
-step N, or when it starts saving the optimizer of the checkpoint at step N (the model files already written).
+step N, or when it starts saving the optimizer of the checkpoint at step N (the model files already written);
+FAULT_KILL_SIGNAL=SIGSTOP (or another signal's name) sends that signal instead, e.g. a rank that stops answering.
 FAULT_BATCH_LOG=DIR: each rank appends, per micro-batch, the step and a digest of each row to DIR/rank-R.jsonl.
 """
 
@@ -20,6 +21,7 @@ from finetune.cli import main
 KILL_RANK = int(os.environ.get("FAULT_KILL_RANK", "-1"))
 KILL_STEP = int(os.environ.get("FAULT_KILL_STEP", "-1"))
 KILL_IN = os.environ.get("FAULT_KILL_IN", "step")
+KILL_SIGNAL = getattr(signal, os.environ.get("FAULT_KILL_SIGNAL", "SIGKILL"))
 BATCH_LOG = os.environ.get("FAULT_BATCH_LOG")
 
 
@@ -31,7 +33,7 @@ def row_digest(input_ids, attention_mask) -> str:
 def kill_if(trainer, where: str) -> None:
     step = trainer.state.global_step + (where == "step")
     if where == KILL_IN and trainer.args.process_index == KILL_RANK and step == KILL_STEP:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), KILL_SIGNAL)
 
 
 original_training_step = Trainer.training_step

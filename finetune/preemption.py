@@ -1,0 +1,82 @@
+"""Preemption that saves: on SIGTERM (a preempted node, a SLURM job reaching its time limit) every rank saves a
+complete checkpoint at the step it is at and the run exits, to be resumed with `resume_from_checkpoint: auto`.
+
+The launcher forwards SIGTERM to its workers and SIGKILLs them after its shutdown timeout (torch.distributed.elastic:
+`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s by default); SLURM signals every process of the job step itself. Ranks receive
+it at slightly different moments, so at each step's end they all-reduce (MAX) a one-int "stop requested" flag and
+agree on the step; then Trainer's control flags make them save together (the mixin's `_save_checkpoint` marks the
+checkpoint complete once every rank has written its part) and stop. Without `save_on_preemption` SIGTERM keeps its
+default action: the run stops and the newest complete checkpoint stays as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from finetune.errors import RecipeError
+
+
+class Preempted(RecipeError):
+    """The run was asked to stop (SIGTERM) and saved a checkpoint to resume from."""
+
+
+def save_on_preemption(args) -> bool:
+    """`save_on_preemption`, on by default under SLURM, whose time limit ends a job with SIGTERM."""
+    if args.save_on_preemption is None:
+        return "SLURM_JOB_ID" in os.environ
+    return args.save_on_preemption
+
+
+class PreemptionCallback(TrainerCallback):
+    """Turns SIGTERM into a checkpoint at the step every rank agrees on, and then a `Preempted` error."""
+
+    def __init__(self):
+        self.requested = False
+        self.stop_step: int | None = None
+        self.previous_handler = None
+
+    def request_stop(self, signum, frame) -> None:
+        self.requested = True  # acted on at the next step's end: a signal handler must not enter a collective
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            self.previous_handler = signal.signal(signal.SIGTERM, self.request_stop)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.previous_handler is not None:
+            signal.signal(signal.SIGTERM, self.previous_handler)
+            self.previous_handler = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop_requested_on_any_rank(args):
+            self.stop_step = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def stop_requested_on_any_rank(self, args) -> bool:
+        if args.world_size < 2:
+            return self.requested
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(self.requested)], device=args.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one int a step: every rank stops at the same step
+        return bool(flag.item())
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.stop_step is None or state.global_step != self.stop_step:
+            return control
+        if args.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # the checkpoint is marked complete (on every node that saves) before any rank exits
+            dist.destroy_process_group()  # a group left alive aborts the interpreter at exit (gloo's threads)
+        self.on_train_end(args, state, control)
+        raise Preempted(f"preempted at step {state.global_step}: {PREFIX_CHECKPOINT_DIR}-{state.global_step} saved in "
+                        f"{args.output_dir}; resume with `resume_from_checkpoint: auto`.")

@@ -1,0 +1,202 @@
+"""A rank that stops answering ends the run within `ddp_timeout`, named; ranks whose launcher died stop and free the
+run lock; SIGTERM with `save_on_preemption` saves a complete checkpoint at the current step that `auto` resumes with
+the uninterrupted losses, and without it leaves the newest complete checkpoint as it was (finetune.watchdog,
+finetune.preemption). Faults are injected by tests/fault_injection.py."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from support import CPU_LAUNCHES, PROJECT_ROOT, assert_succeeded, run
+from torch.distributed import HashStore
+
+from finetune import outputs
+from finetune.checkpoints import is_complete
+from finetune.preemption import save_on_preemption
+from finetune.recipe import parse_recipe
+from finetune.watchdog import RankWatchdog
+
+FAULTS = ("tests/fault_injection.py",)
+DDP = CPU_LAUNCHES["ddp"]
+STEPS = 60
+SHORT_RUN = ["--max_steps", str(STEPS), "--logging_steps", "1", "--eval_on_start", "false",
+             "--generation_eval_samples", "0", "--report_to", "none", "--memory_report", "false",
+             "--throughput_report", "false", "--save_strategy", "steps", "--save_steps", "10"]
+LOGGED_STEP = re.compile(r"\{'loss': ")
+
+
+class Launched:
+    """A 2-process DDP run of the demo recipe started in the background, its output in a file, its ranks known."""
+
+    def __init__(self, output_dir: Path, *extra: str, env: dict | None = None, program=FAULTS):
+        self.log = output_dir.with_name(output_dir.name + ".log")
+        command = DDP._replace(program=program).command("train", "recipes/demo.yaml", "--output_dir", str(output_dir),
+                                                        *SHORT_RUN, *extra)
+        with self.log.open("w") as log:
+            self.launcher = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.ranks: list[psutil.Process] = []
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for_steps(self, steps: int, timeout: float = 300) -> None:
+        """Until rank 0 has logged `steps` losses; the ranks are known from then on."""
+        deadline = time.monotonic() + timeout
+        while len(LOGGED_STEP.findall(self.output())) < steps:
+            assert self.launcher.poll() is None and time.monotonic() < deadline, self.output()[-6000:]
+            time.sleep(0.2)
+        self.ranks = psutil.Process(self.launcher.pid).children()
+        assert len(self.ranks) == 2
+
+    def ranks_alive(self) -> list[psutil.Process]:
+        return [rank for rank in self.ranks if rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE]
+
+    def wait_until_ranks_end(self, timeout: float) -> float:
+        """Seconds until every rank has ended (an AssertionError after `timeout`)."""
+        start = time.monotonic()
+        while self.ranks_alive():
+            assert time.monotonic() - start < timeout, f"ranks running after {timeout} s:\n{self.output()[-6000:]}"
+            time.sleep(0.2)
+        return time.monotonic() - start
+
+    def end(self) -> None:
+        """Stops whatever is left of this launch (the launcher and the ranks this test started)."""
+        for process in [psutil.Process(self.launcher.pid), *self.ranks] if self.launcher.poll() is None else self.ranks:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.launcher.wait(timeout=30)
+
+
+def logged_losses(output_dir: Path) -> dict[int, float]:
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
+
+
+def test_a_silent_neighbour_is_named_after_the_timeout_and_a_finished_one_is_not():
+    store = HashStore()
+    watchdog = RankWatchdog(store, rank=0, world_size=4, timeout=20, parent=os.getppid())
+    assert watchdog.neighbours == [1, 3]
+    store.set("1", "7")
+    store.set("3", "done")
+    assert watchdog.silent_neighbours(0.5) == []  # first sight of rank 1's beat
+    time.sleep(0.6)
+    assert watchdog.silent_neighbours(0.5) == [1]  # its beat stood still; rank 3 ended its run
+    store.set("1", "8")
+    assert watchdog.silent_neighbours(0.5) == []
+    assert "rank 1 stopped answering" in watchdog.silence_message([1])
+
+
+def test_save_on_preemption_is_on_under_slurm_by_default_and_as_the_recipe_says(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert not save_on_preemption(parse_recipe("recipes/demo.yaml", ["--use_cpu", "true"]).training)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert save_on_preemption(parse_recipe("recipes/demo.yaml", ["--use_cpu", "true"]).training)
+    assert not save_on_preemption(parse_recipe("recipes/demo.yaml", ["--use_cpu", "true",
+                                                                     "--save_on_preemption", "false"]).training)
+
+
+@pytest.mark.distributed
+def test_a_stopped_rank_ends_the_run_within_ddp_timeout_naming_it(tmp_path):
+    timeout = 20
+    launch = Launched(tmp_path / "run", "--ddp_timeout", str(timeout), "--max_steps", "2000",
+                      env={"FAULT_KILL_RANK": "1", "FAULT_KILL_STEP": "3", "FAULT_KILL_SIGNAL": "SIGSTOP"})
+    try:
+        launch.wait_for_steps(2)
+        deadline = time.monotonic() + 60
+        while launch.ranks[1].status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stopped = time.monotonic()
+        launch.launcher.wait(timeout=timeout + 120)
+        ended_after = time.monotonic() - stopped
+        launch.wait_until_ranks_end(5)
+    finally:
+        launch.end()
+    # the timeout, a beat, the launcher's 30 s of grace before it SIGKILLs the stopped rank (~52 s), and slack for a
+    # loaded machine: far below the ten minutes a stopped rank used to hang for
+    assert ended_after < timeout + 90, ended_after
+    assert launch.launcher.returncode != 0
+    assert "rank 1 stopped answering: no heartbeat for 20 s (ddp_timeout 20)" in launch.output()
+
+
+@pytest.mark.distributed
+def test_ranks_whose_launcher_was_killed_stop_and_free_the_run_lock(tmp_path):
+    launch = Launched(tmp_path / "run", "--max_steps", "2000", program=("-m", "finetune"))
+    try:
+        launch.wait_for_steps(2)
+        launch.launcher.kill()
+        seconds = launch.wait_until_ranks_end(10)
+    finally:
+        launch.end()
+    with (tmp_path / "run" / outputs.RUN_LOCK).open() as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: raises BlockingIOError while a rank holds it
+    assert seconds < 10
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    assert_succeeded(run(DDP.command("train", "recipes/demo.yaml", "--output_dir", str(output_dir), *SHORT_RUN)))
+    return logged_losses(output_dir)
+
+
+def sigterm_launcher_mid_run(output_dir: Path, *extra: str) -> tuple[Launched, int, float]:
+    """Starts a run, sends SIGTERM to its launcher after step 13 has been logged; (the launch, the steps logged by
+    then, seconds until every rank ended)."""
+    launch = Launched(output_dir, *extra, program=("-m", "finetune"))
+    try:
+        launch.wait_for_steps(13)
+        logged = len(LOGGED_STEP.findall(launch.output()))
+        launch.launcher.send_signal(signal.SIGTERM)
+        seconds = launch.wait_until_ranks_end(60)
+        launch.launcher.wait(timeout=30)
+    finally:
+        launch.end()
+    return launch, logged, seconds
+
+
+@pytest.mark.distributed
+def test_sigterm_with_save_on_preemption_saves_the_current_step_and_auto_resumes_it_exactly(tmp_path, uninterrupted):
+    output_dir = tmp_path / "run"
+    launch, logged, seconds = sigterm_launcher_mid_run(output_dir, "--save_on_preemption", "true")
+    assert seconds < 60
+    assert launch.launcher.returncode != 0
+    preempted = re.search(r"preempted at step (\d+): checkpoint-(\d+) saved", launch.output())
+    assert preempted, launch.output()[-6000:]
+    step = int(preempted.group(1))
+    assert logged <= step < STEPS and preempted.group(2) == str(step)  # the step it was at, not the last save (10)
+    assert is_complete(output_dir / f"checkpoint-{step}")
+
+    resumed = run(DDP.command("train", "recipes/demo.yaml", "--output_dir", str(output_dir), *SHORT_RUN,
+                              "--resume_from_checkpoint", "auto"))
+    assert_succeeded(resumed)
+    assert f"resuming from {output_dir / f'checkpoint-{step}'}" in resumed.output
+    losses = logged_losses(output_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert [losses[s] for s in range(step + 1, STEPS + 1)] == pytest.approx(
+        [uninterrupted[s] for s in range(step + 1, STEPS + 1)], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_sigterm_without_save_on_preemption_leaves_the_newest_complete_checkpoint_intact(tmp_path):
+    output_dir = tmp_path / "run"
+    launch, logged, seconds = sigterm_launcher_mid_run(output_dir, "--save_on_preemption", "false")
+    assert launch.launcher.returncode != 0
+    assert "preempted at step" not in launch.output()
+    assert seconds < 60
+    assert not (output_dir / outputs.EVAL_RESULTS).exists()  # stopped mid-run
+    complete = sorted(int(folder.name.split("-")[1]) for folder in output_dir.glob("checkpoint-*")
+                      if is_complete(folder))
+    assert complete and complete == list(range(10, complete[-1] + 1, 10))  # only the regular saves, each complete
+    assert complete[-1] <= logged + 10
