@@ -3,7 +3,8 @@
 Trainer writes a checkpoint's files in place, so a run killed mid-save leaves a folder that looks like a
 checkpoint. After each save, all ranks meet and rank 0 writes `finetune_complete.json` into the folder (with the
 recipe and the layout it was trained with); only then are older checkpoints rotated out. `resume_from_checkpoint:
-auto` takes the newest folder that has the marker and names each newer one it skips.
+auto` takes the newest folder that has the marker and holds every file a resume needs, whole
+(`finetune.checkpoint_files`), and names each newer one it skips, with the file at fault.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -20,16 +20,21 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune import outputs
+from finetune.checkpoint_files import (  # noqa: F401 (check_checkpoint_files: resume and export call it from here)
+    CHECKPOINT_NAME,
+    UnsafeCheckpointFile,
+    check_checkpoint_files,
+    deepspeed_tag_problem,
+    file_damage,
+    files_loaders_open,
+)
 from finetune.errors import RecipeError
 from finetune.memory.ledger import optimizer_chain
 from finetune.outputs import CHECKPOINT_COMPLETE as COMPLETE_MARKER
 from finetune.strategies import Strategy, prepared_strategy
 
-CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-
-
 # Keys whose change between a run and its resumption is expected, not worth a warning.
-RESUME_KEYS_IGNORED = {"resume_from_checkpoint", "output_dir"}
+RESUME_KEYS_IGNORED = {"resume_from_checkpoint", "output_dir", "save_on_preemption"}
 
 
 PLANNED = "set by the batch plan for the launch"
@@ -112,11 +117,18 @@ def is_complete(checkpoint: str | Path) -> bool:
 
 
 def why_incomplete(checkpoint: str | Path) -> str:
-    """How a skipped checkpoint is named to the user."""
+    """How a skipped checkpoint is named to the user: its save was interrupted, or a file it needs is missing or
+    damaged (which, and why)."""
     marker = Path(checkpoint) / COMPLETE_MARKER
-    if marker.is_file():
+    if marker.is_file() and not is_complete(checkpoint):
         return f"its marker {marker} is damaged (not the record a finished save writes)"
-    return "incomplete (its save was interrupted)"
+    if not marker.is_file():
+        return "incomplete (its save was interrupted)"
+    try:
+        damage = resume_damage(checkpoint)
+    except UnsafeCheckpointFile as error:
+        return str(error)
+    return f"damaged: {damage}" if damage else "complete"
 
 
 def recipe_changes(checkpoint: Path, now: dict[str, str]) -> list[str]:
@@ -181,13 +193,14 @@ def checkpoints_newest_first(output_dir: str | Path) -> list[Path]:
     return sorted(folders, key=checkpoint_step, reverse=True)
 
 
-def newest_complete_checkpoint(output_dir: str | Path) -> tuple[Path | None, list[Path]]:
-    """The newest complete checkpoint in `output_dir` (or None) and the newer, incomplete ones skipped."""
+def newest_complete_checkpoint(output_dir: str | Path, whole: bool = False) -> tuple[Path | None, list[Path]]:
+    """The newest complete checkpoint in `output_dir` (or None) and the newer ones skipped; with `whole`, one whose
+    every file a resume reads is there and reads (`resumable`), as a resume takes it."""
     if not os.path.isdir(output_dir):
         return None, []
     skipped = []
     for folder in checkpoints_newest_first(output_dir):
-        if is_complete(folder):
+        if resumable(folder) if whole else is_complete(folder):
             return folder, skipped
         skipped.append(folder)
     return None, skipped
@@ -199,14 +212,14 @@ def agree_on_newest_complete(output_dir: str | Path, world_size: int) -> tuple[P
     naming the newer ones some nodes skip. Nodes that share no complete step stop, all of them, with the steps each
     has: one starting fresh while another resumes would train different models and hang at the first collective."""
     if world_size == 1:
-        return newest_complete_checkpoint(output_dir)
+        return newest_complete_checkpoint(output_dir, whole=True)
     import socket
 
     from accelerate.utils import gather_object
 
     folders = checkpoints_newest_first(output_dir) if os.path.isdir(output_dir) else []
     here = {"host": socket.gethostname(), "folder": str(Path(output_dir).resolve()),
-            "steps": [checkpoint_step(folder) for folder in folders if is_complete(folder)]}
+            "steps": [checkpoint_step(folder) for folder in folders if resumable(folder)]}
     views = gather_object([here])
     common = set.intersection(*(set(view["steps"]) for view in views))
     if not common and any(view["steps"] for view in views):
@@ -219,7 +232,7 @@ def agree_on_newest_complete(output_dir: str | Path, world_size: int) -> tuple[P
     if not common:
         return None, []
     step = max(common)
-    skipped = [folder for folder in folders if checkpoint_step(folder) > step and not is_complete(folder)]
+    skipped = [folder for folder in folders if checkpoint_step(folder) > step and not resumable(folder)]
     newer = [f"rank {rank} ({view['host']}, {view['folder']})" for rank, view in enumerate(views)
              if max(view["steps"]) > step]
     if newer and PartialState().is_main_process:
@@ -237,6 +250,10 @@ def check_explicit_checkpoint(path: str) -> None:
         raise RecipeError(f"`resume_from_checkpoint: {path}` is incomplete (no trainer_state.json): its save was "
                           "interrupted. Resume from an earlier checkpoint, or use auto to pick the newest complete "
                           "one.")
+    damage = resume_damage(folder)  # an unsafe file raises here, by name
+    if damage is not None:
+        raise RecipeError(f"`resume_from_checkpoint: {path}` is damaged: {damage}. Resume from another checkpoint, or "
+                          "use auto to pick the newest whole one.")
 
 
 def layout_strategy(layout: dict) -> Strategy:
@@ -339,29 +356,67 @@ def prepare_resume(trainer, checkpoint: str) -> None:
               "DeepSpeed's universal checkpoint format")
 
 
-# Globals Trainer's and DeepSpeed's own checkpoint files reference besides tensors (numpy RNG state, DeepSpeed's
-# ZeRO stage enum and loss scaler). Anything else in a pickle could run code when loaded.
-SAFE_GLOBALS = {"numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
-                "numpy._core.multiarray._reconstruct", "deepspeed.utils.tensor_fragment.fragment_address"}
-SAFE_GLOBAL_PREFIXES = ("numpy.dtypes.", "deepspeed.runtime.zero.config.", "deepspeed.runtime.fp16.loss_scaler.")
-PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
+def rank_files(pattern: str, world_size: int) -> list[str]:
+    return [pattern.format(rank=rank) for rank in range(world_size)]
 
 
-def check_checkpoint_files(folder: str | Path) -> None:
-    """Refuses a checkpoint whose pickled files reference anything but tensors and the known state classes, read
-    without unpickling (`torch.serialization.get_unsafe_globals_in_checkpoint`): DeepSpeed loads its own files
-    with `weights_only=False`, so this is the check that keeps a planted payload from running."""
-    import torch
+def files_a_resume_needs(folder: Path) -> list[list[str]]:
+    """What Trainer reads back to resume from `folder` under the strategy its marker records (else the one its files
+    show): for each need, the names (glob patterns, relative to `folder`) of which one must exist.
+    Trainer: `_load_from_checkpoint` (weights, unless DeepSpeed or FSDP loads them), `_load_optimizer_and_scheduler`
+    (optimizer.pt and scheduler.pt; DeepSpeed's engine its global_step folder; FSDP its optimizer folder),
+    `_load_rng_state` (one file a rank) and `trainer_state.json`."""
+    marker = read_marker(folder)
+    if "strategy" in marker or "zero_stage" in marker:
+        kind = layout_strategy(marker).kind
+    else:
+        kind = ("deepspeed" if any(folder.glob("global_step*")) else
+                "fsdp" if any(folder.glob("pytorch_model_fsdp*")) else "ddp")
+    world_size = marker.get("world_size", 1)
+    rng = [["rng_state.pth"]] if world_size == 1 else [[name] for name in rank_files("rng_state_{rank}.pth",
+                                                                                         world_size)]
+    needs = [["trainer_state.json"], *rng]
+    if kind == "deepspeed":
+        tag = (folder / "latest").read_text(errors="replace").strip() if (folder / "latest").is_file() else "*"
+        needs += [["latest"], [f"{tag}/*model_states.pt"]]
+        if marker.get("zero_stage", 1):  # ZeRO-1/2/3 partition the optimizer: one file a rank
+            needs += [[name] for name in rank_files(f"{tag}/*zero_pp_rank_{{rank}}_mp_rank_00_optim_states.pt",
+                                                    world_size)]
+    elif kind == "fsdp":
+        # Accelerate's `save_fsdp_model`/`save_fsdp_optimizer`: a distributed checkpoint folder (sharded state
+        # dicts, the shipped configs) or `.bin` files (full or local state dicts)
+        needs += [["pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp*.bin"], ["optimizer_0/.metadata",
+                                                                                "optimizer*.bin"], ["scheduler.pt"]]
+    else:
+        needs += [["model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+                   "pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_model.bin"],
+                  ["optimizer.pt", "optimizer.bin"], ["scheduler.pt"]]
+    return needs
 
-    for path in sorted(Path(folder).rglob("*")):
-        if path.suffix not in PICKLE_SUFFIXES or path.name == "training_args.bin":  # never loaded to resume
-            continue
-        try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        except Exception as error:  # not a torch zip file at all
-            raise RecipeError(f"{path} is not a readable checkpoint file ({error}); refusing to resume from "
-                              "it.") from None
-        unsafe = [name for name in names if name not in SAFE_GLOBALS and not name.startswith(SAFE_GLOBAL_PREFIXES)]
-        if unsafe:
-            raise RecipeError(f"{path} references {', '.join(unsafe[:3])}, which is not checkpoint state; refusing "
-                              "to load it (a pickled file can run code). Resume from a checkpoint you trust.")
+
+def resume_damage(folder: str | Path) -> str | None:
+    """Why a checkpoint cannot be resumed from, naming the file (None when whole): a file a resume needs is missing,
+    or a file it opens does not read. Raises UnsafeCheckpointFile for a file that could run code."""
+    folder = Path(folder)
+    tag_problem = deepspeed_tag_problem(folder)  # first: the needs below look inside the folder `latest` names
+    if tag_problem is not None:
+        return tag_problem
+    for names in files_a_resume_needs(folder):
+        if not any(any(folder.glob(name)) for name in names):
+            return f"{folder / names[0]} is missing (a resume needs it: Trainer would go on without it, or stop)"
+    for path in files_loaders_open(folder):
+        damage = file_damage(path)
+        if damage is not None:
+            return f"{path} {damage}"
+    return None
+
+
+def resumable(folder: Path) -> bool:
+    """Complete and whole: every rank saved it and every file a resume reads is there and reads (an unsafe file
+    counts as whole here, to be refused by name when it is picked)."""
+    if not is_complete(folder):
+        return False
+    try:
+        return resume_damage(folder) is None
+    except UnsafeCheckpointFile:
+        return True

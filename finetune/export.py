@@ -8,32 +8,48 @@
   under LoRA the shards hold the adapters only, loaded into the base its `adapter_config.json` names.
 - A LoRA adapter (`adapter_config.json`) is merged into its base (`--merge-lora`) or saved as a standalone
   adapter. The base is `--base-model`, else the adapter's `base_model_name_or_path`; the `tiny` preset is
-  rebuilt from `--seed` (the recipe's seed).
-Weights are read from safetensors, or from ZeRO shards only after `check_checkpoint_files` found nothing but
-tensors and known state in them.
+  rebuilt from `--seed`, else from the seed the run recorded (its `training_args.bin`, read without unpickling).
+Every file the loaders will open is checked first (`check_checkpoint_files`: whole safetensors and JSON, pickles
+holding nothing but tensors and known state, symlinks followed); a run still training or a half-written checkpoint
+is refused by name with the complete checkpoints to use instead. The destination is never the source, inside it or
+around it, and a non-empty folder is written into only when it holds an earlier export, or with `--force`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import torch
 
-from finetune import presets
-from finetune.checkpoints import check_checkpoint_files
+from finetune import outputs, presets, run_lock
+from finetune.checkpoints import (
+    CHECKPOINT_NAME,
+    check_checkpoint_files,
+    checkpoints_newest_first,
+    file_damage,
+    is_complete,
+    read_marker,
+    why_incomplete,
+)
 from finetune.errors import RecipeError
 from finetune.models import DTYPES
+
+# Written into every export: the folder may be exported into again (its earlier files replaced), and only then.
+EXPORT_RECORD = "finetune_export.json"
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                  "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _base_model(name: str | None, seed: int):
+def _base_model(name: str | None, seed: int | None, source: Path):
     from transformers import AutoModelForCausalLM
 
     if not name:
         raise RecipeError("the adapter does not name its base model: pass --base-model (a directory, hub id or tiny).")
     if name == presets.TINY_MODEL:
+        seed = run_seed(source) if seed is None else seed
         model = presets.build_model(presets.build_tokenizer(), seed=seed)
         model.config.name_or_path = model.name_or_path = presets.TINY_MODEL  # what the adapter names as its base
         return model
@@ -44,21 +60,105 @@ def _zero_shards(directory: Path) -> bool:
     return any(path.is_dir() and path.name.startswith("global_step") for path in directory.iterdir())
 
 
-def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed: int):
-    """`(model, is_adapter)` for `source`."""
+def run_seed(source: Path) -> int:
+    """The seed the run of `source` trained with, which built its `tiny` base: from the `training_args.bin` Trainer
+    saved beside the weights (the checkpoint's, else its run's), else from the recipe its marker records."""
+    folders = [source, source.parent] if CHECKPOINT_NAME.match(source.name) else [source]
+    for folder in folders:
+        if (folder / "training_args.bin").is_file():
+            seed = seed_in_training_args(folder / "training_args.bin")
+            if seed is not None:
+                return seed
+    recorded = read_marker(source).get("recipe", {}).get("seed")
+    if isinstance(recorded, str) and recorded.lstrip("-").isdigit():
+        return int(recorded)
+    raise RecipeError(f"{source} records no seed (no training_args.bin beside it): pass --seed, the recipe's seed, "
+                      "which built the `tiny` base the adapter was trained on.")
+
+
+def seed_in_training_args(path: Path) -> int | None:
+    """`seed` in the TrainingArguments Trainer saved with `torch.save` (a zip holding `<name>/data.pkl`), read opcode by
+    opcode (`pickletools`), never unpickled: the integer that follows the `seed` key of its state."""
+    import pickletools
+    import zipfile
+
+    previous = None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickled = next(name for name in archive.namelist() if name.endswith("/data.pkl"))
+            for opcode, arg, _ in pickletools.genops(archive.read(pickled)):
+                if opcode.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    continue
+                if previous == "seed":
+                    return arg if isinstance(arg, int) and not isinstance(arg, bool) else None
+                previous = arg if "UNICODE" in opcode.name else None
+    except (ValueError, OSError, StopIteration, zipfile.BadZipFile):  # a damaged file: no seed read from it
+        return None
+    return None
+
+
+def live_run(output_dir: Path) -> dict | None:
+    """The lock record (finetune.run_lock) of the run training in `output_dir` now, or None: the lock file is held
+    (a shared flock cannot be taken; when it can, it is let go at once)."""
+    import fcntl
+
+    path = run_lock.lock_path(output_dir)
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return run_lock.read_holder(fd)
+    except OSError:  # no flock on this filesystem: nothing tells a live run from a finished one
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_finished(source: Path) -> None:
+    """Refuses a run still training (its final weights are not written yet) and a checkpoint its run has not finished
+    saving, naming the live run and the complete checkpoints to use instead."""
+    is_checkpoint = CHECKPOINT_NAME.match(source.name) is not None
+    run_dir = source.parent if is_checkpoint else source
+    ours = (run_dir / outputs.RUN_LOCK).is_file()  # a folder `finetune train` wrote (a foreign one has no marker)
+    if not ours or (is_checkpoint and is_complete(source)):
+        return
+    holder = live_run(run_dir)
+    if holder is None and not is_checkpoint:
+        return
+    complete = [str(folder) for folder in checkpoints_newest_first(run_dir) if is_complete(folder)]
+    instead = (f"use one of its complete checkpoints: {', '.join(complete)}" if complete else
+               "it has no complete checkpoint yet: wait for its first save")
+    training = "" if holder is None else f"; {run_dir} is still being trained by {run_lock.name_of(holder)}"
+    if is_checkpoint:
+        raise RecipeError(f"{source} is {why_incomplete(source)}{training}: {instead}.")
+    raise RecipeError(f"{source} is still being trained by {run_lock.name_of(holder)}, so its final weights are not "
+                      f"written yet: {instead}, or wait for the run to end.")
+
+
+def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed: int | None):
+    """`(model, is_adapter)` for `source`, once every file it will read has been checked."""
     from transformers import AutoModelForCausalLM
 
     if not source.is_dir():
         raise RecipeError(f"{source} is not a directory: give a run's output_dir or one of its checkpoint-N folders.")
+    check_finished(source)
+    weights = ("model.safetensors", "model.safetensors.index.json", "adapter_config.json", FSDP_MODEL_SHARDS)
+    if (source / "pytorch_model.bin").is_file() and not any((source / name).exists() for name in weights) and not (
+            (source / "config.json").is_file() and _zero_shards(source)):
+        raise RecipeError(f"{source} has only pickled weights (pytorch_model.bin); they are not loaded, for safety. "
+                          "Convert them where you trust the file, e.g. with safetensors' convert script.")
+    check_checkpoint_files(source, skip_checkpoints=True)  # before anything is unpickled: DeepSpeed's shards in full
     if (source / FSDP_MODEL_SHARDS).is_dir():
         return _merged_fsdp_model(source, merge_lora, base_model, seed)
     if (source / "adapter_config.json").is_file():
-        import json
-
         from peft import PeftModel
 
         config = json.loads((source / "adapter_config.json").read_text())
-        base = _base_model(base_model or config.get("base_model_name_or_path"), seed)
+        base = _base_model(base_model or config.get("base_model_name_or_path"), seed, source)
         model = PeftModel.from_pretrained(base, source)
         return (model.merge_and_unload(), False) if merge_lora else (model, True)
     if merge_lora:
@@ -68,12 +168,8 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
     if (source / "config.json").is_file() and _zero_shards(source):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        check_checkpoint_files(source)  # DeepSpeed unpickles its shards in full
         state = get_fp32_state_dict_from_zero_checkpoint(str(source))
         return _model_from_state(state, source, f"the ZeRO shards in {source}"), False
-    if (source / "pytorch_model.bin").is_file():
-        raise RecipeError(f"{source} has only pickled weights (pytorch_model.bin); they are not loaded, for safety. "
-                          "Convert them where you trust the file, e.g. with safetensors' convert script.")
     raise RecipeError(f"{source} holds no model: expected model.safetensors, ZeRO shards (global_step*/) with "
                       f"config.json, FSDP shards ({FSDP_MODEL_SHARDS}/), or a LoRA adapter (adapter_config.json).")
 
@@ -81,7 +177,7 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
 FSDP_MODEL_SHARDS = "pytorch_model_fsdp_0"  # Accelerate's `save_fsdp_model` folder in a checkpoint
 
 
-def _merged_fsdp_model(source: Path, merge_lora: bool, base_model: str | None, seed: int):
+def _merged_fsdp_model(source: Path, merge_lora: bool, base_model: str | None, seed: int | None):
     """`(model, is_adapter)` from an FSDP checkpoint's shards: the whole model, or a LoRA run's adapters."""
     import tempfile
 
@@ -97,7 +193,7 @@ def _merged_fsdp_model(source: Path, merge_lora: bool, base_model: str | None, s
         from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
 
         config = PeftConfig.from_pretrained(adapter_dir)
-        model = get_peft_model(_base_model(base_model or config.base_model_name_or_path, seed), config)
+        model = get_peft_model(_base_model(base_model or config.base_model_name_or_path, seed, source), config)
         result = set_peft_model_state_dict(model, state)
         if result.unexpected_keys:
             raise RecipeError(f"the FSDP shards in {source} do not match {adapter_dir / 'adapter_config.json'} "
@@ -127,34 +223,81 @@ def _model_from_state(state: dict, config_dir: Path, what: str):
 
 
 def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dtype: str | None = None,
-           base_model: str | None = None, seed: int = 0) -> Path:
+           base_model: str | None = None, seed: int | None = None, force: bool = False) -> Path:
     source, out_dir = Path(source), Path(out_dir)
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise RecipeError(f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)}.")
     model, is_adapter = load_for_export(source, merge_lora, base_model, seed)
+    check_destination(source, out_dir, force)
     if dtype is not None:
         model = model.to(EXPORT_DTYPES[dtype])
+    forget_earlier_export(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    before = {path.name for path in out_dir.iterdir()}  # a user's files under --force are not this export's
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         found = _beside(source, name)
         if found is not None:
             (out_dir / name).write_bytes(found.read_bytes())
+    written = sorted(path.name for path in out_dir.iterdir() if path.name not in before | {EXPORT_RECORD})
+    outputs.write_record(out_dir, EXPORT_RECORD, {"source": str(source.resolve()), "dtype": dtype, "files": written})
     return out_dir
 
 
+def check_destination(source: Path, out_dir: Path, force: bool) -> None:
+    """Export never writes over what it reads: the destination is not the source, inside it or around it (a link
+    to either counts as it), nor a training run's output_dir or checkpoint, even under `force`. A non-empty folder
+    is written into only when an earlier export left it (its files are replaced) or with `force`: a user's files
+    are not overwritten unasked."""
+    source_real, out_real = source.resolve(), out_dir.resolve()
+    where = ("is" if out_real == source_real else "is inside" if out_real.is_relative_to(source_real) else
+             "holds" if source_real.is_relative_to(out_real) else None)
+    if where is not None:
+        raise RecipeError(f"the export destination {out_dir} {where} the source {source}: writing there would replace "
+                          "or mix with the weights it is read from. Give a directory outside the run.")
+    run_dir = out_real.parent if CHECKPOINT_NAME.match(out_real.name) else out_real
+    if (run_dir / outputs.RUN_LOCK).is_file():  # another checkpoint of the run, or another run: its weights
+        raise RecipeError(f"the export destination {out_dir} is {'a checkpoint of ' if run_dir != out_real else ''}"
+                          f"the training run {run_dir}: exporting there would replace the weights a resume or chat "
+                          "reads. Give a directory outside the run.")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RecipeError(f"the export destination {out_dir} is a file: give a directory.")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / EXPORT_RECORD).is_file() and not force:
+        raise RecipeError(f"the export destination {out_dir} is not empty and holds no earlier export "
+                          f"({EXPORT_RECORD}): give a new or empty directory, or pass --force to write into it.")
+
+
+def forget_earlier_export(out_dir: Path) -> None:
+    """Removes the files an earlier export into `out_dir` wrote, so none of its shards or adapter files is left beside
+    the new model."""
+    record = out_dir / EXPORT_RECORD
+    if not record.is_file():
+        return
+    try:
+        files = json.loads(record.read_text()).get("files", [])
+    except (ValueError, AttributeError):
+        files = []
+    for name in files:
+        if isinstance(name, str) and Path(name).name == name and (out_dir / name).is_file():
+            (out_dir / name).unlink()
+
+
 def _beside(source: Path, name: str) -> Path | None:
-    """`source/name`, else `source.parent/name`: a checkpoint's own file, else its run's."""
-    return next((folder / name for folder in (source, source.parent) if (folder / name).is_file()), None)
+    """`source/name`, else `source.parent/name` (a checkpoint's own file, else its run's), refused by name when it
+    does not read."""
+    found = next((folder / name for folder in (source, source.parent) if (folder / name).is_file()), None)
+    damage = None if found is None else file_damage(found)
+    if damage is not None:
+        raise RecipeError(f"{found} {damage}: it cannot be loaded. Copy it again from the model it came from.")
+    return found
 
 
-def load_with_tokenizer(source: str | Path, merge_lora: bool = False, base_model: str | None = None, seed: int = 0):
+def load_with_tokenizer(source: str | Path, merge_lora: bool = False, base_model: str | None = None,
+                        seed: int | None = None):
     """`(model, tokenizer)` for `source` in memory (what `finetune chat` talks to): the model as `load_for_export`
     loads it (an adapter not merged stays a peft model), and the tokenizer saved beside it, else its base's
     (`base_model`, or the one the adapter names), through `models.load_tokenizer` as training loaded it: a tokenizer
     without a chat template gets the default one training gave it."""
-    import json
-
     from finetune.args import ModelArguments
     from finetune.models import load_tokenizer
 

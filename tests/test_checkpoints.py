@@ -62,8 +62,11 @@ def refuses_a_planted_payload(launch, run_dir, tmp_path):
     torch.save({"rng": Payload(proof)}, checkpoint / "rng_state_1.pth")
     result = launch_demo(launch, run_dir, *RUN, "--resume_from_checkpoint", str(checkpoint))
     assert result.returncode != 0 and not proof.exists()
-    assert result.output.count(f"finetune: error: {checkpoint / 'rng_state_1.pth'} references io.open, which is "
-                               "not checkpoint state; refusing to load it") == 1
+    # once, by the rank that refused (the launcher's closing summary quotes it again, after `traceback : `)
+    refusal = (f"finetune: error: {checkpoint / 'rng_state_1.pth'} references io.open, which is not checkpoint "
+               "state; refusing to load it")
+    assert [line.startswith(refusal) for line in result.output.splitlines()].count(True) == 1
+    assert f"traceback : {refusal}" in result.output
 
 
 def test_an_explicit_checkpoint_that_does_not_exist_is_an_error(tmp_path):

@@ -1,5 +1,5 @@
-"""`finetune export CHECKPOINT OUT_DIR [--merge-lora] [--dtype bf16]`: a plain Hugging Face model directory in
-safetensors that `from_pretrained` loads."""
+"""`finetune export CHECKPOINT OUT_DIR [--merge-lora] [--dtype bf16] [--force]`: a plain Hugging Face model directory
+in safetensors that `from_pretrained` loads; never the source, and a user's files only with `--force`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ def export_command_parser(subparsers) -> None:
     parser.add_argument("--merge-lora", action="store_true", help="merge the LoRA adapter into its base model")
     parser.add_argument("--dtype", help="cast the weights: bf16, fp16 or fp32")
     parser.add_argument("--base-model", help="the adapter's base model (default: the one the adapter names)")
-    parser.add_argument("--seed", type=int, default=0, help="seed that built the `tiny` base (the recipe's seed)")
+    parser.add_argument("--seed", type=int, help="seed that built the `tiny` base (default: the seed the run "
+                        "recorded in its training_args.bin)")
+    parser.add_argument("--force", action="store_true", help="write into a non-empty directory that holds no "
+                        "earlier export")
     parser.set_defaults(func=export_command)
 
 
@@ -23,6 +26,6 @@ def export_command(args) -> int:
     from finetune.export import export
 
     out_dir = export(args.checkpoint, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype,
-                     base_model=args.base_model, seed=args.seed)
+                     base_model=args.base_model, seed=args.seed, force=args.force)
     print(f"exported {args.checkpoint} to {out_dir}")
     return 0
