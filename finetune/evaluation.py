@@ -2,7 +2,8 @@
 evaluation, and the before/after summary of a run (eval loss, exact match per task, sample answers).
 
 Every rank generates for its share of the examples and the results are gathered, so the work is split
-and ZeRO-3 (where all ranks must take part in each forward) works with `synced_gpus`.
+and ZeRO-3 (where all ranks must take part in each forward) works with `synced_gpus`. Generation (here and in
+`finetune chat`) stops at every token that ends an answer in training (`stop_token_ids`), not only at EOS.
 """
 
 from __future__ import annotations
@@ -17,12 +18,35 @@ from rich.table import Table
 from transformers import TrainerCallback
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
+from finetune.data.tokenize import turn_end_ids
+
+
+def stop_token_ids(tokenizer, generation_config, chat_template: bool = True) -> list[int]:
+    """Every token that ends an answer: the generation config's EOS (one or several), the tokenizer's, and, for
+    prompts rendered with the chat template, each token that closes an assistant turn in it, which training taught
+    the model to write (`finetune.data.tokenize.turn_end_ids`). A base model's EOS is often not its template's end of
+    turn (Qwen2.5 base: `<|endoftext|>`, ChatML turns end with `<|im_end|>`): stopping at EOS alone lets the model
+    write the user's next turn itself. Plain-text runs (prompt/completion, text) learned EOS alone."""
+    configured = generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, list) else [configured])
+    ids.add(tokenizer.eos_token_id)
+    if chat_template:
+        ids.update(turn_end_ids(tokenizer))
+    ids.discard(None)
+    return sorted(ids)
+
+
+def until_stop(ids: list[int], stop_ids: list[int]) -> list[int]:
+    """Generated ids before the first stop token (a batch's finished rows are padded after it)."""
+    return next((ids[:index] for index, token in enumerate(ids) if token in stop_ids), ids)
+
 
 @torch.no_grad()
 def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int,
                      batch_size: int = 64) -> list[str]:
-    """Greedy answers for chat prompts, decoded without special tokens."""
+    """Greedy answers for chat prompts, each up to the token that ends it, decoded without special tokens."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    stop_ids = stop_token_ids(tokenizer, model.generation_config)
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     was_training = model.training
     model.eval()
@@ -36,10 +60,12 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
                 **batch,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
+                eos_token_id=stop_ids,
                 pad_token_id=tokenizer.pad_token_id,
                 synced_gpus=is_deepspeed_zero3_enabled() and PartialState().num_processes > 1,
             )
-            answers += tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+            answers += [tokenizer.decode(until_stop(ids, stop_ids), skip_special_tokens=True)
+                        for ids in output[:, batch["input_ids"].shape[1] :].tolist()]
     finally:
         tokenizer.padding_side = padding_side
         model.train(was_training)

@@ -2,15 +2,19 @@
 read from stdin (what `llamafactory-cli chat` and torchtune's generate recipe do).
 
 The model and tokenizer are loaded as `finetune export` loads them (`finetune.export.load_with_tokenizer`: full
-weights, ZeRO or FSDP shards consolidated, a LoRA adapter on its base, merged or not), each prompt is rendered with the
-tokenizer's chat template and `add_generation_prompt` as training and evaluation render it, and the answer streams
-to stdout token by token (Transformers' `TextStreamer`); notes go to stderr, so stdout holds the answers alone.
+weights, ZeRO or FSDP shards consolidated, a LoRA adapter on its base, merged or not). Each prompt is given as the
+run was trained: rendered with the tokenizer's chat template and `add_generation_prompt` as training and evaluation
+render it, or, for a run whose data summary says it learned plain text only (prompt/completion pairs, text), as plain
+text, each turn on its own. The answer stops at any token that ended an answer in training (the template's end of
+turn as well as EOS: `finetune.evaluation.stop_token_ids`), so it never holds a turn the model goes on to invent, and
+streams to stdout token by token (Transformers' `TextStreamer`); notes go to stderr, so stdout holds the answers alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from pathlib import Path
 
 COMMANDS_HELP = "/reset clears the conversation, /exit or Ctrl-D ends it; end a line with \\ to go on on the next"
 
@@ -20,7 +24,8 @@ def chat_command_parser(subparsers) -> None:
         "chat", help="talk to a trained model: one prompt, or a conversation on stdin",
         description="Load a run's output_dir or one of its checkpoint-N folders (full weights, DeepSpeed ZeRO or FSDP "
         "shards, a LoRA adapter on its base) and answer with the tokenizer's chat template, greedily unless "
-        f"--temperature or --top-p asks to sample. Without --prompt, turns are read from stdin: {COMMANDS_HELP}.",
+        f"--temperature or --top-p asks to sample (a run trained on prompt/completion or text data gets its prompts as "
+        f"plain text, each on its own). Without --prompt, turns are read from stdin: {COMMANDS_HELP}.",
     )
     parser.add_argument("checkpoint", help="a run's output_dir or one of its checkpoint-N folders")
     parser.add_argument("--prompt", help="answer this one user turn and exit (default: read turns from stdin)")
@@ -32,10 +37,12 @@ def chat_command_parser(subparsers) -> None:
     parser.add_argument("--merge-lora", action="store_true",
                         help="merge the LoRA adapter into its base before generating (default: generate through peft)")
     parser.add_argument("--base-model", help="the adapter's base model (default: the one the adapter names)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed that built the `tiny` base (the recipe's seed), and of sampling")
+    parser.add_argument("--seed", type=int,
+                        help="seed that built the `tiny` base (default: the one the run recorded), and of sampling "
+                        "(default 0)")
     parser.add_argument("--show-prompt", action="store_true",
-                        help="print each prompt to stderr as the chat template renders it, history included")
+                        help="print each prompt to stderr as the model gets it: rendered by the chat template, history "
+                        "included, or plain text for a run trained on prompt/completion or text data")
     parser.set_defaults(func=chat_command)
 
 
@@ -73,35 +80,92 @@ def render_prompt(tokenizer, messages: list[dict]) -> str:
         raise RecipeError(f"{template_name(tokenizer)} cannot render the conversation: {error}{fix}.") from None
 
 
+def run_folders(checkpoint: str) -> list[Path]:
+    """Where the records of the run a model comes from may be: its folder, the run's when it is a checkpoint-N, and
+    for a `finetune export`, the same of the folder it was exported from."""
+    from finetune import outputs
+    from finetune.checkpoints import CHECKPOINT_NAME
+    from finetune.export import EXPORT_RECORD
+
+    source = Path(checkpoint)
+    export = outputs.read_record(source, EXPORT_RECORD, missing=None)
+    exported_from = [Path(export["source"])] if isinstance(export, dict) and export.get("source") else []
+    return [folder for model in (source, *exported_from)
+            for folder in ((model, model.parent) if CHECKPOINT_NAME.match(model.name) else (model,))]
+
+
+def plain_text_format(checkpoint: str, system: str | None = None) -> str | None:
+    """The data format(s) a run learned when none was a conversation (`prompt_completion`, `text`: trained without a
+    chat template, finetune.data.tokenize.encode_example), read from its data_summary.json (`run_folders`); None for
+    a run that learned a template's turns, and for a model without that record (a hub model), which get the
+    template. A system turn is refused for plain-text runs: they have none."""
+    from finetune import outputs
+    from finetune.data.formats import CONVERSATION_FORMATS, FORMAT_COLUMNS
+    from finetune.errors import RecipeError
+
+    plain = set(FORMAT_COLUMNS) - set(CONVERSATION_FORMATS)
+    for folder in run_folders(checkpoint):
+        summary = outputs.read_record(folder, outputs.DATA_SUMMARY, missing=None)
+        if summary is None:
+            continue
+        formats = {source.get("format") for source in summary.get("sources", [])}
+        if not formats or not formats <= plain:
+            return None
+        trained_on = " and ".join(sorted(formats))
+        if system:
+            raise RecipeError(f"--system: {checkpoint} was trained on {trained_on} data, without a chat template, so "
+                              "it knows no system turn; leave out --system and write the instructions in the prompt.")
+        return trained_on
+    return None
+
+
 class Conversation:
     """The turns so far (after an optional system turn), answered one user turn at a time by `model`, the answer
-    streamed to stdout as it is generated."""
+    streamed to stdout as it is generated. A run trained on plain text (`plain_text_format`) gets each prompt as
+    plain text and on its own, as it learned: a history would be text it never saw."""
 
-    def __init__(self, model, tokenizer, generation: dict, system: str | None = None, show_prompt: bool = False):
+    def __init__(self, model, tokenizer, generation: dict, system: str | None = None, show_prompt: bool = False,
+                 plain_text_format: str | None = None):
+        from finetune.evaluation import stop_token_ids
+
         self.model, self.tokenizer, self.generation = model, tokenizer, generation
         self.opening = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.opening)
         self.show_prompt = show_prompt
+        self.plain_text = plain_text_format is not None
+        self.stop_ids = stop_token_ids(tokenizer, model.generation_config, chat_template=not self.plain_text)
 
     def reset(self) -> None:
         self.messages = list(self.opening)
+
+    def encode(self, messages: list[dict]) -> tuple[str, dict]:
+        """`(prompt as the model sees it, input tensors)`, tokenized as training tokenized it (finetune.data.tokenize):
+        a rendered template writes BOS itself, a plain-text prompt gets the special tokens the tokenizer adds."""
+        if self.plain_text:
+            inputs = self.tokenizer(messages[-1]["content"], return_tensors="pt")
+            return self.tokenizer.decode(inputs["input_ids"][0], clean_up_tokenization_spaces=False), inputs
+        prompt = render_prompt(self.tokenizer, messages)
+        return prompt, self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
 
     def ask(self, text: str) -> str:
         import torch
         from transformers import TextStreamer
 
+        from finetune.evaluation import until_stop
+
         messages = [*self.messages, {"role": "user", "content": text}]
-        prompt = render_prompt(self.tokenizer, messages)
+        prompt, inputs = self.encode(messages)
         if self.show_prompt:
             print(f"[prompt] {prompt!r}", file=sys.stderr, flush=True)
-        # Templates write BOS themselves, as training tokenized them (finetune.data.tokenize)
-        inputs = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.model.device)
+        inputs = inputs.to(self.model.device)
         streamer = TextStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         with torch.no_grad():
-            output = self.model.generate(**inputs, **self.generation, streamer=streamer,
+            output = self.model.generate(**inputs, **self.generation, streamer=streamer, eos_token_id=self.stop_ids,
                                          pad_token_id=self.tokenizer.pad_token_id)
-        answer = self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        self.messages = [*messages, {"role": "assistant", "content": answer}]
+        answer = self.tokenizer.decode(until_stop(output[0, inputs["input_ids"].shape[1]:].tolist(), self.stop_ids),
+                                       skip_special_tokens=True)
+        if not self.plain_text:
+            self.messages = [*messages, {"role": "assistant", "content": answer}]
         return answer
 
 
@@ -147,13 +211,17 @@ def chat_command(args) -> int:
     from finetune.export import load_with_tokenizer
 
     generation = generation_settings(args.max_new_tokens, args.temperature, args.top_p)
+    trained_on = plain_text_format(args.checkpoint, args.system)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's consolidation prints: stdout is for the answers
         model, tokenizer = load_with_tokenizer(args.checkpoint, args.merge_lora, args.base_model, args.seed)
     model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     adapter = " with its LoRA adapter" if hasattr(model, "peft_config") else ""
     print(f"loaded {args.checkpoint}{adapter} ({model.dtype}, {model.device})", file=sys.stderr, flush=True)
-    set_seed(args.seed)
-    conversation = Conversation(model, tokenizer, generation, args.system, args.show_prompt)
+    if trained_on:
+        print(f"trained on {trained_on} data: each prompt goes in as plain text, without a chat template, as in "
+              "training, and each turn is answered on its own", file=sys.stderr, flush=True)
+    set_seed(0 if args.seed is None else args.seed)  # None: the base's seed is read from the run
+    conversation = Conversation(model, tokenizer, generation, args.system, args.show_prompt, trained_on)
     if args.prompt is not None:
         conversation.ask(args.prompt)
         return 0
