@@ -118,11 +118,13 @@ def recipe_reference() -> str:
 
 
 def _answer(key: TrlKey) -> str:
+    under_dpo = f"; under `method: dpo` renamed to `{key.dpo}`" if key.dpo is not None else ""
     if key.ours is not None:
-        return f"renamed to `{key.ours}`" + (" (a fraction below 1)" if key.convert is not None else "")
+        return f"renamed to `{key.ours}`" + (" (a fraction below 1)" if key.convert is not None else "") + under_dpo
     if key.ignored:
-        return "any value: noted and ignored"
-    return "accepted with " + " or ".join(f"`{shown(value)}`" for value in key.kept) + ", refused otherwise"
+        return "any value: noted and ignored" + under_dpo
+    return ("accepted with " + " or ".join(f"`{shown(value)}`" for value in key.kept) + ", refused otherwise"
+            + under_dpo)
 
 
 def from_trl_guide() -> str:
@@ -135,8 +137,10 @@ def from_trl_guide() -> str:
         "`finetune train` (and `finetune preprocess`) take the recipe after `--config`, as `trl sft` does, or as their",
         "first argument; `--key value` pairs after it win over the file either way. Trainer's keys keep Trainer's",
         "names and meaning. The keys",
-        "below are TRL's (`SFTConfig`, `ModelConfig`, `ScriptArguments`, `DatasetMixtureConfig`, `TrlParser`, as of",
-        "trl 1.16) and Trainer keys that Transformers 5 removed but recipes still carry. Each is renamed to ours",
+        "below are TRL's (`SFTConfig`, `DPOConfig`, `ModelConfig`, `ScriptArguments`, `DatasetMixtureConfig`,",
+        "`TrlParser`, as of trl 1.16) and Trainer keys that Transformers 5 removed but recipes still carry; a key",
+        "means what the config of the recipe's `method` says (`loss_type` is SFT's under `method: sft`, DPO's under",
+        "`method: dpo`). Each is renamed to ours",
         "(`effective_config.json` records it as `given as TRL's max_length`), accepted with a note when it asks for",
         "what finetune does anyway, or refused in one line that names the key and the fix. A key given under both",
         "names is refused.",

@@ -41,6 +41,14 @@ def data_lengths(sections) -> tuple[tuple[int, ...], dict]:
     return tuple(len(ids) for ids in data.train["input_ids"]), data.summary
 
 
+def preference_summary(sections) -> dict:
+    """The recipe's preference pairs, loaded, checked and counted as `finetune train` loads them (the summary's
+    `sources`); TRL tokenizes them only when training starts."""
+    from finetune.preference import load_preference_data
+
+    return load_preference_data(sections.data, int(sections.training_inputs.get("seed") or 42)).summary
+
+
 def recipe_precision(training: dict) -> str:
     return "bf16" if training.get("bf16") else "fp16" if training.get("fp16") else "fp32"
 
@@ -71,7 +79,7 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
     training, data, lora = sections.training_inputs, sections.data, sections.lora
     dpo = sections.preference.method == "dpo"
     # DPO's pairs are tokenized by TRL when training starts: each pair is planned at `max_seq_length`.
-    lengths, summary = (None, {"method": "dpo"}) if dpo else data_lengths(sections)
+    lengths, summary = (None, preference_summary(sections)) if dpo else data_lengths(sections)
     strategy, strategy_source = your_strategy(training, config)
     given = {key: value for key, value in (batch_options or {}).items() if value is not None}
     micro, accumulation = training["per_device_train_batch_size"], training["gradient_accumulation_steps"]

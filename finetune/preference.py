@@ -15,8 +15,11 @@ throughput, divergence stop) and the same checkpoint and resume guarantees (`Fin
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+import pyarrow.compute as pc
 from datasets import Dataset, concatenate_datasets, interleave_datasets
 from trl import DPOConfig, DPOTrainer
 
@@ -33,6 +36,9 @@ PAIR_FORMATS = {
     "alpaca_pairs": ("instruction", "chosen", "rejected"),
     "pairs": ("chosen", "rejected"),
 }
+# The index of the source a pair comes from, carried through mixing and TRL's tokenizing so that what TRL drops or
+# truncates is counted per source; Trainer leaves it out of the batches (not an input of the model).
+SOURCE_COLUMN = "source_index"
 
 
 @dataclass
@@ -149,6 +155,10 @@ def load_preference_data(data_args, seed: int) -> PreferenceData:
     if data_args.packing or data_args.padding_free:
         raise RecipeError("`packing` and `padding_free` are for supervised fine-tuning; TRL's DPO pads each pair "
                           "(drop them with `method: dpo`).")
+    if data_args.preprocessed_dir is not None:
+        raise RecipeError(f"`preprocessed_dir: {data_args.preprocessed_dir}` names a cache of tokenized SFT data "
+                          "(`finetune preprocess`); under `method: dpo` TRL's DPOTrainer tokenizes the pairs itself "
+                          "and reads no cache: drop the key.")
     raw = load_raw_data(data_args)
     trains, evals, sources = [], [], []
     for source in raw.sources:
@@ -166,8 +176,10 @@ def load_preference_data(data_args, seed: int) -> PreferenceData:
                 pair_format = detect_pair_format(dataset.column_names)
                 pairs = Dataset.from_list([to_pair(row, pair_format) for row in dataset])
             pairs, dropped = check_pairs(pairs, f"{source.name} ({split})", data_args.unlabeled_policy)
+            pairs = pairs.add_column(SOURCE_COLUMN, [len(sources)] * len(pairs))
             record["format"] = pair_format
-            record[split] = {"rows": len(dataset), "pairs": len(pairs), "dropped": dropped}
+            record[split] = {"rows": len(dataset), "pairs": len(pairs), "truncated_rows": 0,
+                             "dropped": dropped | {"overlong": 0, "no_answer_tokens": 0}}
             (trains if split == "train" else evals).append(pairs)
         sources.append(record)
     train = interleave_datasets(trains, probabilities=raw.weights, seed=seed) if len(trains) > 1 else trains[0]
@@ -177,13 +189,72 @@ def load_preference_data(data_args, seed: int) -> PreferenceData:
     return PreferenceData(train, evaluation, summary)
 
 
+def apply_pair_length_policies(pairs: Dataset, tokenized: Dataset, data_args, split: str,
+                               summary: dict) -> Dataset:
+    """TRL's tokenized pairs under the recipe's length policies, with what became of them added to `summary` per
+    source. TRL (`DPOTrainer._prepare_dataset`, truncation_mode `keep_start`) has already dropped every pair whose
+    prompt alone fills `max_length` (our `max_seq_length`: no answer token would be left), and its collator keeps the
+    first `max_length` tokens of each longer sequence (prompt + chosen, prompt + rejected). As for SFT examples, a
+    pair longer than `max_seq_length` (its prompt and longer answer) is then truncated so (`overlong_policy:
+    truncate`, counted), dropped (`drop`, counted) or refused (`error`), and a pair left with no answer token is
+    dropped (`unlabeled_policy: drop`, counted as `no_answer_tokens`) or refused (`error`)."""
+    max_length, overlong_policy = data_args.max_seq_length, data_args.overlong_policy
+    names = [source["name"] for source in summary["sources"]]
+    dropped_by_trl = Counter(pairs[SOURCE_COLUMN]) - Counter(tokenized[SOURCE_COLUMN])
+    for index, count in dropped_by_trl.items():
+        fault = (f"{count} pair(s) of {names[index]} ({split}) have a prompt of `max_seq_length: {max_length}` tokens "
+                 "or more, leaving no answer token")
+        if overlong_policy == "error":
+            raise RecipeError(f"{fault} (`overlong_policy: error`; or truncate, drop).")
+        if overlong_policy == "truncate" and data_args.unlabeled_policy == "error":
+            raise RecipeError(f"{fault} (`unlabeled_policy: error`; or drop; or raise `max_seq_length`).")
+    # Token counts read from Arrow, not as Python lists: a large dataset's token ids would not fit in memory so.
+    columns = ["prompt_ids", "chosen_ids", "rejected_ids", SOURCE_COLUMN]
+    table = tokenized.select_columns(columns).with_format("arrow")[:]
+    prompt, chosen, rejected = (pc.list_value_length(table[column]).to_numpy(zero_copy_only=False).astype(np.int64)
+                                for column in ("prompt_ids", "chosen_ids", "rejected_ids"))
+    lengths, sources = prompt + np.maximum(chosen, rejected), table[SOURCE_COLUMN].to_numpy()
+    is_overlong = lengths > max_length
+    if is_overlong.any() and overlong_policy == "error":
+        first = int(np.argmax(is_overlong))
+        raise RecipeError(f"a pair of {names[sources[first]]} ({split}) has {lengths[first]} tokens (prompt and longer "
+                          f"answer), more than `max_seq_length: {max_length}` (`overlong_policy: error`; or truncate, "
+                          "drop).")
+    overlong_by_source = Counter(sources[is_overlong].tolist())
+    if is_overlong.any() and overlong_policy == "drop":
+        tokenized = tokenized.select(np.flatnonzero(~is_overlong))
+    kept_by_source = Counter(sources[~is_overlong].tolist() if overlong_policy == "drop" else sources.tolist())
+    for index in range(len(names)):
+        record = summary["sources"][index][split]
+        if record is None:
+            continue
+        if overlong_policy == "drop":
+            record["dropped"]["overlong"] += dropped_by_trl[index] + overlong_by_source[index]
+        else:
+            record["dropped"]["no_answer_tokens"] += dropped_by_trl[index]
+            record["truncated_rows"] += overlong_by_source[index]
+        record["pairs"] = kept_by_source[index]
+    summary[f"{split}_rows"] = len(tokenized)
+    if not len(tokenized):
+        dropped = Counter()
+        for source in summary["sources"]:
+            dropped.update(source[split]["dropped"] if source[split] else {})
+        counts = ", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in dropped.items() if count)
+        raise RecipeError(f"no {split} pair of {', '.join(names)} is left at `max_seq_length: {max_length}` (dropped: "
+                          f"{counts}): raise `max_seq_length` above the pairs' prompt and answer"
+                          f"{'' if overlong_policy != 'drop' else ', or set `overlong_policy: truncate`'}.")
+    return tokenized
+
+
 def print_preference_summary(summary: dict) -> None:
     for source in summary["sources"]:
         parts = []
         for split in ("train", "eval"):
             if source.get(split):
                 dropped = {reason: count for reason, count in source[split]["dropped"].items() if count}
-                parts.append(f"{split} {source[split]['pairs']} pairs" + (f" (dropped {dropped})" if dropped else ""))
+                truncated = source[split].get("truncated_rows", 0)
+                parts.append(f"{split} {source[split]['pairs']} pairs" + (f" (dropped {dropped})" if dropped else "")
+                             + (f" ({truncated} truncated to max_seq_length)" if truncated else ""))
         print(f"preference data {source['name']} ({source['format']}): {', '.join(parts)}")
 
 
@@ -203,7 +274,19 @@ def dpo_keys(preference, data_args) -> dict:
 class FinetuneDPOTrainer(FinetuneTrainerMixin, DPOTrainer):
     """TRL's DPOTrainer with the toolkit's checkpoints, resume, rotation and saving (`FinetuneTrainerMixin`).
     `ref_model` is always given, or None under LoRA: TRL would otherwise reload the reference by the model's name
-    (a hub download, or nothing for the embedded model)."""
+    (a hub download, or nothing for the embedded model). With `data_args` and the data's `summary`, the pairs TRL
+    tokenizes go through the recipe's length policies and are counted there (`apply_pair_length_policies`)."""
+
+    def __init__(self, *args, data_args=None, summary: dict | None = None, **kwargs):
+        self.data_args, self.data_summary = data_args, summary
+        super().__init__(*args, **kwargs)
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        tokenized = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        if self.data_args is None or SOURCE_COLUMN not in dataset.column_names:
+            return tokenized
+        split = "train" if dataset_name == "train" else "eval"
+        return apply_pair_length_policies(dataset, tokenized, self.data_args, split, self.data_summary)
 
     def _send_telemetry(self):
         """No usage pings: nothing leaves the machine unless the user asks (`report_to`)."""

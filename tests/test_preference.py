@@ -3,6 +3,7 @@ and their errors, the synthetic pairs, the recipe keys, and the reference model'
 
 import json
 import random
+import re
 
 import pytest
 from datasets import Dataset
@@ -101,7 +102,9 @@ def test_the_synthetic_dataset_gives_held_out_pairs_and_a_file_of_pairs_loads(tm
     sections = read_recipe("recipes/demo.yaml", ["--method", "dpo", "--dataset", str(path), "--eval_split_ratio", "0"])
     data = load_preference_data(sections.data, seed=0)
     assert len(data.train) == 5 and data.eval is None
-    assert data.summary["sources"][0]["train"]["dropped"] == {"empty_answer": 1, "same_answers": 0}
+    # `overlong` and `no_answer_tokens` are counted when TRL tokenizes the pairs
+    assert data.summary["sources"][0]["train"]["dropped"] == {"empty_answer": 1, "same_answers": 0, "overlong": 0,
+                                                              "no_answer_tokens": 0}
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -120,6 +123,12 @@ def test_preference_keys_are_checked_by_name(overrides, message):
 def test_packing_is_refused_with_dpo():
     sections = read_recipe("recipes/demo.yaml", ["--method", "dpo", "--packing", "true"])
     with pytest.raises(RecipeError, match="`packing` and `padding_free` are for supervised fine-tuning"):
+        load_preference_data(sections.data, seed=0)
+
+
+def test_a_preprocessed_dir_is_refused_with_dpo(tmp_path):
+    sections = read_recipe("recipes/demo.yaml", ["--method", "dpo", "--preprocessed_dir", str(tmp_path)])
+    with pytest.raises(RecipeError, match="TRL's DPOTrainer tokenizes the pairs itself and reads no cache"):
         load_preference_data(sections.data, seed=0)
 
 
@@ -177,3 +186,166 @@ def test_plan_for_dpo_shows_the_reference_and_launches_with_the_method(tmp_path)
     assert result.returncode == 0, result.output[-2000:]
     plan = json.loads(result.output[result.output.index("{"):])
     assert all(row["setup"]["method"] == "dpo" for row in plan["strategies"])
+
+
+# Pairs as TRL's DPOTrainer leaves them after tokenizing, for the length policies: prompt, chosen and rejected token
+# counts; `max_seq_length: 10`.
+TOKENIZED = [(4, 3, 2), (6, 8, 1), (3, 1, 1)]  # fits; 14 tokens: overlong; fits
+
+
+def length_policies(overlong_policy="truncate", unlabeled_policy="drop", tokenized=TOKENIZED, split="train",
+                    prompt_fills=1):
+    """`prompt_fills`: pairs whose prompt alone reached 10 tokens, which TRL dropped."""
+    from finetune.args import DataArguments
+    from finetune.preference import SOURCE_COLUMN, apply_pair_length_policies
+
+    rows = [{"prompt": "p", "chosen": "c", "rejected": "r", SOURCE_COLUMN: 0}] * (len(tokenized) + prompt_fills)
+    pairs = Dataset.from_list(rows)
+    trl_rows = Dataset.from_list([{"prompt_ids": [1] * p, "chosen_ids": [2] * c, "rejected_ids": [3] * r,
+                                   SOURCE_COLUMN: 0} for p, c, r in tokenized])
+    record = {"rows": len(rows), "pairs": len(rows), "truncated_rows": 0,
+              "dropped": {"empty_answer": 0, "same_answers": 0, "overlong": 0, "no_answer_tokens": 0}}
+    summary = {"sources": [{"name": "pairs.jsonl", "format": "pairs", "train": None, "eval": None, split: record}]}
+    data_args = DataArguments(max_seq_length=10, overlong_policy=overlong_policy, unlabeled_policy=unlabeled_policy)
+    kept = apply_pair_length_policies(pairs, trl_rows, data_args, split, summary)
+    return kept, summary
+
+
+def test_pairs_trl_drops_and_truncates_are_counted_in_the_data_summary():
+    kept, summary = length_policies()
+    record = summary["sources"][0]["train"]
+    assert len(kept) == 3 and record["pairs"] == 3 and summary["train_rows"] == 3
+    assert record["truncated_rows"] == 1  # TRL's collator keeps the first 10 tokens of the 14-token pair
+    assert record["dropped"]["no_answer_tokens"] == 1
+
+
+def test_overlong_pairs_are_dropped_and_counted_under_overlong_policy_drop():
+    kept, summary = length_policies("drop")
+    record = summary["sources"][0]["train"]
+    assert [len(row["chosen_ids"]) for row in kept] == [3, 1]
+    assert record["dropped"]["overlong"] == 2 and record["truncated_rows"] == 0 and record["pairs"] == 2
+
+
+def test_an_overlong_pair_is_refused_under_overlong_policy_error():
+    with pytest.raises(RecipeError, match=r"pairs.jsonl \(train\) have a prompt of `max_seq_length: 10` tokens or "
+                                          r"more.*`overlong_policy: error`"):
+        length_policies("error")
+    with pytest.raises(RecipeError, match=r"a pair of pairs.jsonl \(train\) has 14 tokens .*more than "
+                                          r"`max_seq_length: 10` \(`overlong_policy: error`"):
+        length_policies("error", prompt_fills=0)
+
+
+def test_a_pair_left_without_answer_tokens_is_refused_under_unlabeled_policy_error():
+    with pytest.raises(RecipeError, match=r"leaving no answer token \(`unlabeled_policy: error`"):
+        length_policies(unlabeled_policy="error")
+
+
+def test_every_pair_dropped_is_refused_naming_the_data_the_count_and_the_key():
+    with pytest.raises(RecipeError, match=r"no eval pair of pairs.jsonl is left at `max_seq_length: 10` \(dropped: "
+                                          r"2 overlong\): raise `max_seq_length`.*`overlong_policy: truncate`"):
+        length_policies("drop", tokenized=TOKENIZED[1:2], split="eval")
+
+
+def write_pairs(path, long_prompts: int, long_answers: int, short: int):
+    """Plain-text pairs for the embedded byte-level tokenizer (a token a character): prompts that fill 48 tokens
+    alone, pairs whose long chosen answer passes 48, and pairs that fit."""
+    rows = [{"prompt": f"Question {i}: {'x' * 60}?", "chosen": "yes", "rejected": "no"} for i in range(long_prompts)]
+    rows += [{"prompt": f"Q{i}: say", "chosen": "a" * 60, "rejected": "bbb"} for i in range(long_answers)]
+    rows += [{"prompt": f"Q{i}: 1+1=", "chosen": "2", "rejected": "3"} for i in range(short)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def dpo_train(pairs, output_dir, *extra):
+    return run(finetune_command("train", "recipes/demo.yaml", "--method", "dpo", "--dataset", str(pairs),
+                                "--eval_split_ratio", "0", "--max_seq_length", "48", "--max_steps", "2",
+                                "--per_device_train_batch_size", "2", "--output_dir", str(output_dir),
+                                "--eval_on_start", "false", "--save_strategy", "no", "--report_to", "none",
+                                "--disable_tqdm", "true", *extra), cwd=PROJECT_ROOT)
+
+
+def test_a_dpo_run_counts_the_pairs_trl_drops_and_truncates(tmp_path):
+    result = dpo_train(write_pairs(tmp_path / "pairs.jsonl", 4, 3, 5), tmp_path / "run")
+    assert result.returncode == 0, result.output[-3000:]
+    (source,) = json.loads((tmp_path / "run" / "data_summary.json").read_text())["sources"]
+    assert source["train"]["pairs"] == 8 and source["train"]["truncated_rows"] == 3
+    assert source["train"]["dropped"]["no_answer_tokens"] == 4
+    assert "train 8 pairs (dropped {'no_answer_tokens': 4}) (3 truncated to max_seq_length)" in result.output
+    assert json.loads((tmp_path / "run" / "eval_results.json").read_text())["dropped_examples"] == {"train": 4}
+
+
+def test_a_dpo_run_whose_every_pair_is_dropped_stops_in_one_line(tmp_path):
+    result = dpo_train(write_pairs(tmp_path / "pairs.jsonl", 3, 0, 0), tmp_path / "run")
+    assert result.returncode == 2, result.output[-3000:]
+    assert "Traceback" not in result.output and "num_samples" not in result.output
+    assert (f"finetune: error: no train pair of {tmp_path / 'pairs.jsonl'} is left at `max_seq_length: 48` "
+            "(dropped: 3 no answer tokens): raise `max_seq_length`") in result.output
+
+
+def test_plan_prints_a_dpo_recipes_plan_and_its_pairs(tmp_path, capsys):
+    from finetune.cli import main
+
+    recipe = tmp_path / "dpo.yaml"  # the shipped DPO recipe, from the embedded model instead of `make demo`'s
+    recipe.write_text((PROJECT_ROOT / "recipes/dpo.yaml").read_text().replace("outputs/demo", "tiny"))
+    assert main(["plan", "--recipe", str(recipe), "--gpus", "2", "--gpu-memory", "16"]) == 0
+    output = capsys.readouterr().out
+    assert "Recommended" in output or "recommend" in output.lower()
+    assert "Data synthetic (synthetic_pairs): 6,000 training pairs" in output
+    assert "max_seq_length 64" in output
+
+
+def test_preprocess_refuses_a_dpo_recipe_saying_trl_tokenizes_the_pairs(tmp_path, capsys):
+    from finetune.cli import main
+
+    assert main(["preprocess", "recipes/demo.yaml", "--method", "dpo", "--output_dir", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "`finetune preprocess` is for supervised fine-tuning" in error and "TRL's DPOTrainer tokenizes" in error
+    assert not (tmp_path / "preprocessed").exists()
+
+
+@pytest.mark.parametrize(("given", "ours"), [
+    ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
+     {"dpo_loss_type": ["sigmoid", "sft"], "dpo_loss_weights": [1.0, 0.5]}),
+    ({"loss_type": "aot_unpaired"}, {"dpo_loss_type": ["aot_unpaired"]}),
+    ({"dpo_loss_type": "ipo"}, {"dpo_loss_type": ["ipo"]}),
+])
+def test_trls_dpo_loss_keys_become_ours_under_method_dpo_and_are_recorded(tmp_path, given, ours):
+    import yaml
+
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(yaml.safe_dump({"method": "dpo", **given}))
+    sections = read_recipe(str(recipe))
+    for key, value in ours.items():
+        assert getattr(sections.preference, key) == value
+        trl_name = key.removeprefix("dpo_")
+        assert sections.sources[key] == (f"recipe {recipe} (given as TRL's {trl_name})" if trl_name in given
+                                         else f"recipe {recipe}")
+    on_the_command_line = read_recipe("recipes/demo.yaml", ["--method", "dpo", "--loss_type", "ipo"])
+    assert on_the_command_line.preference.dpo_loss_type == ["ipo"]
+
+
+def test_the_dpo_loss_types_are_those_of_the_installed_trl():
+    import inspect
+    import re
+
+    from trl import DPOTrainer
+
+    from finetune.args import DPO_LOSS_TYPES
+
+    dispatched = re.findall(r'loss_type == "(\w+)"', inspect.getsource(DPOTrainer._compute_loss))
+    assert sorted(DPO_LOSS_TYPES) == sorted(dispatched) and "aot_unpaired" in DPO_LOSS_TYPES
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--loss_type", "ipo"], "TRL's `loss_type: ipo` in the command line is not supported: the loss is the answer "
+                             "tokens' cross-entropy"),
+    (["--loss_weights", "1"], "TRL's `loss_weights: 1` in the command line is not supported: a weight per DPO loss "
+                              "type needs `method: dpo`"),
+    (["--method", "dpo", "--loss_type", "ipo", "--dpo_loss_type", "ipo"], "gives both `dpo_loss_type` and "
+                                                                          "`loss_type`"),
+    (["--method", "dpo", "--max_prompt_length", "512"], "TRL's `max_prompt_length: 512` in the command line is not "
+                                                          "supported: TRL 1.16 has no separate prompt limit"),
+])
+def test_trls_dpo_loss_keys_are_refused_by_name_under_sft_or_given_twice(overrides, message):
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        read_recipe("recipes/demo.yaml", overrides)

@@ -287,6 +287,13 @@ def print_plan(plan: dict) -> None:
 
 def print_data_lengths(console, plan: dict) -> None:
     """The recipe's data as the plan read it: rows, length percentiles, packing, and the length planned."""
+    if plan["data"].get("method") == "dpo":  # TRL tokenizes the pairs when training starts: planned at full length
+        for source in plan["data"]["sources"]:
+            console.print(f"Data {source['name']} ({source['format']}): {source['train']['pairs']:,} training pairs, "
+                          "two sequences each, tokenized by TRL when training starts.")
+        if plan["sequence_length"] is not None:
+            console.print(f"Activations planned at max_seq_length {plan['sequence_length']} tokens per sequence.")
+        return
     for source in plan["data"]["sources"]:
         lengths = source["train"]["length_percentiles"]
         console.print(f"Data {source['name']}: {source['train']['rows_kept']:,} training rows, tokens per row "
