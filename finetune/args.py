@@ -8,6 +8,7 @@ sections.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +17,7 @@ from transformers import TrainingArguments
 
 from finetune import presets
 from finetune.errors import RecipeError
+from finetune.watchdog import start_process_group
 
 
 @dataclass
@@ -209,9 +211,21 @@ class LoraArguments:
                               "names: give the preset alone, or a list of module names.")
 
 
-# TRL's DPO loss types (DPOConfig.loss_type) that take paired data and no extra keys beyond `beta`.
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-                  "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+def trl_dpo_loss_types() -> tuple[str, ...]:
+    """TRL's DPO loss types as the installed TRL declares them: TRL keeps no list but the one in the help of
+    `DPOConfig.loss_type` (trl/trainer/dpo_config.py, "Possible values are: `'sigmoid'`, ..."), which its trainer's
+    loss dispatch mirrors."""
+    import dataclasses
+    import re
+
+    from trl.trainer.dpo_config import DPOConfig
+
+    help_text = next(f for f in dataclasses.fields(DPOConfig) if f.name == "loss_type").metadata["help"]
+    values = help_text.split("Possible values are:", 1)[-1].split(". ", 1)[0]
+    return tuple(re.findall(r"`'(\w+)'`", values))
+
+
+DPO_LOSS_TYPES = trl_dpo_loss_types()
 
 
 @dataclass
@@ -240,6 +254,10 @@ class PreferenceArguments:
     )
 
     def __post_init__(self):
+        if isinstance(self.dpo_loss_type, str):  # one loss given alone, as TRL's DPOConfig takes it
+            self.dpo_loss_type = [self.dpo_loss_type]
+        if isinstance(self.dpo_loss_weights, (int, float)):
+            self.dpo_loss_weights = [float(self.dpo_loss_weights)]
         if self.method == "sft":
             changed = [key for key, default in (("beta", 0.1), ("dpo_loss_type", ["sigmoid"]),
                                                 ("dpo_loss_weights", None)) if getattr(self, key) != default]
@@ -336,6 +354,18 @@ class FinetuneTrainingArguments(TrainingArguments):
         default="non_padding",
         metadata={"help": "Trainer's count of input tokens (all, non_padding or no); the throughput report needs it."},
     )
+    save_on_preemption: bool | None = field(
+        default=None,
+        metadata={"help": "On SIGTERM (a preemption, or a SLURM job's end), every rank saves a complete checkpoint "
+                          "at the step it is at and the run exits, to be resumed with `resume_from_checkpoint: "
+                          "auto`. Off: SIGTERM stops the run and the newest complete checkpoint stays as it was. "
+                          "Default: on under SLURM (SLURM_JOB_ID set), off otherwise."},
+    )
+
+    @cached_property
+    def _setup_devices(self):
+        start_process_group(self)  # with ddp_timeout, which Transformers leaves out on CPU (finetune.watchdog)
+        return super()._setup_devices
 
 
 # In the order they are built: the training section last, since constructing it starts the process group.

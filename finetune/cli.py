@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
+from pathlib import Path
 
 from finetune.commands.bench import bench_command_parser
 from finetune.commands.chat import chat_command_parser
@@ -33,7 +37,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except RecipeError as error:
-        return report_user_error(error)
+        return report_to_user_and_launcher(error)
+    except OSError as error:
+        refused = refused_write(error)
+        if refused is None:
+            raise
+        return report_to_user_and_launcher(refused)
+
+
+def report_to_user_and_launcher(error: RecipeError) -> int:
+    """Prints the error's one line and, under a torch.distributed.elastic launcher (`accelerate launch`, `torchrun`),
+    leaves it in the rank's reply file (TORCHELASTIC_ERROR_FILE): the launcher's closing `ChildFailedError` summary,
+    the last thing the user reads, then quotes that line where it would say "To enable traceback see ...". The
+    launcher's own traceback above the summary is Accelerate's (`multi_gpu_launcher` re-raises) and cannot be muted
+    from a rank."""
+    status = report_user_error(error)
+    reply_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if reply_file:
+        # elastic's reply format with a plain-text message (ProcessFailure._get_error_data), shown as it is
+        record = {"message": f"finetune: error: {error}", "timestamp": int(time.time())}
+        Path(reply_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(reply_file).write_text(json.dumps(record))
+    return status
+
+
+def refused_write(error: OSError) -> RecipeError | None:
+    """A file the file system refused (permissions, a read-only mount, no space) outside the saves that say so
+    themselves (finetune.disk): the user's to fix, said in one line naming the file; None for any other OSError."""
+    from finetune.disk import DISK_FULL_ERRNOS, UNWRITABLE_ERRNOS
+
+    if error.errno not in UNWRITABLE_ERRNOS | DISK_FULL_ERRNOS or not error.filename:
+        return None
+    return RecipeError(f"the file system refused {error.filename}: {(error.strerror or str(error)).lower()}; fix "
+                       "the permissions, the read-only mount or the free space there, or use another folder.")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from finetune.aliases import GIVEN_AS
 from finetune.errors import RecipeError
 from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
 from finetune.models import trainable_dtype
+from finetune.preflight import warmup_warning
 from finetune.strategies import Strategy, running_strategy
 
 # Trainer argument → the DeepSpeed key Trainer fills from it when the config says "auto".
@@ -197,6 +198,17 @@ def strategy_problems(requested: Strategy, running: Strategy, trainer) -> list[s
     return problems
 
 
+def warn_about_warmup(args, state) -> str | None:
+    """A run of `num_train_epochs` knows its steps only now: rank 0 says when the warmup lasts all of them (a run
+    of `max_steps` was told when the recipe was read, `finetune.recipe`)."""
+    if args.max_steps > 0:
+        return None
+    warning = warmup_warning(args.warmup_steps, args.learning_rate, state.max_steps)
+    if warning and state.is_world_process_zero:
+        print(f"warning: {warning}")
+    return warning
+
+
 class StrategyCheckCallback(TrainerCallback):
     """Stops at the start of training when the prepared strategy is not the requested one; after the first
     optimizer step, adds each rank's held bytes to `effective_config.json`."""
@@ -208,6 +220,9 @@ class StrategyCheckCallback(TrainerCallback):
         self.measured = False
 
     def on_train_begin(self, args, state, control, **kwargs):
+        warning = warn_about_warmup(args, state)
+        if warning:
+            self.effective["warnings"].append(warning)
         running = running_strategy(self.trainer)
         self.effective["strategy"]["running"] = running.to_dict()
         if running.kind == "ddp":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
@@ -17,10 +19,23 @@ from finetune.strategies import Strategy
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
+def check_local_path(name: str, key: str) -> None:
+    """A name that can only be a path (it starts with `.`, `/` or `~`, or has more separators than a hub id's one)
+    and names no directory stops here: from_pretrained would take it for a malformed hub repo id."""
+    looks_local = name.startswith((".", "/", "~", os.sep)) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+    if looks_local and not Path(name).expanduser().is_dir():
+        found = "a file, not a directory" if Path(name).expanduser().exists() else "no such directory"
+        raise RecipeError(f"`{key}: {name}`: {found}; give the folder holding config.json (as save_pretrained "
+                          "writes it), or a hub id such as `Qwen/Qwen2.5-0.5B`.")
+
+
 def load_tokenizer(model_args):
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if name == presets.TINY_MODEL:
         return presets.build_tokenizer()
+    check_local_path(model_args.model_name_or_path, "model_name_or_path")
+    if model_args.tokenizer_name_or_path:
+        check_local_path(model_args.tokenizer_name_or_path, "tokenizer_name_or_path")
     with loading_refusals(model_args):
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
     if tokenizer.pad_token is None:
@@ -37,6 +52,7 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strate
         model = presets.build_model(tokenizer, seed=seed, dtype=dtype)
         model.config.name_or_path = model.name_or_path = presets.TINY_MODEL  # peft records it as the adapter's base
         return model
+    check_local_path(model_args.model_name_or_path, "model_name_or_path")
     if qlora:
         return _load_4bit(model_args, tokenizer, seed, strategy or Strategy("single"))
     with loading_refusals(model_args):
@@ -52,7 +68,7 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strate
 def loading_refusals(model_args):
     """Transformers' own refusals while loading, said in one line naming the recipe key and the fix: custom code
     without `trust_remote_code` (the refusal itself is right), an attention kernel that cannot load (an unknown name,
-    flash-attn not installed, no CUDA)."""
+    flash-attn not installed, no CUDA), a model that cannot be found or fetched (an OSError)."""
     try:
         yield
     except (ImportError, ValueError) as error:
@@ -66,6 +82,11 @@ def loading_refusals(model_args):
                               f"{first_line} Use `sdpa` (any device), or install the kernel's package on a CUDA GPU "
                               "(flash_attention_2: `pip install flash-attn`).") from None
         raise
+    except OSError as error:  # Transformers' "not a local folder and not a valid model identifier", offline, ...
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise RecipeError(f"`model_name_or_path: {model_args.model_name_or_path}` cannot be loaded: {first_line} "
+                          "Give a local folder written by save_pretrained, or a hub id this machine can reach "
+                          "(or has in its hub cache).") from None
 
 
 def trainable_dtype(strategy: Strategy, precision: str, pure_bf16: bool = False) -> torch.dtype | None:

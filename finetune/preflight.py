@@ -8,6 +8,7 @@ what to change.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 
 from finetune.configs.lint import lint_deepspeed
 from finetune.devices import visible_gpu
-from finetune.errors import RecipeError
+from finetune.errors import RecipeError, launched_rank
 from finetune.strategies import PURE_BF16_KINDS, Strategy, is_true, launched_strategy
 
 
@@ -97,12 +98,56 @@ def check_precision_on_gpu(training_inputs: dict[str, Any]) -> None:
     if from_launcher:
         raise RecipeError(f"the Accelerate config asks for bf16 mixed precision (`mixed_precision: bf16`) but "
                           f"{gpu.describe()} has no bf16 (Ampere, 8.0, or newer): launch with `accelerate launch "
-                          "--mixed_precision fp16 ...` or add `--fp16 true` to the recipe.")
+                          "--mixed_precision fp16 ...` (a recipe precision must agree with the launcher's).")
     fixes = {"bf16": "`--bf16 false --fp16 true`", "bf16_full_eval": "`--bf16_full_eval false --fp16_full_eval true`",
              "pure_bf16": "drop `pure_bf16`"}
     keys, fix = ", ".join(f"`{key}: true`" for key in asked), "; ".join(fixes[key] for key in asked)
     raise RecipeError(f"{keys} but {gpu.describe()} has no bf16 (compute capability 8.0, Ampere, or newer): train in "
                       f"fp16 instead ({fix}), or let `bf16: auto` pick per GPU.")
+
+
+def check_launcher_precision(training_inputs: dict[str, Any], sources: dict[str, str]) -> None:
+    """The recipe's `bf16`/`fp16` and the mixed precision `accelerate launch` hands the ranks
+    (ACCELERATE_MIXED_PRECISION, from the config's `mixed_precision` or `--mixed_precision`) must agree: Trainer
+    trains in the recipe's and drops the launcher's without a word (`TrainingArguments.__post_init__`). A recipe
+    precision `bf16: auto` chose for the GPU wins with a warning, as that is what auto asks for."""
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    recipe = next((key for key in ("fp16", "bf16") if is_true(training_inputs.get(key))), None)  # Trainer's order
+    if recipe is None or launcher in ("no", recipe):
+        return
+    source = sources.get(recipe, "default")
+    contradiction = (f"the Accelerate config's `mixed_precision: {launcher}` contradicts the recipe's `{recipe}: true` "
+                     f"({source})")
+    if "auto →" in source:
+        if launched_rank() == 0:
+            print(f"warning: {contradiction}; training in {recipe}, which `bf16: auto` chose for this GPU.")
+        return
+    raise RecipeError(f"{contradiction}: Trainer would train in {recipe} and ignore the launcher's {launcher}. Make "
+                      f"them agree: launch with `--mixed_precision {recipe}`, or set `{recipe}: false` and "
+                      f"`{launcher}: true` in the recipe.")
+
+
+def warmup_warning(warmup_steps: float, learning_rate: float, total_steps: int) -> str | None:
+    """What to say when the warmup (`warmup_steps`, or below 1 a fraction of the run, as Trainer reads it in
+    `TrainingArguments.get_warmup_steps`) lasts the whole run: the learning rate then never reaches its value."""
+    warmup = int(warmup_steps) if warmup_steps >= 1 else math.ceil(total_steps * warmup_steps)
+    if total_steps <= 0 or warmup < total_steps:
+        return None
+    given = f"`warmup_steps: {warmup_steps:g}`{' of the run' if warmup_steps < 1 else ''}"
+    highest = learning_rate * total_steps / warmup
+    return (f"the warmup ({warmup} steps, {given}) is as long as the run or longer ({total_steps} steps): the learning "
+            f"rate never reaches `learning_rate: {learning_rate:g}` (it climbs to ~{highest:.2g}); lower "
+            "`warmup_steps` or train longer.")
+
+
+def check_eval_split(args, has_eval: bool) -> None:
+    """An `eval_strategy` other than `no` needs eval data, which is known once the data are loaded (a dataset's own
+    validation split, `eval_file`, `eval_split_ratio`); Trainer would refuse it with a ValueError of its own."""
+    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    if has_eval or strategy == "no":
+        return
+    raise RecipeError(f"`eval_strategy: {strategy}` evaluates, but the data have no eval split: give `eval_file` or "
+                      "`eval_split_ratio`, or set `eval_strategy: no`.")
 
 
 def training_precision(training_inputs: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
-from finetune.aliases import Translation, translate_command_line, translate_values
+from finetune.aliases import Translation, requested_method, translate_command_line, translate_values
 from finetune.args import (
     RECIPE_SECTIONS,
     DataArguments,
@@ -27,7 +27,14 @@ from finetune.args import (
     PreferenceArguments,
 )
 from finetune.errors import RecipeError, did_you_mean, launched_rank
-from finetune.preflight import check_lora_adapters, check_pure_bf16, check_qlora, preflight_launch
+from finetune.preflight import (
+    check_launcher_precision,
+    check_lora_adapters,
+    check_pure_bf16,
+    check_qlora,
+    preflight_launch,
+    warmup_warning,
+)
 from finetune.scaling import BatchPlan, plan_from_recipe
 from finetune.strategies import Strategy
 
@@ -81,8 +88,15 @@ def load_recipe_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file `{path}` does not exist.")
+    data = path.read_bytes()
     try:
-        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise RecipeError(f"recipe `{path}` is not UTF-8 text (byte 0x{data[error.start]:02x} on line {line}): save it "
+                          "as UTF-8.") from None
+    try:
+        values = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
         raise RecipeError(f"recipe `{path}` is not valid YAML: {error}") from None
     if values is None:
@@ -138,9 +152,15 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
         check_qlora(model.torch_dtype, training_inputs, strategy)
     check_lora_adapters(model, lora)
     check_pure_bf16(training_inputs, strategy)
+    check_launcher_precision(training_inputs, sources)
     batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
     _check_steps_and_accumulation(training_inputs, sources, batch_plan)
     _apply_batch_plan(batch_plan, training_inputs, sources)
+    max_steps = int(training_inputs.get("max_steps") or -1)  # -1 (epochs): said once Trainer knows the steps
+    warning = warmup_warning(float(training_inputs.get("warmup_steps") or 0), float(training_inputs["learning_rate"]),
+                             max_steps)
+    if warning and launched_rank() == 0:
+        print(f"warning: {warning}")
     training_type = FinetuneTrainingArguments
     if sections.preference.method == "dpo":  # TRL's DPOConfig and ours in one (finetune.preference)
         from finetune.preference import FinetuneDPOConfig, dpo_keys
@@ -158,8 +178,10 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     or fp32; default: what the visible GPU does)."""
     parser = RecipeParser()
     source = f"recipe `{recipe_path}`" if recipe_path is not None else "the recipe"
-    values, from_file = translate_values(load_recipe_file(recipe_path) if recipe_path is not None else {}, source)
-    overrides, from_command_line = translate_command_line(list(overrides or []))
+    file_values = load_recipe_file(recipe_path) if recipe_path is not None else {}
+    method = requested_method(file_values, list(overrides or []))  # TRL's keys mean what that method's config says
+    values, from_file = translate_values(file_values, source, method)
+    overrides, from_command_line = translate_command_line(list(overrides or []), method)
     known = parser.known_keys()
     for key in values:
         if key not in known:
@@ -204,14 +226,24 @@ def _check_value_shapes(parser: RecipeParser, values: dict[str, Any], source: st
     Trainer fail later with a TypeError), named by its key. Keys that take text may take structures too (`report_to`
     a list, `deepspeed` a mapping), as Trainer allows."""
     actions = {action.dest: action for action in parser._actions}
+    fields = {field.name: field for section in RECIPE_SECTIONS for field in dataclasses.fields(section)}
     for key, value in values.items():
         action = actions[key]
+        if value is None and key in fields and not _takes_null(fields[key]):  # YAML's null (`key:` with no value)
+            raise RecipeError(f"`{key}: null` in {source}: `{key}` takes a value (default {action.default}); remove "
+                              "the line to keep the default.")
         scalar = action.nargs in (None, "?") and (action.type in (int, float)
                                                   or getattr(action.type, "__name__", "") == "string_to_bool")
         if scalar and isinstance(value, (list, dict)):
             kind = "a list" if isinstance(value, list) else "a mapping"
             raise RecipeError(f"`{key}` in {source} is {kind} ({value!r}); it takes one "
                               f"{'true/false' if action.type not in (int, float) else action.type.__name__}.")
+
+
+def _takes_null(field: dataclasses.Field) -> bool:
+    """Whether a recipe key may be null: its annotation admits None (`str | None`, `Optional[...]`, `Any`)."""
+    annotation = str(field.type)
+    return "None" in annotation or "Optional" in annotation or "Any" in annotation
 
 
 def _build(section_type, inputs: dict[str, Any], values: dict[str, Any], overrides: list[str]):

@@ -42,11 +42,14 @@ from finetune.models import (
     load_tokenizer,
     trainable_dtype,
 )
+from finetune.preemption import PreemptionCallback, save_on_preemption
+from finetune.preflight import check_eval_split
 from finetune.recipe import Recipe, parse_recipe
 from finetune.run_lock import output_dir_lock
 from finetune.scaling import print_batch_plan, write_batch_plan
 from finetune.throughput import ThroughputCallback
 from finetune.trainer import FinetuneTrainer
+from finetune.watchdog import watching_ranks
 
 
 def train(recipe: Recipe) -> dict:
@@ -55,7 +58,8 @@ def train(recipe: Recipe) -> dict:
     set_seed(args.seed)
 
     dpo = recipe.preference.method == "dpo"
-    with output_dir_lock(args):  # one run per output_dir, held until this run returns (finetune.run_lock)
+    # a silent rank or a dead launcher ends this rank (finetune.watchdog); one run per output_dir (finetune.run_lock)
+    with watching_ranks(args), output_dir_lock(args):
         tokenizer = load_tokenizer(recipe.model)
         model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
                            strategy=recipe.strategy)
@@ -65,8 +69,9 @@ def train(recipe: Recipe) -> dict:
             hold_trainable_parameters(model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
 
         data = prepare_preference_data(recipe) if dpo else prepare_data(recipe, tokenizer, model)
+        check_eval_split(args, data.eval is not None)  # before Trainer, which would raise a ValueError of its own
         resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"])  # may stop: nothing written yet
-        if args.process_index == 0:
+        if args.process_index == 0 and not dpo:  # DPO: once TRL has tokenized the pairs (dpo_trainer)
             write_data_summary(data.summary, args.output_dir)
         if data.eval is None:
             args.eval_on_start = False  # nothing to evaluate on: no 'before' column
@@ -78,8 +83,9 @@ def train(recipe: Recipe) -> dict:
         memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
         throughput = ThroughputCallback(peak_tflops=args.peak_tflops) if args.throughput_report else None
         divergence = NonFiniteLossCallback(fp16=args.fp16)
-        callbacks = [callback for callback in (exact_match, memory_report, throughput, frozen_check, divergence)
-                     if callback is not None]
+        preemption = PreemptionCallback() if save_on_preemption(args) else None  # SIGTERM saves (finetune.preemption)
+        callbacks = [callback for callback in (exact_match, memory_report, throughput, frozen_check, divergence,
+                                               preemption) if callback is not None]
         if dpo:
             trainer = dpo_trainer(recipe, model, tokenizer, data, callbacks)
             if memory_report is not None:
@@ -146,23 +152,27 @@ def prepare_data(recipe: Recipe, tokenizer, model) -> PreparedData:
 
 
 def prepare_preference_data(recipe: Recipe):
-    """DPO's preference pairs (finetune.preference), with the fingerprint checkpoints record; rank 0 prints the
-    summary. TRL tokenizes them when the trainer is built."""
-    from finetune.preference import load_preference_data, print_preference_summary
+    """DPO's preference pairs (finetune.preference), with the fingerprint checkpoints record (of the pairs' text).
+    TRL tokenizes them when the trainer is built (dpo_trainer), which completes and prints their summary."""
+    from finetune.preference import SOURCE_COLUMN, load_preference_data
 
     data = load_preference_data(recipe.data, recipe.training.seed)
-    data.summary["train_fingerprint"] = fingerprint(data.train)
-    if recipe.training.process_index == 0:
-        print_preference_summary(data.summary)
+    data.summary["train_fingerprint"] = fingerprint(data.train.remove_columns(SOURCE_COLUMN))
     return data
 
 
 def dpo_trainer(recipe: Recipe, model, tokenizer, data, callbacks):
     """TRL's DPOTrainer with the toolkit's guarantees (finetune.preference.FinetuneDPOTrainer): the reference is a
     second copy of the starting model, frozen, or under LoRA the policy with its adapters disabled (TRL applies the
-    adapters from `lora_config`, so no reference adapter is copied)."""
+    adapters from `lora_config`, so no reference adapter is copied). The pairs TRL tokenizes go through the length
+    policies; rank 0 then prints and writes the data summary with what TRL truncated or dropped."""
     from finetune.models import lora_config
-    from finetune.preference import FinetuneDPOTrainer, frozen_reference, prepare_reference_for_zero3
+    from finetune.preference import (
+        FinetuneDPOTrainer,
+        frozen_reference,
+        prepare_reference_for_zero3,
+        print_preference_summary,
+    )
 
     args = recipe.training
     reference, peft_config = None, None
@@ -176,9 +186,15 @@ def dpo_trainer(recipe: Recipe, model, tokenizer, data, callbacks):
         trainer = FinetuneDPOTrainer(model=model, ref_model=reference, args=args, train_dataset=data.train,
                                      eval_dataset=data.eval, processing_class=tokenizer, callbacks=callbacks,
                                      peft_config=peft_config, recipe_values=recipe_values(recipe),
-                                     train_data=data.summary["train_fingerprint"])
+                                     train_data=data.summary["train_fingerprint"], data_args=recipe.data,
+                                     summary=data.summary)
+    except RecipeError:
+        raise
     except (ValueError, NotImplementedError) as error:  # TRL's refusals of a setting, said in one line
         raise RecipeError(f"TRL's DPOTrainer refuses this recipe: {str(error).splitlines()[0]}") from None
+    if args.process_index == 0:
+        print_preference_summary(data.summary)
+        write_data_summary(data.summary, args.output_dir)
     # fp32 master weights under mixed precision, whatever dtype the checkpoint was stored in (the adapters TRL added,
     # or every weight of a full run); the frozen base and the reference keep the loaded dtype
     hold_trainable_parameters(trainer.model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
@@ -217,9 +233,10 @@ def read_preprocessed(recipe: Recipe, tokenizer) -> PreparedData | None:
 
 
 def checkpoint_to_resume(recipe: Recipe, train_data: str) -> str | None:
-    """`resume_from_checkpoint: auto` resumes from the newest checkpoint complete on every node (a collective: with
-    `save_on_each_node` each node reads its own disk), or starts fresh; rank 0 names skipped half-written
-    checkpoints and recipe keys that changed since the checkpoint. Changed training data is refused unless
+    """`resume_from_checkpoint: auto` resumes from the newest checkpoint complete and whole on every node (a
+    collective: with `save_on_each_node` each node reads its own disk), or starts fresh; rank 0 names skipped
+    half-written or damaged checkpoints and recipe keys that changed since the checkpoint. A checkpoint holding a file
+    that could run code when loaded is refused by name on every rank. Changed training data is refused unless
     `ignore_data_skip` (finetune.checkpoints.check_same_data)."""
     args = recipe.training
     wanted, skipped = args.resume_from_checkpoint, []
@@ -228,9 +245,20 @@ def checkpoint_to_resume(recipe: Recipe, train_data: str) -> str | None:
     if wanted == "auto":
         last, skipped = agree_on_newest_complete(args.output_dir, args.world_size)
         wanted = None if last is None else str(last)
+    if args.process_index == 0:
+        for folder in skipped:
+            print(f"warning: skipping {folder}: {why_incomplete(folder)}")
     if wanted is None:
         return None
-    check_checkpoint_files(wanted)  # on every rank, before anything is unpickled
+    # On every rank, before anything is unpickled (each node reads its own disk); all stop if one refuses
+    try:
+        check_checkpoint_files(wanted)
+        refusal = None
+    except RecipeError as error:
+        refusal = str(error)
+    refusals = gather_object([refusal]) if args.world_size > 1 else [refusal]
+    if any(refusals):
+        raise RecipeError(next(text for text in refusals if text))
     changes = recipe_changes(Path(wanted), recipe_values(recipe))
     if args.lr_scheduler_type == "reduce_lr_on_plateau" and any(c.startswith("learning_rate:") for c in changes):
         raise RecipeError("`lr_scheduler_type: reduce_lr_on_plateau` keeps its learning rate in the checkpoint, so a "
@@ -238,8 +266,6 @@ def checkpoint_to_resume(recipe: Recipe, train_data: str) -> str | None:
                           "or start afresh from its weights (`finetune export`).")
     data_note = check_same_data(wanted, train_data, args.ignore_data_skip)
     if args.process_index == 0:
-        for folder in skipped:
-            print(f"warning: skipping {folder}: {why_incomplete(folder)}")
         print(f"resuming from {wanted}")
         if changes:
             print(f"warning: the recipe differs from the one {wanted} was trained with: {'; '.join(changes)}")

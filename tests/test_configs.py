@@ -138,3 +138,26 @@ def test_every_file_a_generated_readme_names_exists(folder):
     readme = (PROJECT_ROOT / folder / "README.md").read_text()
     named = set(re.findall(r"--(?:config_file|deepspeed_config_file) (\S+)", readme))
     assert named and all((PROJECT_ROOT / path).is_file() for path in named), sorted(named)
+
+
+def test_configs_write_never_overwrites_a_users_file_without_force(tmp_path, capsys):
+    mine = tmp_path / "accelerate_configs" / "ddp.yaml"
+    mine.parent.mkdir()
+    mine.write_text("mixed_precision: fp16  # mine\n")
+    assert main(["configs", "write", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "accelerate_configs/ddp.yaml" in err and "--force" in err and len(err.strip().splitlines()) == 1
+    assert mine.read_text() == "mixed_precision: fp16  # mine\n"
+    assert sorted(path.name for path in tmp_path.rglob("*") if path.is_file()) == ["ddp.yaml"]  # nothing written
+    assert main(["configs", "write", "--out", str(tmp_path), "--force"]) == 0
+    assert mine.read_text() == expected_files()["accelerate_configs/ddp.yaml"]
+
+
+def test_configs_write_leaves_identical_files_alone_and_writes_docs_only_into_the_project(tmp_path, capsys):
+    assert main(["configs", "write", "--out", str(tmp_path)]) == 0
+    assert not (tmp_path / "docs").exists()  # the recipe reference and TRL guide belong to the project checkout
+    ddp = tmp_path / "accelerate_configs" / "ddp.yaml"
+    before = ddp.stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["configs", "write", "--out", str(tmp_path)]) == 0
+    assert "wrote" not in capsys.readouterr().out and ddp.stat().st_mtime_ns == before

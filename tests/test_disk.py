@@ -83,9 +83,9 @@ def checkpoint_exception(failure: BaseException) -> BaseException:
 @pytest.mark.parametrize("error", [
     ValueError("a bug of ours"),
     RuntimeError("CUDA error: an illegal memory access was encountered"),
-    OSError(errno.EACCES, "Permission denied"),
+    OSError(errno.EIO, "Input/output error"),
     KeyboardInterrupt(),
-    checkpoint_exception(OSError(errno.EACCES, "Permission denied")),
+    checkpoint_exception(OSError(errno.EIO, "Input/output error")),
 ], ids=repr)
 def test_errors_that_are_not_about_disk_space_pass_through_unchanged(tmp_path, error):
     folder = tmp_path / "checkpoint-4"

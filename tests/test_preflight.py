@@ -39,9 +39,10 @@ def test_bf16_from_the_accelerate_config_on_a_t4_names_the_launcher_fix(monkeypa
     simulate_gpus(monkeypatch, T4)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate_configs/single_gpu.yaml
     with pytest.raises(RecipeError, match=r"Accelerate config asks for bf16 .* `accelerate launch --mixed_precision "
-                                          r"fp16 \.\.\.` or add `--fp16 true`"):
+                                          r"fp16 \.\.\.`"):
         reaches_training_arguments()
-    assert reaches_training_arguments("--fp16", "true").fp16  # the recipe key wins, as in TrainingArguments
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # the fix; the recipe may say fp16 too
+    assert reaches_training_arguments("--fp16", "true").fp16
 
 
 def test_bf16_passes_on_an_a100_and_on_cpu(monkeypatch, reaches_training_arguments):

@@ -167,3 +167,52 @@ def test_a_hub_like_tokenizer_and_conversations_are_cached_and_a_changed_templat
     tokenizer.chat_template = tokenizer.chat_template.replace("<|im_start|>assistant", "<|im_start|>bot")
     assert "`chat_template` changed" in load_preprocessed(cache_dir(recipe.data, tmp_path / "out"), recipe.data,
                                                           tokenizer, 0)[1]
+
+
+@pytest.mark.parametrize("where", ["output_dir", "its parent"])
+def test_a_preprocessed_dir_that_is_or_holds_the_output_dir_is_refused_and_nothing_is_deleted(tmp_path, capsys,
+                                                                                               where):
+    output_dir = tmp_path / "run"
+    (output_dir / "checkpoint-2").mkdir(parents=True)
+    (output_dir / "model.safetensors").write_text("weights")
+    (output_dir / KEY_FILE).write_text("{}")  # a cache written there before: its key must not license a delete
+    preprocessed_dir = output_dir if where == "output_dir" else tmp_path
+    assert preprocess(output_dir, "--preprocessed_dir", str(preprocessed_dir)) == 2
+    err = capsys.readouterr().err
+    assert f"`preprocessed_dir: {preprocessed_dir}`" in err and f"output_dir {output_dir}" in err
+    assert len(err.strip().splitlines()) == 1
+    assert (output_dir / "model.safetensors").read_text() == "weights" and (output_dir / "checkpoint-2").is_dir()
+
+
+def test_a_cache_folder_that_gained_other_files_is_refused_naming_them_and_nothing_is_deleted(tmp_path, capsys):
+    elsewhere = tmp_path / "cache"
+    assert preprocess(tmp_path / "out", "--preprocessed_dir", str(elsewhere)) == 0
+    (elsewhere / "model.safetensors").write_text("weights")
+    (elsewhere / "checkpoint-2").mkdir()
+    capsys.readouterr()
+    assert preprocess(tmp_path / "out", "--preprocessed_dir", str(elsewhere), "--max_seq_length", "48") == 2
+    err = capsys.readouterr().err
+    assert "checkpoint-2" in err and "model.safetensors" in err and "wrote the preprocessed data" not in err
+    assert (elsewhere / "model.safetensors").read_text() == "weights" and (elsewhere / "checkpoint-2").is_dir()
+    assert (elsewhere / KEY_FILE).is_file()  # the old cache is left whole too
+
+
+def test_a_corrupted_cache_is_named_with_the_fix_and_tokenized_instead(tmp_path, capsys):
+    assert preprocess(tmp_path) == 0
+    for arrow in (tmp_path / outputs.PREPROCESSED / cache.DATASETS).rglob("*.arrow"):
+        arrow.write_bytes(b"\x00" * 64)
+    recipe, tokenizer = recipe_and_tokenizer(tmp_path)
+    capsys.readouterr()
+    assert read_preprocessed(recipe, tokenizer) is None
+    out = capsys.readouterr().out
+    assert f"the preprocessed data in {tmp_path / outputs.PREPROCESSED} is damaged" in out
+    assert "`finetune preprocess` with this recipe refreshes it" in out
+
+
+def test_generation_eval_samples_changes_no_tokenized_row_and_keeps_the_cache(tmp_path):
+    assert preprocess(tmp_path) == 0  # SMALL: --generation_eval_samples 4
+    for samples in ("2", "7", "0"):
+        recipe, tokenizer = recipe_and_tokenizer(tmp_path, "--generation_eval_samples", samples)
+        cached, fresh = read_preprocessed(recipe, tokenizer), tokenize_data(recipe, tokenizer)
+        assert cached is not None and cached.generation_examples == fresh.generation_examples
+        assert len(cached.generation_examples) == int(samples)

@@ -178,3 +178,226 @@ def test_a_deepspeed_json_with_a_syntax_error_is_named_with_its_line(tmp_path):
     broken.write_text('{"zero_optimization": {"stage": 2,}}')
     with pytest.raises(RecipeError, match=rf"the DeepSpeed config `{broken}` is not valid JSON: .*line 1 column 35"):
         parse_recipe(DEMO, ["--deepspeed", str(broken)])
+
+
+def test_warmup_longer_than_the_run_is_a_named_warning_with_the_numbers(capsys):
+    parse_recipe(DEMO, ["--max_steps", "20"])  # demo.yaml: warmup_steps: 30
+    out = capsys.readouterr().out
+    assert ("warning: the warmup (30 steps, `warmup_steps: 30`) is as long as the run or longer (20 steps): the "
+            "learning rate never reaches `learning_rate: 0.002`") in out
+    parse_recipe(DEMO, ["--max_steps", "20", "--warmup_steps", "0.5"])  # a fraction: 10 of 20 steps
+    assert "never reaches" not in capsys.readouterr().out
+
+
+def test_warmup_longer_than_an_epoch_run_is_named_when_the_steps_are_known(capsys):
+    from types import SimpleNamespace
+
+    from finetune.effective import warn_about_warmup
+
+    args = SimpleNamespace(warmup_steps=30, learning_rate=2e-3, max_steps=-1)
+    warn_about_warmup(args, SimpleNamespace(max_steps=12, is_world_process_zero=True))
+    assert "the warmup (30 steps, `warmup_steps: 30`) is as long as the run or longer (12 steps" in \
+        capsys.readouterr().out
+
+
+@pytest.mark.parametrize("launcher, recipe", [("fp16", "bf16"), ("bf16", "fp16")])
+def test_an_accelerate_mixed_precision_that_contradicts_the_recipe_is_refused_naming_both(monkeypatch, launcher,
+                                                                                           recipe):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher)
+    with pytest.raises(RecipeError, match=rf"the Accelerate config's `mixed_precision: {launcher}` contradicts the "
+                                          rf"recipe's `{recipe}: true` \(command line\)"):
+        parse_recipe(DEMO, [f"--{recipe}", "true"])
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", recipe)  # agreeing, or the launcher alone: as before
+    assert parse_recipe(DEMO, [f"--{recipe}", "true"]).training.mixed_precision == recipe
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher)
+    assert parse_recipe(DEMO, []).training.mixed_precision == launcher
+
+
+def one_line_file(tmp_path, name: str, data: bytes):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def test_an_eval_strategy_without_an_eval_split_is_refused_naming_the_key(tmp_path):
+    from finetune.train import train
+
+    data = one_line_file(tmp_path, "train.jsonl", b"".join(
+        json.dumps({"instruction": f"say {i}", "output": str(i)}).encode() + b"\n" for i in range(8)))
+    recipe = parse_recipe(DEMO, ["--train_file", str(data), "--eval_strategy", "epoch", "--max_steps", "1",
+                                 "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(RecipeError, match=r"^`eval_strategy: epoch` evaluates, but the data have no eval split: give "
+                                          r"`eval_file` or `eval_split_ratio`, or set `eval_strategy: no`"):
+        train(recipe)
+
+
+def test_a_null_where_a_value_belongs_is_named_as_null(tmp_path):
+    recipe = tmp_path / "null.yaml"
+    recipe.write_text("model_name_or_path: tiny\ntorch_dtype: null\n")
+    with pytest.raises(RecipeError, match=r"^`torch_dtype: null` in recipe `.*null\.yaml`: `torch_dtype` takes a "
+                                          r"value \(default auto\); remove the line to keep the default") as refused:
+        parse_recipe(recipe, [])
+    assert "None" not in str(refused.value)
+
+
+def test_non_utf8_bytes_in_the_recipe_are_named_with_their_line(tmp_path):
+    recipe = one_line_file(tmp_path, "latin1.yaml", b"model_name_or_path: tiny\nmax_steps: 2\n# caf\xe9\n")
+    with pytest.raises(RecipeError, match=rf"^recipe `{recipe}` is not UTF-8 text \(byte 0xe9 on line 3\): save it as "
+                                          "UTF-8"):
+        parse_recipe(recipe, [])
+
+
+def load_data(tmp_path, data, *overrides):
+    from finetune.data import load_raw_data, prepare_datasets
+
+    recipe = parse_recipe(DEMO, ["--train_file", str(data), "--output_dir", str(tmp_path / "out"), *overrides])
+    return prepare_datasets(load_raw_data(recipe.data), build_tokenizer(), recipe.data, recipe.training)
+
+
+def test_non_utf8_bytes_in_a_data_line_are_named_with_the_file_and_line(tmp_path):
+    data = one_line_file(tmp_path, "latin1.jsonl", b'{"instruction": "say a", "output": "a"}\n'
+                                                   b'{"instruction": "say \xff", "output": "x"}\n')
+    with pytest.raises(RecipeError, match=rf"^{data}:2: not UTF-8 text \(byte 0xff\); save the file as UTF-8"):
+        load_data(tmp_path, data)
+
+
+def test_a_conversation_that_opens_with_the_assistant_is_named(tmp_path):
+    data = one_line_file(tmp_path, "chat.jsonl", json.dumps({"messages": [
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "y"}]}).encode() + b"\n")
+    with pytest.raises(RecipeError, match=r"^train example 1: the conversation opens with an assistant turn; it must "
+                                          r"open with a user turn \(after an optional system turn\)"):
+        load_data(tmp_path, data)
+
+
+def test_an_unknown_role_is_named_not_reported_as_missing_answer_tokens(tmp_path):
+    data = one_line_file(tmp_path, "chat.jsonl", json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "robot", "content": "y"}]}).encode() + b"\n")
+    with pytest.raises(RecipeError, match=r"^train example 1: a message has `role: robot`; expected one of system, "
+                                          r"developer, user, assistant, tool"):
+        load_data(tmp_path, data)
+
+
+def test_a_one_row_dataset_cannot_be_split_for_eval_and_says_so(tmp_path):
+    data = one_line_file(tmp_path, "one.jsonl", b'{"instruction": "a", "output": "b"}\n')
+    with pytest.raises(RecipeError, match=rf"^`eval_split_ratio: 0.2` cannot split the 1 example\(s\) of {data} into a "
+                                          r"train and an eval part"):
+        load_data(tmp_path, data, "--eval_split_ratio", "0.2")
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n"])
+def test_an_empty_data_file_is_named_as_empty(tmp_path, content):
+    data = one_line_file(tmp_path, "empty.jsonl", content)
+    with pytest.raises(RecipeError, match=rf"^`train_file: {data}` is empty: it holds no examples"):
+        load_data(tmp_path, data)
+
+
+@pytest.mark.parametrize("path", ["./no/such/model", "~/no-such-model", "/no/such/model", "runs/qwen/final"])
+def test_a_local_model_path_that_does_not_exist_is_named_as_a_missing_directory(path):
+    from finetune.args import ModelArguments
+    from finetune.models import load_tokenizer
+
+    with pytest.raises(RecipeError, match=rf"^`model_name_or_path: {path}`: no such directory"):
+        load_tokenizer(ModelArguments(model_name_or_path=path))
+
+
+def refused_write(kind: str) -> BaseException:
+    import errno
+
+    from safetensors import SafetensorError
+
+    return {"permissions": PermissionError(errno.EACCES, "Permission denied"),
+            "immutable": PermissionError(errno.EPERM, "Operation not permitted"),
+            "read-only": OSError(errno.EROFS, "Read-only file system"),
+            "safetensors": SafetensorError("Error while serializing: I/O error: Permission denied (os error 13)")}[kind]
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("permissions", "permission denied"), ("immutable", "operation not permitted"),
+    ("read-only", "read-only file system"), ("safetensors", "permission denied"),
+])
+def test_a_folder_that_refuses_a_save_is_one_line_naming_it_and_the_previous_checkpoint_stays(tmp_path, kind, reason):
+    from finetune.disk import saving_within_free_space
+
+    kept = checkpoint(tmp_path, 2, None)
+    mark_complete(kept, 2, {"strategy": "ddp", "world_size": 1}, {})
+    folder = tmp_path / "checkpoint-4"
+    with pytest.raises(RecipeError, match=rf"^cannot save checkpoint in {folder}: {reason} \(the folder or its file "
+                                          rf"system stopped accepting files\).* the newest complete checkpoint, "
+                                          rf"{kept}, is untouched") as stopped:
+        with saving_within_free_space(folder, needed_bytes=0):
+            folder.mkdir()
+            raise refused_write(kind)
+    assert stopped.value.__suppress_context__ and not folder.exists()
+    assert is_complete(kept) and (kept / "trainer_state.json").read_text() == "{}"
+
+
+def test_a_refused_write_outside_a_save_is_one_line_naming_the_file(monkeypatch, capsys):
+    import errno
+
+    from finetune.cli import main
+
+    def refusing(*args):
+        raise PermissionError(errno.EACCES, "Permission denied", "/runs/out/eval_results.json")
+
+    monkeypatch.setattr("finetune.train.train_command", refusing)
+    assert main(["train", str(DEMO)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("finetune: error: the file system refused /runs/out/eval_results.json: permission denied")
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def unwritable_folder():
+    """Makes a folder refuse new files, as `chmod a-w` does for a user; root ignores modes, so there the folder is made
+    immutable (`chattr +i`, EPERM). Restored afterwards, so that the test's folder can be removed."""
+    import os
+    import subprocess
+
+    made = []
+
+    def make(folder):
+        folder.mkdir(parents=True)
+        if os.geteuid() != 0:
+            folder.chmod(0o555)
+        elif subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("running as root where `chattr +i` is unavailable: no way to make a folder refuse files")
+        made.append(folder)
+        return folder
+
+    yield make
+    for folder in made:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(folder)], check=False)
+        folder.chmod(0o755)
+
+
+def test_an_output_folder_that_stops_accepting_files_mid_run_stops_in_one_line_keeping_the_checkpoint(
+        tmp_path, unwritable_folder):
+    from support import DEMO_SHORT_RUN, finetune_command, run
+
+    output_dir = tmp_path / "run"
+    refusing = unwritable_folder(output_dir / "checkpoint-4")  # checkpoint-2 saves, checkpoint-4 cannot
+    result = run(finetune_command("train", "recipes/demo.yaml", "--output_dir", str(output_dir), *DEMO_SHORT_RUN,
+                                  "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2",
+                                  "--disable_tqdm", "true"), timeout=240)
+    assert result.returncode == 2, result.output[-3000:]
+    errors = [line for line in result.output.splitlines() if line.startswith("finetune: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"finetune: error: cannot save checkpoint in {refusing}: ")
+    assert "Traceback" not in result.output and "PermissionError" not in result.output
+    previous = output_dir / "checkpoint-2"
+    assert is_complete(previous) and f"the newest complete checkpoint, {previous}, is untouched" in errors[0]
+
+
+@pytest.mark.distributed
+def test_a_refusal_in_a_launched_rank_is_the_last_line_the_launcher_prints(tmp_path):
+    """Accelerate's launcher re-raises torch.distributed.elastic's ChildFailedError with a traceback of its own; the
+    rank leaves its one line in elastic's reply file, so the launcher's closing summary quotes it."""
+    from support import CPU_LAUNCHES, launch_demo
+
+    result = launch_demo(CPU_LAUNCHES["ddp"], tmp_path / "run", "--learning_rat", "1e-3", timeout=240)
+    refusal = "finetune: error: unknown option `--learning_rat` (did you mean `learning_rate`?)."
+    assert result.returncode != 0 and refusal in result.output
+    lines = [line.strip() for line in result.output.splitlines() if line.strip() and set(line.strip()) != {"="}]
+    assert lines[-1] == f"traceback : {refusal}", result.output[-3000:]
+    assert "To enable traceback see" not in result.output

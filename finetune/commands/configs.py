@@ -1,5 +1,5 @@
-"""`finetune configs write|check|lint`: the shipped DeepSpeed and Accelerate configs (and docs/recipes.md), generated
-from finetune/configs/ and the recipe dataclasses."""
+"""`finetune configs write|check|lint`: the shipped DeepSpeed and Accelerate configs (and, in the project checkout,
+docs/recipes.md and docs/from_trl.md), generated from finetune/configs/ and the recipe dataclasses."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from finetune.generated_files import check_configs, write_configs
 def configs_command_parser(subparsers) -> None:
     parser = subparsers.add_parser("configs", help="write or check the generated launch configs")
     actions = parser.add_subparsers(dest="action", required=True)
-    write = actions.add_parser("write", help="write the shipped config set and docs/recipes.md")
+    write = actions.add_parser("write", help="write the shipped config set (and, in the project checkout, the "
+                               "generated docs)")
     write.add_argument("--out", type=Path, default=Path("."), help="root to write under (default: here)")
+    write.add_argument("--force", action="store_true",
+                       help="replace files that exist with other content (refused otherwise, naming them)")
     check = actions.add_parser("check", help="exit non-zero with a diff if a shipped file differs from the generator")
     check.add_argument("--root", type=Path, default=Path("."), help="project root holding the shipped configs")
     lint = actions.add_parser("lint",
@@ -27,8 +30,11 @@ def configs_command_parser(subparsers) -> None:
 
 def configs_command(args) -> int:
     if args.action == "write":
-        for path in write_configs(args.out):
+        written = write_configs(args.out, force=args.force)
+        for path in written:
             print(f"wrote {path}")
+        if not written:
+            print(f"the generated configs in {args.out} are up to date")
         return 0
     if args.action == "lint":
         problems = [problem for path in args.files

@@ -8,6 +8,7 @@ the cache `finetune train` reads on every rank while its key matches (`finetune.
 from __future__ import annotations
 
 import os
+import sys
 
 from finetune.commands.train import add_recipe_arguments, recipe_and_overrides
 
@@ -37,11 +38,18 @@ def preprocess_command(args) -> int:
         raise RecipeError("`finetune preprocess` runs as one process: run it without `accelerate launch`/`torchrun`, "
                           "then launch `finetune train` with the same recipe.")
     recipe = parse_recipe(*recipe_and_overrides(args))
-    directory = check_cache_dir(cache_dir(recipe.data, recipe.training.output_dir))  # before the work, not after
+    if recipe.preference.method == "dpo":
+        raise RecipeError("`finetune preprocess` is for supervised fine-tuning data: under `method: dpo`, TRL's "
+                          "DPOTrainer tokenizes the preference pairs itself when training starts and would never "
+                          "read a cache; launch `finetune train` with this recipe directly.")
+    output_dir = recipe.training.output_dir
+    directory = check_cache_dir(cache_dir(recipe.data, output_dir), output_dir)  # before the work, not after
     tokenizer = load_tokenizer(recipe.model)
+    # Every eval example's prompt, so that `generation_eval_samples` stays out of the key: a run takes the first N.
+    recipe.data.generation_eval_samples = sys.maxsize
     data = tokenize_data(recipe, tokenizer)
     key = cache_key(recipe.data, tokenizer, recipe.training.seed)
-    save_preprocessed(data, directory, key)
+    save_preprocessed(data, directory, key, output_dir)
     print_data_summary(data.summary)
     print(f"wrote the preprocessed data to {directory} (key {key_digest(key)}, {data.summary['train_fingerprint']}): "
           "`finetune train` with this recipe reads it on every rank instead of tokenizing.")

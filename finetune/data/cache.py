@@ -5,7 +5,9 @@ The cache is valid for one key: a hash of everything that changes the rows train
 tokenizer, the chat template, every `DataArguments` key but those in `NOT_IN_KEY`, the mixing seed). The key is kept
 part by part, so a stale cache is named with the parts that differ. The folder holds `datasets/` (`train` and `eval`
 as `DatasetDict.save_to_disk` writes them), `generation_examples.json`, `data_summary.json` and `key.json`; it is
-written under a temporary name and renamed into place, so a folder with a key is always whole.
+written under a temporary name and renamed into place, so a folder with a key is always whole. A new cache replaces
+only those entries: a folder holding anything else, or the run's `output_dir` (or a folder holding it), is refused,
+so a cache never deletes what it did not write.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ NOT_IN_KEY = {
     "preprocessed_dir": "where the cache lives, not what it holds",
     "padding_free": "a collator choice: the tokenized rows are the same",
     "generation_max_new_tokens": "read while generating, after the data is prepared",
+    "generation_eval_samples": "the cache keeps the prompts of every eval example; the first N are scored",
 }
 # Keys that name where the data is: the key holds a digest of what they name instead of the name.
 DATA_LOCATIONS = ("dataset", "train_file", "eval_file", "mix_files")
 DIGEST = "sha256:"
+# Everything a cache folder holds: what `save_preprocessed` writes, and all it ever deletes.
+CACHE_ENTRIES = (DATASETS, GENERATION_EXAMPLES, outputs.DATA_SUMMARY, KEY_FILE)
 
 
 def cache_dir(data_args, output_dir) -> Path:
@@ -134,20 +139,36 @@ def stale_parts(saved: dict[str, str], wanted: dict[str, str]) -> list[str]:
     return changes
 
 
-def check_cache_dir(directory) -> Path:
-    """`directory` may take a cache: it is new, empty or an earlier cache (never another folder, which the cache
-    would replace)."""
+def check_cache_dir(directory, output_dir=None) -> Path:
+    """`directory` may take a cache: it is new, empty or holds an earlier cache and nothing else (a new cache replaces
+    those entries only, `CACHE_ENTRIES`); it is not the run's `output_dir` nor a folder holding it, where Trainer
+    writes the model and checkpoints."""
     directory = Path(directory)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())) \
-            and not (directory / KEY_FILE).is_file():
-        raise RecipeError(f"`preprocessed_dir: {directory}` holds something other than preprocessed data (it is a "
-                          f"file, or a folder with files but no {KEY_FILE}); name a new or empty folder.")
+    named = f"`preprocessed_dir: {directory}`"
+    if output_dir is not None:
+        output = Path(output_dir).resolve()
+        if directory.resolve() == output or directory.resolve() in output.parents:
+            raise RecipeError(f"{named} is {'' if directory.resolve() == output else 'a folder holding '}the "
+                              f"output_dir {output_dir}, where the model and checkpoints go, and a new cache replaces "
+                              f"its folder: name a folder of its own (default: <output_dir>/{outputs.PREPROCESSED}).")
+    if directory.exists() and not directory.is_dir():
+        raise RecipeError(f"{named} holds something other than preprocessed data (it is a file): name a new or "
+                          "empty folder.")
+    entries = sorted(path.name for path in directory.iterdir()) if directory.is_dir() else []
+    others = [name for name in entries if name not in CACHE_ENTRIES]
+    if entries and KEY_FILE not in entries:  # a cache always has its key (written last, renamed in whole)
+        others = entries
+    if others:
+        raise RecipeError(f"{named} holds something other than preprocessed data ({', '.join(others[:5])}"
+                          f"{' ...' if len(others) > 5 else ''}; a cache holds {', '.join(CACHE_ENTRIES)}), which a "
+                          "new cache would delete: name a new or empty folder, or move those out.")
     return directory
 
 
-def save_preprocessed(data: PreparedData, directory, key: dict[str, str]) -> Path:
-    """Writes the prepared data and its key to `directory`, replacing an earlier cache there (`check_cache_dir`)."""
-    directory = check_cache_dir(directory)
+def save_preprocessed(data: PreparedData, directory, key: dict[str, str], output_dir=None) -> Path:
+    """Writes the prepared data and its key to `directory`, replacing the entries of an earlier cache there and
+    nothing else (`check_cache_dir`)."""
+    directory = check_cache_dir(directory, output_dir)
     staging = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     splits = DatasetDict(train=data.train, **({"eval": data.eval} if data.eval is not None else {}))
@@ -155,7 +176,14 @@ def save_preprocessed(data: PreparedData, directory, key: dict[str, str]) -> Pat
     outputs.write_record(staging, GENERATION_EXAMPLES, data.generation_examples)
     outputs.write_record(staging, outputs.DATA_SUMMARY, data.summary)
     outputs.write_record(staging, KEY_FILE, {"digest": key_digest(key), "parts": key})
-    shutil.rmtree(directory, ignore_errors=True)
+    if directory.is_dir():
+        for name in (KEY_FILE, *CACHE_ENTRIES):  # the key first: a folder without one is no cache
+            entry = directory / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink(missing_ok=True)
+        directory.rmdir()  # empty now; an error if anything appeared meanwhile, which stays
     os.replace(staging, directory)
     return directory
 
@@ -165,17 +193,26 @@ def load_preprocessed(directory, data_args, tokenizer, seed: int) -> tuple[Prepa
     (`cache_key`); otherwise None and why ("" when there is no cache there). The key, which reads every data file,
     is computed only when there is a cache to compare it with."""
     directory = Path(directory)
-    record = outputs.read_record(directory, KEY_FILE, missing=None)
+    try:
+        record = outputs.read_record(directory, KEY_FILE, missing=None)
+    except RecipeError as error:
+        return None, f"the preprocessed data in {directory} is damaged ({error})"
     if record is None:
         return None, ""
     changes = stale_parts(record.get("parts", {}), cache_key(data_args, tokenizer, seed))
     if changes:
         return None, f"the preprocessed data in {directory} is stale ({'; '.join(changes)})"
-    splits = load_from_disk(str(directory / DATASETS))
-    summary = outputs.read_record(directory, outputs.DATA_SUMMARY)
-    if fingerprint(splits["train"]) != summary["train_fingerprint"]:
+    try:  # a damaged file reads as OSError ("Invalid flatbuffers message"), ArrowInvalid (a ValueError) or KeyError
+        splits = load_from_disk(str(directory / DATASETS))
+        summary = outputs.read_record(directory, outputs.DATA_SUMMARY)
+        matches = fingerprint(splits["train"]) == summary["train_fingerprint"]
+        examples = outputs.read_record(directory, GENERATION_EXAMPLES)
+    except (OSError, ValueError, KeyError) as error:  # RecipeError (a record that is not JSON) is a ValueError
+        first_line = (str(error).splitlines() or [""])[0]
+        return None, f"the preprocessed data in {directory} is damaged ({type(error).__name__}: {first_line})"
+    if not matches:
         return None, f"the preprocessed train rows in {directory} do not match their recorded fingerprint (damaged)"
     summary["preprocessed"] = {"dir": str(directory), "key": record["digest"]}
     data = PreparedData(splits["train"], splits["eval"] if "eval" in splits else None,
-                        outputs.read_record(directory, GENERATION_EXAMPLES), summary)
+                        examples[: data_args.generation_eval_samples], summary)
     return data, ""

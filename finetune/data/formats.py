@@ -34,6 +34,9 @@ FORMAT_COLUMNS = {
     "text": ("text",),
 }
 CONVERSATION_FORMATS = ("messages", "sharegpt", "alpaca")
+# The roles chat templates render (OpenAI's, and Llama 3.1's `ipython` for tool results): any other would render as
+# something no template knows, or vanish, leaving an example with nothing to learn.
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "function_call": "assistant", "observation": "tool", "tool": "tool"}
 
@@ -61,12 +64,12 @@ def to_messages(example: dict, dataset_format: str) -> list[dict]:
     """The conversation of one example, as chat-template messages: `{role, content}`, plus `tool_calls` on an
     assistant turn that calls tools and `tool_call_id` on a tool result that names its call."""
     if dataset_format == "messages":
-        return [_openai_message(message) for message in example["messages"]]
+        return _opens_with_a_prompt([_openai_message(message) for message in example["messages"]])
     if dataset_format == "sharegpt":
         messages = [_sharegpt_message(turn) for turn in example["conversations"]]
         if example.get("system") and (not messages or messages[0]["role"] != "system"):
             messages.insert(0, {"role": "system", "content": example["system"]})
-        return messages
+        return _opens_with_a_prompt(messages)
     if dataset_format == "alpaca":
         prompt = example["instruction"]
         if example.get("input"):
@@ -112,8 +115,20 @@ def _sharegpt_message(turn: dict) -> dict:
             "tool_calls": [_tool_call(call, "a `function_call` turn") for call in calls]}
 
 
+def _opens_with_a_prompt(messages: list[dict]) -> list[dict]:
+    """An answer needs a prompt before it: an assistant turn first (after system turns) has none to render, and
+    templates refuse or misrender it."""
+    first = next((message for message in messages if message["role"] not in ("system", "developer")), None)
+    if first is not None and first["role"] == "assistant":
+        raise RecipeError("the conversation opens with an assistant turn; it must open with a user turn (after an "
+                          "optional system turn): drop the leading assistant turn or put the user's message first.")
+    return messages
+
+
 def _openai_message(message: dict) -> dict:
-    role = message.get("role")  # any role the template knows; it refuses the others itself
+    role = message.get("role")
+    if role not in MESSAGE_ROLES:
+        raise RecipeError(f"a message has `role: {role}`; expected one of {', '.join(MESSAGE_ROLES)}.")
     converted = {"role": role, "content": message.get("content")}
     if role == "assistant" and message.get("tool_calls"):
         converted["tool_calls"] = [_tool_call(call, "an assistant turn's `tool_calls`")

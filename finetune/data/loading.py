@@ -60,20 +60,59 @@ def first_bad_json_line(path: str) -> str | None:
     return None
 
 
+def first_non_utf8_line(path: str) -> str | None:
+    """`path:line: not UTF-8 text (byte 0x..)` for the first line of a text file that is not UTF-8."""
+    with open(path, "rb") as file:
+        for number, line in enumerate(file, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return f"{path}:{number}: not UTF-8 text (byte 0x{line[error.start]:02x})"
+    return None
+
+
+def _check_utf8(splits: DatasetDict, source: str, files: dict) -> None:
+    """Arrow's JSON and CSV readers keep a string's bytes as they are; invalid UTF-8 would surface as a
+    UnicodeDecodeError mid-tokenizing. Arrow's full validation checks every string column at C speed."""
+    for split in splits.values():
+        try:
+            split.data.table.validate(full=True)
+        except ValueError:  # pyarrow's ArrowInvalid
+            bad = next((found for file in files.values() if (found := first_non_utf8_line(file))), None)
+            where = bad or f"dataset `{source}`: a text column is not UTF-8"
+            raise RecipeError(f"{where}; save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
+
+
 def _load(source: str, path: str, **kwargs) -> DatasetDict:
     try:
-        return DatasetDict(load_dataset(path, **kwargs))
+        splits = DatasetDict(load_dataset(path, **kwargs))
     except Exception as error:  # datasets raises many types; all mean "this source cannot be read"
         if "corresponds to no data" in str(error):
             raise RecipeError(f"the `train` split of the dataset is empty ({source}).") from None
         for file in (kwargs.get("data_files") or {}).values():
+            if path in FILE_BUILDERS.values() and path != "parquet" and (bad := first_non_utf8_line(file)):
+                raise RecipeError(f"{bad}; save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
             if path == "json" and (bad := first_bad_json_line(file)):
                 raise RecipeError(f"malformed JSON at {bad}; fix or remove that line.") from None
         raise RecipeError(f"cannot load dataset `{source}`: {type(error).__name__}: {error}") from None
+    _check_utf8(splits, source, kwargs.get("data_files") or {})
+    return splits
+
+
+def _is_blank(path: str) -> bool:
+    """Whether a file holds nothing but whitespace (read until the first other byte)."""
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _load_file(path: str, key: str) -> Dataset:
-    return _load(path, _builder_for(path, key), data_files={"train": path})["train"]
+    builder = _builder_for(path, key)
+    if _is_blank(path):
+        raise RecipeError(f"`{key}: {path}` is empty: it holds no examples; point it at your data file.")
+    return _load(path, builder, data_files={"train": path})["train"]
 
 
 def _load_named(dataset: str) -> DatasetDict:
@@ -112,7 +151,13 @@ def load_raw_data(data_args) -> RawData:
         if len(source.train) == 0:
             raise RecipeError(f"the `train` split of {source.name} is empty.")
         if source.eval is None and data_args.eval_split_ratio > 0:
-            split = source.train.train_test_split(test_size=data_args.eval_split_ratio, seed=0)
+            try:
+                split = source.train.train_test_split(test_size=data_args.eval_split_ratio, seed=0)
+            except ValueError as error:  # datasets' own check: one side of the split would be empty
+                raise RecipeError(f"`eval_split_ratio: {data_args.eval_split_ratio}` cannot split the "
+                                  f"{len(source.train)} example(s) of {source.name} into a train and an eval part "
+                                  f"({str(error).splitlines()[0]}): give more examples, an `eval_file`, or "
+                                  "`eval_split_ratio: 0`.") from None
             source.train, source.eval = split["train"], split["test"]
         if source.eval is not None and len(source.eval) == 0:
             raise RecipeError(f"the eval split of {source.name} is empty.")

@@ -5,11 +5,11 @@ Conversations: each assistant turn is rendered with the tokenizer's own chat tem
 stops agreeing with the prompt rendered with `add_generation_prompt`: not at the generation prompt's length, which
 is wrong for templates whose generation prompt is not a prefix of the rendered turn (reasoning templates open the
 answer with `<think>`; tokens the prompt supplies at inference are not the model's to learn). They end at the last
-special token of the turn (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, EOS), so the model learns to stop. Each span
-is verified (it holds the answer, or the tool calls, and ends with that token) and a template it cannot align is
-refused by name instead of trained on shifted labels. Tool results, the tool list and user turns are not learned.
-Prompt/completion pairs learn the completion and EOS; plain text learns every token. `finetune labels` shows what
-is learned.
+special token of the turn (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, EOS), so the model learns to stop
+(`turn_end_ids`: what generation stops at). Each span is verified (it holds the answer, or the tool calls, and ends
+with that token) and a template it cannot align is refused by name instead of trained on shifted labels. Tool
+results, the tool list and user turns are not learned. Prompt/completion pairs learn the completion and EOS; plain
+text learns every token. `finetune labels` shows what is learned.
 """
 
 from __future__ import annotations
@@ -93,6 +93,21 @@ def encode_conversation(messages: list[dict], tokenizer, tools: list[dict] | Non
         if message["content"].strip() or message.get("tool_calls"):  # an empty answer teaches only to stop: not learned
             labels[start:end] = input_ids[start:end]
     return input_ids, labels
+
+
+# A two-turn conversation whose assistant turns show the tokens a template closes them with.
+TURN_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+              {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye"}]
+
+
+def turn_end_ids(tokenizer) -> list[int]:
+    """The tokens that close an assistant turn in the tokenizer's chat template (`<|im_end|>`, `<|eot_id|>`,
+    `<end_of_turn>`, EOS, ...): the last learned token of each turn of a probe conversation, found exactly as
+    training labels it, so generation stops where the model learned to. A base model's EOS (`<|endoftext|>`) is
+    often not among them."""
+    input_ids, labels = encode_conversation(TURN_PROBE, tokenizer)
+    return sorted({input_ids[i] for i, label in enumerate(labels)
+                   if label != IGNORE_INDEX and (i + 1 == len(labels) or labels[i + 1] == IGNORE_INDEX)})
 
 
 def _spans_in_whole_render(messages, text: str, tokenizer) -> list[tuple[int, int]]:
@@ -290,12 +305,16 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
 
 
 def generation_examples(split: Dataset, dataset_format: str, limit: int) -> list[dict]:
-    """Eval conversations cut before their last assistant turn, for exact-match generation; those with tools are
-    left out (the answer is a call, and generation renders prompts without the tool list)."""
+    """The first `limit` eval conversations cut before their last assistant turn, for exact-match generation; those
+    with tools are left out (the answer is a call, and generation renders prompts without the tool list). `limit`
+    counts examples, so the first N of a longer list are the N a smaller limit gives (the preprocessed cache keeps
+    them all)."""
     if dataset_format not in CONVERSATION_FORMATS:
         return []
     examples = []
-    for example in split.select(range(min(limit, len(split)))):
+    for example in split:
+        if len(examples) >= limit:
+            break
         messages = to_messages(example, dataset_format)
         answers = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
         if answers and not uses_tools(messages, to_tools(example)):
