@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset, concatenate_datasets, interleave_datasets
 from trl import DPOConfig, DPOTrainer
+from trl.data_utils import is_conversational
 
 from finetune.args import FinetuneTrainingArguments
 from finetune.data.formats import _openai_message, _sharegpt_message
@@ -178,6 +179,8 @@ def load_preference_data(data_args, seed: int) -> PreferenceData:
             pairs, dropped = check_pairs(pairs, f"{source.name} ({split})", data_args.unlabeled_policy)
             pairs = pairs.add_column(SOURCE_COLUMN, [len(sources)] * len(pairs))
             record["format"] = pair_format
+            if len(pairs):  # TRL renders conversational pairs with the chat template and plain ones as they are
+                record["plain_text"] = not is_conversational(pairs[0])
             record[split] = {"rows": len(dataset), "pairs": len(pairs), "truncated_rows": 0,
                              "dropped": dropped | {"overlong": 0, "no_answer_tokens": 0}}
             (trains if split == "train" else evals).append(pairs)

@@ -214,3 +214,16 @@ def test_the_recorded_data_format_decides_the_rendering(prompt_completion_run, t
     assert main(["chat", str(source), "--prompt", "reverse abc: ", "--max-new-tokens", "1", "--show-prompt"]) == 0
     [prompt] = shown_prompts(capsys.readouterr().err)
     assert prompt == ("<|user|>reverse abc: <|end|><|assistant|>" if templated else "reverse abc: ")
+
+
+@pytest.mark.parametrize(("plain_text", "templated"), [(True, False), (False, True)])
+def test_preference_pairs_of_plain_strings_are_prompted_as_plain_text(prompt_completion_run, tmp_path, plain_text,
+                                                                        templated, capsys):
+    """DPO renders pairs given as plain strings without a template (TRL's is_conversational), and records so."""
+    source = copy_with_formats(prompt_completion_run, tmp_path / "run", ["pairs"])
+    summary = json.loads((source / "data_summary.json").read_text())
+    summary["sources"][0]["plain_text"] = plain_text
+    (source / "data_summary.json").write_text(json.dumps(summary))
+    assert main(["chat", str(source), "--prompt", "reverse abc: ", "--max-new-tokens", "1", "--show-prompt"]) == 0
+    [prompt] = shown_prompts(capsys.readouterr().err)
+    assert prompt == ("<|user|>reverse abc: <|end|><|assistant|>" if templated else "reverse abc: ")

@@ -105,6 +105,14 @@ def test_the_synthetic_dataset_gives_held_out_pairs_and_a_file_of_pairs_loads(tm
     # `overlong` and `no_answer_tokens` are counted when TRL tokenizes the pairs
     assert data.summary["sources"][0]["train"]["dropped"] == {"empty_answer": 1, "same_answers": 0, "overlong": 0,
                                                               "no_answer_tokens": 0}
+    assert data.summary["sources"][0]["plain_text"] is False  # alpaca pairs become conversations
+
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i)}) + "\n"
+                             for i in range(5)))
+    sections = read_recipe("recipes/demo.yaml", ["--method", "dpo", "--dataset", str(plain), "--eval_split_ratio", "0"])
+    source = load_preference_data(sections.data, seed=0).summary["sources"][0]
+    assert source["format"] == "pairs" and source["plain_text"] is True  # what `finetune chat` reads
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -108,8 +108,10 @@ def plain_text_format(checkpoint: str, system: str | None = None) -> str | None:
         summary = outputs.read_record(folder, outputs.DATA_SUMMARY, missing=None)
         if summary is None:
             continue
-        formats = {source.get("format") for source in summary.get("sources", [])}
-        if not formats or not formats <= plain:
+        sources = summary.get("sources", [])
+        formats = {source.get("format") for source in sources}
+        # preference pairs given as plain strings were trained as text too (finetune.preference records it)
+        if not sources or not all(source.get("format") in plain or source.get("plain_text") for source in sources):
             return None
         trained_on = " and ".join(sorted(formats))
         if system:
