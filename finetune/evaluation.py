@@ -18,6 +18,7 @@ from rich.table import Table
 from transformers import TrainerCallback
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
+from finetune.data.summary import trained_as_plain_text
 from finetune.data.tokenize import turn_end_ids
 
 
@@ -34,6 +35,17 @@ def stop_token_ids(tokenizer, generation_config, chat_template: bool = True) -> 
         ids.update(turn_end_ids(tokenizer))
     ids.discard(None)
     return sorted(ids)
+
+
+def record_stop_tokens(model, tokenizer, data_summary: dict) -> None:
+    """Puts every token that ends an answer (`stop_token_ids`) into the model's generation config, which every saved
+    checkpoint and the final model carry: `generate` elsewhere (a pipeline, `transformers serve`, an exported model)
+    then stops where training taught the model to, not only at a base model's EOS."""
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is None:
+        return
+    ids = stop_token_ids(tokenizer, generation_config, chat_template=not trained_as_plain_text(data_summary))
+    generation_config.eos_token_id = ids[0] if len(ids) == 1 else ids
 
 
 def until_stop(ids: list[int], stop_ids: list[int]) -> list[int]:

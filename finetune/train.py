@@ -32,7 +32,7 @@ from finetune.data.tokenize import PreparedData
 from finetune.divergence import NonFiniteLossCallback
 from finetune.effective import report_and_guard_launch
 from finetune.errors import RecipeError
-from finetune.evaluation import ExactMatchCallback, print_before_after, summarize_evaluations
+from finetune.evaluation import ExactMatchCallback, print_before_after, record_stop_tokens, summarize_evaluations
 from finetune.memory import MemoryReportCallback
 from finetune.models import (
     FrozenWeightsCallback,
@@ -69,6 +69,7 @@ def train(recipe: Recipe) -> dict:
             hold_trainable_parameters(model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
 
         data = prepare_preference_data(recipe) if dpo else prepare_data(recipe, tokenizer, model)
+        record_stop_tokens(model, tokenizer, data.summary)  # saved with the model: generate() elsewhere stops there too
         check_eval_split(args, data.eval is not None)  # before Trainer, which would raise a ValueError of its own
         resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"])  # may stop: nothing written yet
         if args.process_index == 0 and not dpo:  # DPO: once TRL has tokenized the pairs (dpo_trainer)

@@ -227,3 +227,31 @@ def test_preference_pairs_of_plain_strings_are_prompted_as_plain_text(prompt_com
     assert main(["chat", str(source), "--prompt", "reverse abc: ", "--max-new-tokens", "1", "--show-prompt"]) == 0
     [prompt] = shown_prompts(capsys.readouterr().err)
     assert prompt == ("<|user|>reverse abc: <|end|><|assistant|>" if templated else "reverse abc: ")
+
+
+def test_a_run_saves_its_templates_end_of_turn_as_a_stop_token_for_generate_elsewhere(rambling_base, tmp_path):
+    """One step of training on conversations from the ChatML base whose EOS is `<|endoftext|>`: the saved model's
+    generation config stops at `<|im_end|>` too, so a plain `generate` (a pipeline, a server) ends the turn there."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    output_dir = tmp_path / "run"
+    assert_succeeded(run(finetune_command(
+        "train", "recipes/demo.yaml", "--model_name_or_path", str(rambling_base), "--output_dir", str(output_dir),
+        "--max_steps", "1", "--learning_rate", "1e-12", "--per_device_train_batch_size", "2",
+        "--eval_on_start", "false", "--generation_eval_samples", "0", "--max_eval_samples", "2",
+        "--report_to", "none", "--disable_tqdm", "true"), timeout=600))
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    saved = GenerationConfig.from_pretrained(output_dir).eos_token_id
+    assert sorted(saved) == sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
+    model = AutoModelForCausalLM.from_pretrained(output_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    output = model.generate(**prompt, max_new_tokens=20, do_sample=False)  # the saved generation config alone
+    assert tokenizer.decode(output[0, prompt["input_ids"].shape[1]:]) == f"{ANSWER}<|im_end|>"
+
+
+def test_a_plain_text_run_keeps_eos_alone_as_its_stop_token(prompt_completion_run):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    saved = GenerationConfig.from_pretrained(prompt_completion_run).eos_token_id
+    assert saved == AutoTokenizer.from_pretrained(prompt_completion_run).eos_token_id

@@ -100,19 +100,16 @@ def plain_text_format(checkpoint: str, system: str | None = None) -> str | None:
     a run that learned a template's turns, and for a model without that record (a hub model), which get the
     template. A system turn is refused for plain-text runs: they have none."""
     from finetune import outputs
-    from finetune.data.formats import CONVERSATION_FORMATS, FORMAT_COLUMNS
+    from finetune.data.summary import trained_as_plain_text
     from finetune.errors import RecipeError
 
-    plain = set(FORMAT_COLUMNS) - set(CONVERSATION_FORMATS)
     for folder in run_folders(checkpoint):
         summary = outputs.read_record(folder, outputs.DATA_SUMMARY, missing=None)
         if summary is None:
             continue
-        sources = summary.get("sources", [])
-        formats = {source.get("format") for source in sources}
-        # preference pairs given as plain strings were trained as text too (finetune.preference records it)
-        if not sources or not all(source.get("format") in plain or source.get("plain_text") for source in sources):
+        if not trained_as_plain_text(summary):
             return None
+        formats = {source.get("format") for source in summary["sources"]}
         trained_on = " and ".join(sorted(formats))
         if system:
             raise RecipeError(f"--system: {checkpoint} was trained on {trained_on} data, without a chat template, so "

@@ -14,6 +14,17 @@ from rich.table import Table
 from finetune import outputs
 
 
+def trained_as_plain_text(summary: dict) -> bool:
+    """Whether a run learned every source without a chat template: prompt/completion and text examples
+    (finetune.data.tokenize.encode_example), and preference pairs of plain strings (TRL renders only conversational
+    pairs with the template; finetune.preference records which). False without sources (a hub model's record)."""
+    from finetune.data.formats import CONVERSATION_FORMATS, FORMAT_COLUMNS
+
+    plain = set(FORMAT_COLUMNS) - set(CONVERSATION_FORMATS)
+    sources = summary.get("sources", [])
+    return bool(sources) and all(source.get("format") in plain or source.get("plain_text") for source in sources)
+
+
 def write_data_summary(summary: dict, output_dir: str) -> Path:
     return outputs.write_record(output_dir, outputs.DATA_SUMMARY, summary)
 
