@@ -32,6 +32,21 @@ def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: 
     return launching.run(command, timeout=timeout, env=env, cwd=cwd)
 
 
+ERROR_MARK = "finetune: error: "
+
+
+def error_lines(output: str) -> list[str]:
+    """The one-line errors the ranks printed (from the mark on: a progress bar may stand before it on its line).
+    Under a launcher, its closing summary quotes the line again after `traceback : ` (finetune.cli leaves it in the
+    rank's reply file): not counted here."""
+    found = []
+    for line in output.splitlines():
+        where = line.find(ERROR_MARK)
+        if where >= 0 and not line[:where].rstrip().endswith("traceback :"):
+            found.append(line[where:])
+    return found
+
+
 def assert_succeeded(result) -> None:
     if result.returncode != 0:
         raise AssertionError(

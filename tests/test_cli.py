@@ -1,5 +1,5 @@
 import pytest
-from support import PROJECT_ROOT, accelerate_launch_command, finetune_command, run
+from support import PROJECT_ROOT, accelerate_launch_command, error_lines, finetune_command, run
 
 from finetune.cli import main
 
@@ -47,7 +47,9 @@ def test_bad_recipe_under_a_two_process_launch_is_reported_once(tmp_path):
     command = accelerate_launch_command("accelerate_configs/cpu_deepspeed_zero2.yaml", "train", str(recipe))
     result = run(command, timeout=180, cwd=PROJECT_ROOT)
     assert result.returncode != 0
-    assert result.output.count("finetune: error: `train_file: missing.jsonl` does not exist or is not a file.") == 1
+    assert error_lines(result.output) == [
+        "finetune: error: `train_file: missing.jsonl` does not exist or is not a file."]
+    assert "traceback : finetune: error: `train_file: missing.jsonl`" in result.output  # the launcher's summary
     assert "tokenizing" not in result.output  # stopped before any work, let alone a process group
 
 

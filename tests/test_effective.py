@@ -13,6 +13,7 @@ from support import (
     DEMO_SHORT_RUN,
     PROJECT_ROOT,
     assert_succeeded,
+    error_lines,
     free_port,
     launch_demo,
     run,
@@ -75,8 +76,9 @@ def test_deepspeed_json_contradicting_the_recipe_stops_with_both_values(tmp_path
     result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, "--max_grad_norm", "1.0",
                     deepspeed_json=str(contradicting))
     assert result.returncode != 0
-    assert result.output.count("finetune: error: the DeepSpeed JSON contradicts the recipe: "
-                               "ds gradient_clipping=0.5 vs hf max_grad_norm=1.0") == 1
+    (line,) = error_lines(result.output)
+    assert line.startswith("finetune: error: the DeepSpeed JSON contradicts the recipe: "
+                           "ds gradient_clipping=0.5 vs hf max_grad_norm=1.0")
     effective = json.loads((output_dir / "effective_config.json").read_text())
     assert effective["deepspeed_mismatches"] == ["ds gradient_clipping=0.5 vs hf max_grad_norm=1.0"]
     source = effective["values"]["max_grad_norm"]["source"]
@@ -88,7 +90,8 @@ def test_deepspeed_json_contradicting_the_recipe_stops_with_both_values(tmp_path
 def test_fsdp_silently_turned_into_ddp_on_cpu_is_detected(tmp_path):
     result = launch_demo("accelerate_configs/cpu_fsdp.yaml", tmp_path / "out")
     assert result.returncode != 0
-    assert result.output.count("finetune: error: fsdp was requested but Trainer prepared ddp") == 1
+    (line,) = error_lines(result.output)
+    assert line.startswith("finetune: error: fsdp was requested but Trainer prepared ddp")
     assert "Trainer's use_cpu turns FSDP into DDP" in result.output
 
 

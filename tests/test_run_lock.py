@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support import CPU_LAUNCHES, PROJECT_ROOT, finetune_command, launch_demo
+from support import CPU_LAUNCHES, PROJECT_ROOT, error_lines, finetune_command, launch_demo
 
 from finetune import outputs, run_lock
 from finetune.checkpoints import COMPLETE_MARKER
@@ -211,7 +211,7 @@ def test_a_second_run_on_a_busy_output_dir_stops_naming_the_first_which_finishes
             first.wait()
     first_log = log.read_text()
     assert second.returncode != 0, second.output[-3000:]
-    assert second.output.count("finetune: error: ") == 1, second.output[-3000:]
+    assert len(error_lines(second.output)) == 1, second.output[-3000:]
     assert f"{output_dir} is in use by another run: pid {first.pid} on host {HOST}" in second.output
     # No rank's traceback: the one there may be is the launcher's own report that a child exited non-zero.
     assert f'File "{PROJECT_ROOT / "finetune"}' not in second.output, second.output[-3000:]
