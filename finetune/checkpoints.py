@@ -28,7 +28,7 @@ from finetune.checkpoint_files import (  # noqa: F401 (check_checkpoint_files: r
     file_damage,
     files_loaders_open,
 )
-from finetune.errors import RecipeError
+from finetune.errors import RecipeError, launched_rank
 from finetune.memory.ledger import optimizer_chain
 from finetune.outputs import CHECKPOINT_COMPLETE as COMPLETE_MARKER
 from finetune.strategies import Strategy, prepared_strategy
@@ -116,7 +116,7 @@ def is_complete(checkpoint: str | Path) -> bool:
     return "step" in read_marker(checkpoint)
 
 
-def why_incomplete(checkpoint: str | Path) -> str:
+def why_incomplete(checkpoint: str | Path, rank: int | None = None) -> str:
     """How a skipped checkpoint is named to the user: its save was interrupted, or a file it needs is missing or
     damaged (which, and why)."""
     marker = Path(checkpoint) / COMPLETE_MARKER
@@ -125,7 +125,7 @@ def why_incomplete(checkpoint: str | Path) -> str:
     if not marker.is_file():
         return "incomplete (its save was interrupted)"
     try:
-        damage = resume_damage(checkpoint)
+        damage = resume_damage(checkpoint, rank)
     except UnsafeCheckpointFile as error:
         return str(error)
     return f"damaged: {damage}" if damage else "complete"
@@ -200,7 +200,7 @@ def newest_complete_checkpoint(output_dir: str | Path, whole: bool = False) -> t
         return None, []
     skipped = []
     for folder in checkpoints_newest_first(output_dir):
-        if resumable(folder) if whole else is_complete(folder):
+        if resumable(folder, launched_rank()) if whole else is_complete(folder):
             return folder, skipped
         skipped.append(folder)
     return None, skipped
@@ -218,8 +218,9 @@ def agree_on_newest_complete(output_dir: str | Path, world_size: int) -> tuple[P
     from accelerate.utils import gather_object
 
     folders = checkpoints_newest_first(output_dir) if os.path.isdir(output_dir) else []
+    rank = launched_rank()  # its own files: with save_on_each_node a node's folder holds its ranks' alone
     here = {"host": socket.gethostname(), "folder": str(Path(output_dir).resolve()),
-            "steps": [checkpoint_step(folder) for folder in folders if resumable(folder)]}
+            "steps": [checkpoint_step(folder) for folder in folders if resumable(folder, rank)]}
     views = gather_object([here])
     common = set.intersection(*(set(view["steps"]) for view in views))
     if not common and any(view["steps"] for view in views):
@@ -232,7 +233,7 @@ def agree_on_newest_complete(output_dir: str | Path, world_size: int) -> tuple[P
     if not common:
         return None, []
     step = max(common)
-    skipped = [folder for folder in folders if checkpoint_step(folder) > step and not resumable(folder)]
+    skipped = [folder for folder in folders if checkpoint_step(folder) > step and not resumable(folder, rank)]
     newer = [f"rank {rank} ({view['host']}, {view['folder']})" for rank, view in enumerate(views)
              if max(view["steps"]) > step]
     if newer and PartialState().is_main_process:
@@ -250,7 +251,7 @@ def check_explicit_checkpoint(path: str) -> None:
         raise RecipeError(f"`resume_from_checkpoint: {path}` is incomplete (no trainer_state.json): its save was "
                           "interrupted. Resume from an earlier checkpoint, or use auto to pick the newest complete "
                           "one.")
-    damage = resume_damage(folder)  # an unsafe file raises here, by name
+    damage = resume_damage(folder, launched_rank())  # an unsafe file raises here, by name
     if damage is not None:
         raise RecipeError(f"`resume_from_checkpoint: {path}` is damaged: {damage}. Resume from another checkpoint, or "
                           "use auto to pick the newest whole one.")
@@ -356,13 +357,15 @@ def prepare_resume(trainer, checkpoint: str) -> None:
               "DeepSpeed's universal checkpoint format")
 
 
-def rank_files(pattern: str, world_size: int) -> list[str]:
-    return [pattern.format(rank=rank) for rank in range(world_size)]
+def rank_files(pattern: str, ranks: list[int]) -> list[str]:
+    return [pattern.format(rank=rank) for rank in ranks]
 
 
-def files_a_resume_needs(folder: Path) -> list[list[str]]:
+def files_a_resume_needs(folder: Path, rank: int | None = None) -> list[list[str]]:
     """What Trainer reads back to resume from `folder` under the strategy its marker records (else the one its files
-    show): for each need, the names (glob patterns, relative to `folder`) of which one must exist.
+    show): for each need, the names (glob patterns, relative to `folder`) of which one must exist. Each rank's own
+    files (RNG state, ZeRO partition) for every rank, or, given the `rank` that reads it, for that rank alone where
+    the checkpoint was saved with `save_on_each_node` (each node's folder holds its own ranks' files only).
     Trainer: `_load_from_checkpoint` (weights, unless DeepSpeed or FSDP loads them), `_load_optimizer_and_scheduler`
     (optimizer.pt and scheduler.pt; DeepSpeed's engine its global_step folder; FSDP its optimizer folder),
     `_load_rng_state` (one file a rank) and `trainer_state.json`."""
@@ -373,15 +376,17 @@ def files_a_resume_needs(folder: Path) -> list[list[str]]:
         kind = ("deepspeed" if any(folder.glob("global_step*")) else
                 "fsdp" if any(folder.glob("pytorch_model_fsdp*")) else "ddp")
     world_size = marker.get("world_size", 1)
-    rng = [["rng_state.pth"]] if world_size == 1 else [[name] for name in rank_files("rng_state_{rank}.pth",
-                                                                                         world_size)]
+    ranks = list(range(world_size))
+    if rank is not None and marker.get("recipe", {}).get("save_on_each_node") == "True" and rank < world_size:
+        ranks = [rank]
+    rng = [["rng_state.pth"]] if world_size == 1 else [[name] for name in rank_files("rng_state_{rank}.pth", ranks)]
     needs = [["trainer_state.json"], *rng]
     if kind == "deepspeed":
         tag = (folder / "latest").read_text(errors="replace").strip() if (folder / "latest").is_file() else "*"
         needs += [["latest"], [f"{tag}/*model_states.pt"]]
         if marker.get("zero_stage", 1):  # ZeRO-1/2/3 partition the optimizer: one file a rank
             needs += [[name] for name in rank_files(f"{tag}/*zero_pp_rank_{{rank}}_mp_rank_00_optim_states.pt",
-                                                    world_size)]
+                                                    ranks)]
     elif kind == "fsdp":
         # Accelerate's `save_fsdp_model`/`save_fsdp_optimizer`: a distributed checkpoint folder (sharded state
         # dicts, the shipped configs) or `.bin` files (full or local state dicts)
@@ -394,14 +399,15 @@ def files_a_resume_needs(folder: Path) -> list[list[str]]:
     return needs
 
 
-def resume_damage(folder: str | Path) -> str | None:
-    """Why a checkpoint cannot be resumed from, naming the file (None when whole): a file a resume needs is missing,
-    or a file it opens does not read. Raises UnsafeCheckpointFile for a file that could run code."""
+def resume_damage(folder: str | Path, rank: int | None = None) -> str | None:
+    """Why a checkpoint cannot be resumed from (by `rank`, or by all: `files_a_resume_needs`), naming the file (None
+    when whole): a file a resume needs is missing, or a file it opens does not read. Raises UnsafeCheckpointFile for a
+    file that could run code."""
     folder = Path(folder)
     tag_problem = deepspeed_tag_problem(folder)  # first: the needs below look inside the folder `latest` names
     if tag_problem is not None:
         return tag_problem
-    for names in files_a_resume_needs(folder):
+    for names in files_a_resume_needs(folder, rank):
         if not any(any(folder.glob(name)) for name in names):
             return f"{folder / names[0]} is missing (a resume needs it: Trainer would go on without it, or stop)"
     for path in files_loaders_open(folder):
@@ -411,12 +417,12 @@ def resume_damage(folder: str | Path) -> str | None:
     return None
 
 
-def resumable(folder: Path) -> bool:
+def resumable(folder: Path, rank: int | None = None) -> bool:
     """Complete and whole: every rank saved it and every file a resume reads is there and reads (an unsafe file
     counts as whole here, to be refused by name when it is picked)."""
     if not is_complete(folder):
         return False
     try:
-        return resume_damage(folder) is None
+        return resume_damage(folder, rank) is None
     except UnsafeCheckpointFile:
         return True

@@ -248,7 +248,7 @@ def checkpoint_to_resume(recipe: Recipe, train_data: str) -> str | None:
         wanted = None if last is None else str(last)
     if args.process_index == 0:
         for folder in skipped:
-            print(f"warning: skipping {folder}: {why_incomplete(folder)}")
+            print(f"warning: skipping {folder}: {why_incomplete(folder, args.process_index)}")
     if wanted is None:
         return None
     # On every rank, before anything is unpickled (each node reads its own disk); all stop if one refuses
