@@ -64,6 +64,7 @@ def describe_effective_config(trainer, recipe) -> dict:
         values[name] = {"value": value, "source": source}
 
     add("world_size", args.world_size, f"{launcher} (WORLD_SIZE)" if "WORLD_SIZE" in os.environ else "single process")
+    add("seed", args.seed, "recipe" if "seed" in sources else "Trainer's default")  # rebuilds `tiny` for export/chat
     add("strategy", requested.kind, requested.source if requested.kind == "deepspeed" else launcher)
     if requested.kind == "deepspeed":
         for key in ("zero_stage", "offload_optimizer", "offload_param"):

@@ -8,7 +8,7 @@
   under LoRA the shards hold the adapters only, loaded into the base its `adapter_config.json` names.
 - A LoRA adapter (`adapter_config.json`) is merged into its base (`--merge-lora`) or saved as a standalone
   adapter. The base is `--base-model`, else the adapter's `base_model_name_or_path`; the `tiny` preset is
-  rebuilt from `--seed`, else from the seed the run recorded (its `training_args.bin`, read without unpickling).
+  rebuilt from `--seed`, else from the seed the run recorded (its effective_config.json).
 Every file the loaders will open is checked first (`check_checkpoint_files`: whole safetensors and JSON, pickles
 holding nothing but tensors and known state, symlinks followed); a run still training or a half-written checkpoint
 is refused by name with the complete checkpoints to use instead. The destination is never the source, inside it or
@@ -61,40 +61,19 @@ def _zero_shards(directory: Path) -> bool:
 
 
 def run_seed(source: Path) -> int:
-    """The seed the run of `source` trained with, which built its `tiny` base: from the `training_args.bin` Trainer
-    saved beside the weights (the checkpoint's, else its run's), else from the recipe its marker records."""
+    """The seed the run of `source` trained with, which built its `tiny` base: from the run's effective_config.json
+    (the checkpoint's run's), else from the recipe its completion marker records."""
     folders = [source, source.parent] if CHECKPOINT_NAME.match(source.name) else [source]
     for folder in folders:
-        if (folder / "training_args.bin").is_file():
-            seed = seed_in_training_args(folder / "training_args.bin")
-            if seed is not None:
-                return seed
+        effective = outputs.read_record(folder, outputs.EFFECTIVE_CONFIG, missing=None)
+        seed = effective.get("values", {}).get("seed", {}).get("value") if isinstance(effective, dict) else None
+        if isinstance(seed, int):
+            return seed
     recorded = read_marker(source).get("recipe", {}).get("seed")
     if isinstance(recorded, str) and recorded.lstrip("-").isdigit():
         return int(recorded)
-    raise RecipeError(f"{source} records no seed (no training_args.bin beside it): pass --seed, the recipe's seed, "
-                      "which built the `tiny` base the adapter was trained on.")
-
-
-def seed_in_training_args(path: Path) -> int | None:
-    """`seed` in the TrainingArguments Trainer saved with `torch.save` (a zip holding `<name>/data.pkl`), read opcode by
-    opcode (`pickletools`), never unpickled: the integer that follows the `seed` key of its state."""
-    import pickletools
-    import zipfile
-
-    previous = None
-    try:
-        with zipfile.ZipFile(path) as archive:
-            pickled = next(name for name in archive.namelist() if name.endswith("/data.pkl"))
-            for opcode, arg, _ in pickletools.genops(archive.read(pickled)):
-                if opcode.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
-                    continue
-                if previous == "seed":
-                    return arg if isinstance(arg, int) and not isinstance(arg, bool) else None
-                previous = arg if "UNICODE" in opcode.name else None
-    except (ValueError, OSError, StopIteration, zipfile.BadZipFile):  # a damaged file: no seed read from it
-        return None
-    return None
+    raise RecipeError(f"{source} records no seed (no effective_config.json beside it): pass --seed, the recipe's "
+                      "seed, which built the `tiny` base the adapter was trained on.")
 
 
 def live_run(output_dir: Path) -> dict | None:

@@ -16,7 +16,7 @@ def export_command_parser(subparsers) -> None:
     parser.add_argument("--dtype", help="cast the weights: bf16, fp16 or fp32")
     parser.add_argument("--base-model", help="the adapter's base model (default: the one the adapter names)")
     parser.add_argument("--seed", type=int, help="seed that built the `tiny` base (default: the seed the run "
-                        "recorded in its training_args.bin)")
+                        "recorded in its effective_config.json)")
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory that holds no "
                         "earlier export")
     parser.set_defaults(func=export_command)
