@@ -18,7 +18,6 @@ around it, and a non-empty folder is written into only when it holds an earlier 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -76,27 +75,6 @@ def run_seed(source: Path) -> int:
                       "seed, which built the `tiny` base the adapter was trained on.")
 
 
-def live_run(output_dir: Path) -> dict | None:
-    """The lock record (finetune.run_lock) of the run training in `output_dir` now, or None: the lock file is held
-    (a shared flock cannot be taken; when it can, it is let go at once)."""
-    import fcntl
-
-    path = run_lock.lock_path(output_dir)
-    if not path.is_file():
-        return None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    except BlockingIOError:
-        return run_lock.read_holder(fd)
-    except OSError:  # no flock on this filesystem: nothing tells a live run from a finished one
-        return None
-    finally:
-        os.close(fd)
-
-
 def check_finished(source: Path) -> None:
     """Refuses a run still training (its final weights are not written yet) and a checkpoint its run has not finished
     saving, naming the live run and the complete checkpoints to use instead."""
@@ -105,7 +83,7 @@ def check_finished(source: Path) -> None:
     ours = (run_dir / outputs.RUN_LOCK).is_file()  # a folder `finetune train` wrote (a foreign one has no marker)
     if not ours or (is_checkpoint and is_complete(source)):
         return
-    holder = live_run(run_dir)
+    holder = run_lock.live_holder(run_dir)
     if holder is None and not is_checkpoint:
         return
     complete = [str(folder) for folder in checkpoints_newest_first(run_dir) if is_complete(folder)]

@@ -142,6 +142,25 @@ def hold_or_refuse(fd: int, path: Path, output_dir, run_id: str) -> RunLock | No
     return RunLock(path, fd, flocked=not record_only)
 
 
+def live_holder(output_dir) -> dict | None:
+    """The record of the run holding `output_dir`'s lock now, or None (for readers such as export and chat, which
+    take no lock): a shared flock cannot be taken while a run holds it; when it can, it is let go at once."""
+    path = lock_path(output_dir)
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return read_holder(fd)
+    except OSError:  # no flock on this filesystem: nothing tells a live run from a finished one
+        return None
+    finally:
+        os.close(fd)
+
+
 def flock_or_holder(fd: int) -> tuple[bool, dict]:
     """(True, the record left in the file) once this process holds the flock; (False, the holder's record) while
     another process holds it. An OSError when the filesystem has no flock."""
