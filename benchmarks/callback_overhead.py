@@ -21,10 +21,10 @@ import torch
 from transformers import Trainer
 
 from finetune import presets
-from finetune.args import FinetuneTrainingArguments
 from finetune.memory import MemoryReportCallback
-from finetune.throughput import ThroughputCallback
-from finetune.trainer import FinetuneTrainer
+from finetune.recipe.args import FinetuneTrainingArguments
+from finetune.train.throughput import ThroughputCallback
+from finetune.train.trainer import FinetuneTrainer
 
 
 class Stopwatch:

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from finetune import outputs  # noqa: E402
-from finetune.launching import run  # noqa: E402
-from finetune.strategies import SHIPPED_BY_NAME  # noqa: E402
+from finetune.launch.strategies import SHIPPED_BY_NAME  # noqa: E402
+from finetune.testing.subprocesses import run  # noqa: E402
 
 SHORT = ["--max_steps", "20", "--logging_steps", "5", "--save_strategy", "no", "--eval_on_start", "false",
          "--generation_eval_samples", "0"]

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from finetune.strategies import SHIPPED
+from finetune.launch.strategies import SHIPPED
 
 # One process without DeepSpeed, and every shipped DeepSpeed config that runs without NVMe or CUDA-only kernels.
 STRATEGIES = ["single", *(row.name for row in SHIPPED if row.kind == "deepspeed" and row.cpu)]
@@ -30,9 +30,9 @@ def worker(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
+    from finetune.launch.strategies import SHIPPED_BY_NAME
     from finetune.memory import MemoryReportCallback
     from finetune.memory.shapes import resolve_config
-    from finetune.strategies import SHIPPED_BY_NAME
 
     cuda = torch.cuda.is_available()
     deepspeed = SHIPPED_BY_NAME[args.strategy].deepspeed_json()

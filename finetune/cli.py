@@ -63,8 +63,9 @@ def report_to_user_and_launcher(error: RecipeError) -> int:
 
 def refused_write(error: OSError) -> RecipeError | None:
     """A file the file system refused (permissions, a read-only mount, no space) outside the saves that say so
-    themselves (finetune.disk): the user's to fix, said in one line naming the file; None for any other OSError."""
-    from finetune.disk import DISK_FULL_ERRNOS, UNWRITABLE_ERRNOS
+    themselves (finetune.checkpoints.disk): the user's to fix, said in one line naming the file; None for any other
+    OSError."""
+    from finetune.checkpoints.disk import DISK_FULL_ERRNOS, UNWRITABLE_ERRNOS
 
     if error.errno not in UNWRITABLE_ERRNOS | DISK_FULL_ERRNOS or not error.filename:
         return None

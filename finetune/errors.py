@@ -44,3 +44,7 @@ def report_user_error(error: Exception) -> int:
 
 class TrainingDiverged(RecipeError):
     """The loss or gradient norm became NaN or infinite: the learning rate, the precision or the data need changing."""
+
+
+class ChildTimedOut(RuntimeError):
+    """A launched child process (a test's or the bench's run) ran past its timeout; the message holds its output."""

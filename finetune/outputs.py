@@ -13,17 +13,17 @@ from typing import Any
 
 from finetune.errors import RecipeError
 
-EFFECTIVE_CONFIG = "effective_config.json"  # what runs, with the source of every value (finetune.effective)
-BATCH_PLAN = "batch_plan.json"              # micro-batch × processes × accumulation and the LR (finetune.scaling)
+EFFECTIVE_CONFIG = "effective_config.json"  # what runs, with the source of every value (finetune.train.effective)
+BATCH_PLAN = "batch_plan.json"              # micro × processes × accumulation, the LR (finetune.recipe.batch_plan)
 DATA_SUMMARY = "data_summary.json"          # rows, tokens, lengths, dropped rows (finetune.data.summary)
 MEMORY_REPORT = "memory_report.json"        # measured next to predicted, per rank (finetune.memory)
 MEMORY_REPORT_TABLE = "memory_report.md"
 MEMORY_REPORT_PLOT = "memory_report.png"
-THROUGHPUT = "throughput.json"              # tokens/s, step time, MFU (finetune.throughput)
-EVAL_RESULTS = "eval_results.json"          # before/after evaluation and the run's summary (finetune.train)
+THROUGHPUT = "throughput.json"              # tokens/s, step time, MFU (finetune.train.throughput)
+EVAL_RESULTS = "eval_results.json"          # before/after evaluation and the run's summary (finetune.train.run)
 PEAK_MEMORY = "peak_memory.json"            # the bench's plain-Trainer baseline (finetune.bench.plain_trainer)
 CHECKPOINT_COMPLETE = "finetune_complete.json"  # in a checkpoint folder, once every rank saved it
-RUN_LOCK = ".finetune_run.lock"             # held by the run writing here (finetune.run_lock)
+RUN_LOCK = ".finetune_run.lock"             # held by the run writing here (finetune.checkpoints.run_lock)
 PREPROCESSED = "preprocessed"               # tokenized data by `finetune preprocess` (finetune.data.cache)
 
 

@@ -11,7 +11,7 @@ from finetune import outputs
 from finetune.errors import RecipeError
 from finetune.memory.estimate import GiB
 from finetune.memory.report import load_memory_report
-from finetune.plan import HEADROOM
+from finetune.plan.decision_tree import HEADROOM
 
 # The parts of a prediction stacked in a memory bar, bottom to top.
 PLAN_PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"),
@@ -114,7 +114,7 @@ def run_results(output_dir) -> dict:
         "train loss": summary.get("train_loss"),
         "exact match after": _mean(after.get("exact_match")),
     }
-    if "reward_accuracy" in after:  # DPO (finetune.preference): held-out pairs won, against the reference
+    if "reward_accuracy" in after:  # DPO (finetune.train.preference): held-out pairs won, against the reference
         row.update({"reward accuracy before": before.get("reward_accuracy"),
                     "reward accuracy after": after["reward_accuracy"], "reward margin after": after["reward_margin"]})
     throughput = outputs.read_record(output_dir, outputs.THROUGHPUT, missing=None)

@@ -1,4 +1,5 @@
-"""A machine's GPUs, simulated for tests on CPU: what `finetune.devices` and the preflight checks read from torch."""
+"""A machine's GPUs, simulated for tests on CPU: what `finetune.launch.devices` and the preflight checks read from
+torch."""
 
 from types import SimpleNamespace
 

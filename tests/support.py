@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune import launching
-from finetune.launching import OUTPUT_TAIL, Launch, accelerate_launch_command, finetune_command, free_port  # noqa: F401
-from finetune.strategies import SHIPPED, SHIPPED_BY_NAME
+from finetune.launch.commands import Launch, accelerate_launch_command, finetune_command, free_port  # noqa: F401
+from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME
+from finetune.testing import subprocesses
+from finetune.testing.subprocesses import OUTPUT_TAIL  # noqa: F401
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +19,8 @@ DEMO_SHORT_RUN = ["--max_steps", "3", "--logging_steps", "1", "--eval_on_start",
                   "--generation_eval_samples", "6"]
 # The Accelerate config (and DeepSpeed JSON swapped in) that runs each strategy on 2 CPU processes.
 CPU_LAUNCHES = {name: SHIPPED_BY_NAME[name].launch(cpu=True) for name in ("ddp", "zero2", "zero3")}
-# FSDP2 on 2 CPU processes: the CPU FSDP configs run by `finetune.fsdp_on_cpu`, which lets Accelerate prepare FSDP on
+# FSDP2 on 2 CPU processes: the CPU FSDP configs run by `finetune.testing.fsdp_on_cpu`, which lets Accelerate prepare
+# FSDP on
 # CPU; with `-m finetune` Trainer falls back to DDP, which the strategy check stops.
 FSDP_ON_CPU = SHIPPED_BY_NAME["fsdp_full_shard"].launch(cpu=True)
 FSDP_SHARD_GRAD_OP_ON_CPU = SHIPPED_BY_NAME["fsdp_shard_grad_op"].launch(cpu=True)
@@ -29,7 +31,7 @@ PLANTED_TOKEN = "hf_notarealtokenbutonlyfortests"
 
 
 def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = PROJECT_ROOT):
-    return launching.run(command, timeout=timeout, env=env, cwd=cwd)
+    return subprocesses.run(command, timeout=timeout, env=env, cwd=cwd)
 
 
 ERROR_MARK = "finetune: error: "

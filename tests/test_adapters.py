@@ -1,4 +1,5 @@
-"""Adapter keys (finetune.models.lora_config): DoRA, rsLoRA, `modules_to_save` and the target presets reach peft as
+"""Adapter keys (finetune.models.loading.lora_config): DoRA, rsLoRA, `modules_to_save` and the target presets reach
+peft as
 asked, the estimator counts what peft trains, and a name that matches nothing stops while the recipe is read. The
 2-process runs under DDP and ZeRO-3 are in tests/test_adapters_distributed.py."""
 
@@ -9,12 +10,12 @@ from support import PROJECT_ROOT
 from transformers import AutoModelForCausalLM
 
 from finetune import presets
-from finetune.args import LoraArguments
 from finetune.errors import RecipeError
 from finetune.memory.estimate import Setup, lora_trainable_parameters
 from finetune.memory.shapes import attention_projections, model_shape
-from finetune.models import apply_lora
-from finetune.recipe import parse_recipe
+from finetune.models.loading import apply_lora
+from finetune.recipe.args import LoraArguments
+from finetune.recipe.parse import parse_recipe
 
 DEMO = PROJECT_ROOT / "recipes" / "demo.yaml"
 ADAPTERS = {

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from support import CPU_LAUNCHES, DEMO_SHORT_RUN, assert_succeeded, finetune_command, launch_demo, run
 
 from finetune import presets
-from finetune.export import load_for_export
+from finetune.checkpoints.export import load_for_export
 from finetune.memory.estimate import Setup, lora_trainable_parameters
 from finetune.memory.shapes import model_shape
 

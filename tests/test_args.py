@@ -4,7 +4,7 @@ import pytest
 from support import PROJECT_ROOT
 
 from finetune.errors import RecipeError
-from finetune.recipe import parse_recipe
+from finetune.recipe.parse import parse_recipe
 
 RECIPES = sorted((PROJECT_ROOT / "recipes").glob("*.yaml"))
 
@@ -67,7 +67,7 @@ def test_recipe_file_problems_are_user_errors(tmp_path):
 
 
 def test_generation_scoring_is_on_for_the_synthetic_tasks_and_off_for_other_data_unless_asked(tmp_path):
-    from finetune.args import SYNTHETIC_GENERATION_SAMPLES, DataArguments
+    from finetune.recipe.args import SYNTHETIC_GENERATION_SAMPLES, DataArguments
 
     data = tmp_path / "mine.jsonl"
     data.write_text('{"instruction": "hi", "output": "hello"}\n')

@@ -159,8 +159,8 @@ def test_packing_refuses_an_attention_that_cannot_keep_examples_apart(tokenizer)
 @pytest.mark.parametrize("attention, said", [("flash_attention_2", "not installed|CUDA|toggled"),
                                               ("sdpaa", "not supported")])
 def test_an_attention_kernel_that_cannot_load_is_refused_in_one_line_naming_the_key(hub_model_dir, attention, said):
-    from finetune.args import ModelArguments
-    from finetune.models import load_model, load_tokenizer
+    from finetune.models.loading import load_model, load_tokenizer
+    from finetune.recipe.args import ModelArguments
 
     model_args = ModelArguments(model_name_or_path=str(hub_model_dir), attn_implementation=attention)
     with pytest.raises(RecipeError, match=rf"^`attn_implementation: {attention}` cannot be used here: .*({said})"):

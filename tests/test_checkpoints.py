@@ -9,9 +9,9 @@ import shutil
 import pytest
 from support import CPU_LAUNCHES, assert_succeeded, launch_demo
 
-from finetune.checkpoints import COMPLETE_MARKER
+from finetune.checkpoints.complete import COMPLETE_MARKER
 from finetune.errors import RecipeError
-from finetune.recipe import parse_recipe
+from finetune.recipe.parse import parse_recipe
 
 RUN = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",
        "--warmup_steps", "2"]
@@ -100,7 +100,7 @@ def surviving(output_dir):
 def test_rotation_keeps_the_newest_complete_and_the_best_checkpoint_and_ignores_half_written_ones(tmp_path):
     from transformers.trainer_utils import rotate_checkpoints
 
-    from finetune.checkpoints import rotate_complete_checkpoints
+    from finetune.checkpoints.complete import rotate_complete_checkpoints
 
     # Steps 2-8 complete; 10 was being saved when a rank died. Trainer's own rotation counts the half-written
     # folder as the newest checkpoint and deletes the last complete one:
@@ -149,7 +149,7 @@ FSDP_ON_2 = {"world_size": 2, "strategy": "fsdp", "zero_stage": None, "fsdp_shar
     (ZERO2_ON_2, FSDP_ON_2, "saved by DeepSpeed ZeRO-2 on 2 rank.s. and this run is FSDP full_shard"),
 ])
 def test_a_checkpoint_from_another_launch_continues_converts_or_stops_with_what_to_do(tmp_path, saved, now, outcome):
-    from finetune.checkpoints import resume_needs_universal
+    from finetune.checkpoints.complete import resume_needs_universal
 
     make_checkpoints(tmp_path, [2], layout=saved)
     checkpoint = tmp_path / "checkpoint-2"
@@ -164,7 +164,7 @@ def test_a_checkpoint_from_another_launch_continues_converts_or_stops_with_what_
 
 
 def test_a_checkpoint_without_a_recorded_layout_is_resumed_as_saved(tmp_path):
-    from finetune.checkpoints import resume_needs_universal
+    from finetune.checkpoints.complete import resume_needs_universal
 
     make_checkpoints(tmp_path, [2])
     assert resume_needs_universal(tmp_path / "checkpoint-2", ZERO2_ON_2) is False

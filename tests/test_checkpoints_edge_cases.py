@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from support import CPU_LAUNCHES, DEMO_SHORT_RUN, assert_succeeded, launch_demo, run
 
-from finetune.checkpoints import COMPLETE_MARKER
+from finetune.checkpoints.complete import COMPLETE_MARKER
 
 FAULTS = ("tests/fault_injection.py",)
 SAVE_EVERY_2 = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "1",

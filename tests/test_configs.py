@@ -17,7 +17,7 @@ from finetune.configs.lint import (
 )
 from finetune.errors import RecipeError
 from finetune.generated_files import SHIPPED, expected_files
-from finetune.recipe import parse_recipe
+from finetune.recipe.parse import parse_recipe
 
 
 def test_shipped_configs_match_the_generator(capsys):

@@ -7,11 +7,11 @@ import torch
 from datasets import Dataset, DatasetDict
 
 from finetune import presets
-from finetune.args import DataArguments
 from finetune.data import detect_format, encode_example, encode_messages, load_raw_data, load_raw_splits, to_messages
 from finetune.data.collate import best_fit_decreasing, data_collator, pack_examples, prepare_model_for_packing
 from finetune.data.tokenize import IGNORE_INDEX, _tokenize_split, prepare_datasets
 from finetune.errors import RecipeError
+from finetune.recipe.args import DataArguments
 
 
 @pytest.fixture(scope="module")

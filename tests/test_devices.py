@@ -3,7 +3,7 @@
 import pytest
 from gpu_simulation import A100, T4, simulate_gpus
 
-from finetune.devices import KNOWN_GPUS, gpu_named, training_precision_here, visible_gpu
+from finetune.launch.devices import KNOWN_GPUS, gpu_named, training_precision_here, visible_gpu
 
 
 @pytest.mark.parametrize("gpu, precision", [(T4, "fp16"), (A100, "bf16"), (("Tesla V100", (7, 0)), "fp16"),

@@ -1,4 +1,5 @@
-"""A full disk during a save (finetune/disk.py): stopped before the save when the free space cannot hold it, else
+"""A full disk during a save (finetune/checkpoints/disk.py): stopped before the save when the free space cannot hold
+it, else
 named in one line; the half-written checkpoint goes and the newest complete one stays. The real fault: a checkpoint
 file that is a link to /dev/full, whose writes fail with ENOSPC through PyTorch's own writer."""
 
@@ -16,8 +17,8 @@ from safetensors.torch import load_file
 from support import DEMO_SHORT_RUN, finetune_command, run
 
 from finetune import presets
-from finetune.checkpoints import COMPLETE_MARKER, is_complete, mark_complete, newest_complete_checkpoint
-from finetune.disk import folder_bytes, is_disk_full, needed_checkpoint_bytes, saving_within_free_space
+from finetune.checkpoints.complete import COMPLETE_MARKER, is_complete, mark_complete, newest_complete_checkpoint
+from finetune.checkpoints.disk import folder_bytes, is_disk_full, needed_checkpoint_bytes, saving_within_free_space
 from finetune.errors import RecipeError
 
 MiB = 1024**2
@@ -147,8 +148,8 @@ def test_a_folder_that_existed_before_the_save_is_not_removed(tmp_path):
 
 
 def test_the_final_model_save_is_checked_too(tmp_path, monkeypatch):
-    from finetune.args import FinetuneTrainingArguments
-    from finetune.trainer import FinetuneTrainer
+    from finetune.recipe.args import FinetuneTrainingArguments
+    from finetune.train.trainer import FinetuneTrainer
 
     model = presets.build_model(presets.build_tokenizer(), seed=0)
     trainer = FinetuneTrainer(model=model, args=FinetuneTrainingArguments(str(tmp_path), use_cpu=True, report_to=[]))

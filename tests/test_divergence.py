@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from finetune.cli import main
-from finetune.divergence import FP16_PATIENCE, NonFiniteLossCallback
 from finetune.errors import TrainingDiverged
+from finetune.train.divergence import FP16_PATIENCE, NonFiniteLossCallback
 
 ARGS = SimpleNamespace(output_dir="outputs/x", save_strategy="steps")
 

@@ -18,9 +18,9 @@ from support import DEMO_SHORT_RUN, PROJECT_ROOT, accelerate_launch_command, ass
 
 from finetune.cli import build_parser, main
 from finetune.configs.lint import lint_file
-from finetune.docs import RECIPE_REFERENCE, toolkit_training_fields
 from finetune.errors import RecipeError
-from finetune.recipe import parse_recipe
+from finetune.recipe.docs import RECIPE_REFERENCE, toolkit_training_fields
+from finetune.recipe.parse import parse_recipe
 
 DOCUMENTS = sorted(path.relative_to(PROJECT_ROOT) for path in PROJECT_ROOT.glob("**/*.md")
                    if not {".venv", "outputs", ".git", ".pytest_cache"} & set(path.relative_to(PROJECT_ROOT).parts))
@@ -202,9 +202,9 @@ def check_script(argv: list[str], places: dict) -> None:
 
 
 def split_launch(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Launcher options, then the `finetune train` arguments (`finetune.fsdp_on_cpu train` for FSDP on CPU)."""
+    """Launcher options, then the `finetune train` arguments (`finetune.testing.fsdp_on_cpu train` for FSDP on CPU)."""
     module = argv.index("-m")
-    assert argv[module + 1] in ("finetune", "finetune.fsdp_on_cpu") and argv[module + 2] == "train", argv
+    assert argv[module + 1] in ("finetune", "finetune.testing.fsdp_on_cpu") and argv[module + 2] == "train", argv
     return argv[:module], argv[module + 3:]
 
 
@@ -260,7 +260,7 @@ def check_help_lists_the_options(argv: list[str], monkeypatch, capsys) -> None:
 def test_recipe_reference_documents_every_toolkit_key():
     from dataclasses import fields
 
-    from finetune.args import DataArguments, LoraArguments, ModelArguments
+    from finetune.recipe.args import DataArguments, LoraArguments, ModelArguments
 
     text = (PROJECT_ROOT / RECIPE_REFERENCE).read_text()
     keys = [f.name for section in (ModelArguments, DataArguments, LoraArguments) for f in fields(section)]

@@ -10,7 +10,7 @@ import shutil
 import pytest
 from support import CPU_LAUNCHES, assert_succeeded, finetune_command, launch_demo, run
 
-from finetune.checkpoints import COMPLETE_MARKER
+from finetune.checkpoints.complete import COMPLETE_MARKER
 from finetune.memory import model_shape
 
 pytestmark = pytest.mark.distributed

@@ -1,9 +1,10 @@
-"""The before/after summary (finetune.evaluation): 'after' is always the final weights' evaluation, and 'before' is
+"""The before/after summary (finetune.train.evaluation): 'after' is always the final weights' evaluation, and 'before'
+is
 only reported when something was evaluated earlier."""
 
 from rich.console import Console
 
-from finetune.evaluation import print_before_after, summarize_evaluations
+from finetune.train.evaluation import print_before_after, summarize_evaluations
 
 FINAL = {"eval_loss": 1.5}
 

@@ -1,5 +1,6 @@
 """FSDP2 on 2 CPU processes through the real Trainer + Accelerate path (Accelerate's one refusal of FSDP on CPU lifted
-by `finetune.fsdp_on_cpu`): parameters really sharded, the ledger equal to the prediction (and to `finetune plan`'s),
+by `finetune.testing.fsdp_on_cpu`): parameters really sharded, the ledger equal to the prediction (and to `finetune
+plan`'s),
 bf16 mixed precision, weights `from_pretrained` loads at the end, `finetune export` of a sharded checkpoint, resume with
 the same losses on 2 ranks and on 1, a DDP run refusing an FSDP checkpoint, per-node weights on 2 nodes, and LoRA under
 shard-grad-op."""
@@ -23,9 +24,9 @@ from support import (
 )
 
 from finetune import outputs, presets
-from finetune.checkpoints import COMPLETE_MARKER
-from finetune.export import export
-from finetune.plan import PlanRequest, make_plan
+from finetune.checkpoints.complete import COMPLETE_MARKER
+from finetune.checkpoints.export import export
+from finetune.plan.decision_tree import PlanRequest, make_plan
 
 pytestmark = pytest.mark.distributed
 RUN = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",

@@ -97,7 +97,7 @@ def test_the_conversation_keeps_the_answer_up_to_its_turns_end(rambling_base, ca
 def test_exact_match_stops_at_the_templates_end_of_turn(rambling_base):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerState
 
-    from finetune.evaluation import ExactMatchCallback
+    from finetune.train.evaluation import ExactMatchCallback
 
     tokenizer = AutoTokenizer.from_pretrained(rambling_base)
     model = AutoModelForCausalLM.from_pretrained(rambling_base)
@@ -122,7 +122,7 @@ def test_exact_match_stops_at_the_templates_end_of_turn(rambling_base):
 def test_generation_stops_at_every_end_of_turn_token_and_eos(family, eos, turn_end):
     from transformers import GenerationConfig
 
-    from finetune.evaluation import stop_token_ids
+    from finetune.train.evaluation import stop_token_ids
 
     tokenizer = build_tokenizer(family)
     tokenizer.eos_token = eos

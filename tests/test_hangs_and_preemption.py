@@ -1,7 +1,7 @@
 """A rank that stops answering ends the run within `ddp_timeout`, named; ranks whose launcher died stop and free the
 run lock; SIGTERM with `save_on_preemption` saves a complete checkpoint at the current step that `auto` resumes with
-the uninterrupted losses, and without it leaves the newest complete checkpoint as it was (finetune.watchdog,
-finetune.preemption). Faults are injected by tests/fault_injection.py."""
+the uninterrupted losses, and without it leaves the newest complete checkpoint as it was (finetune.launch.watchdog,
+finetune.checkpoints.preemption). Faults are injected by tests/fault_injection.py."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from support import CPU_LAUNCHES, PROJECT_ROOT, assert_succeeded, run
 from torch.distributed import HashStore
 
 from finetune import outputs
-from finetune.checkpoints import is_complete
-from finetune.preemption import save_on_preemption
-from finetune.recipe import parse_recipe
-from finetune.watchdog import RankWatchdog
+from finetune.checkpoints.complete import is_complete
+from finetune.checkpoints.preemption import save_on_preemption
+from finetune.launch.watchdog import RankWatchdog
+from finetune.recipe.parse import parse_recipe
 
 FAULTS = ("tests/fault_injection.py",)
 DDP = CPU_LAUNCHES["ddp"]

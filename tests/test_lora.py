@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from support import CPU_LAUNCHES, PLANTED_TOKEN
 
 from finetune.cli import main
-from finetune.recipe import parse_recipe
+from finetune.recipe.parse import parse_recipe
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

@@ -13,7 +13,7 @@ from finetune.errors import RecipeError
 from finetune.memory import Setup, estimate, model_shape
 from finetune.memory.estimate import GiB, pipeline_bubble_fraction
 from finetune.memory.report import write_memory_report
-from finetune.plan import PlanRequest, make_plan
+from finetune.plan.decision_tree import PlanRequest, make_plan
 
 # Parameter counts published on the models' cards.
 PUBLISHED = {"llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "qwen2.5-0.5b": 0.494e9, "qwen2.5-7b": 7.62e9,

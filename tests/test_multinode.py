@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 from support import DEMO_SHORT_RUN, PROJECT_ROOT, free_port
 
-from finetune.checkpoints import checkpoint_step, checkpoints_newest_first, is_complete
+from finetune.checkpoints.complete import checkpoint_step, checkpoints_newest_first, is_complete
 from finetune.errors import RecipeError
-from finetune.rendezvous import meet
+from finetune.launch.rendezvous import meet
 
 SCRIPTS = PROJECT_ROOT / "scripts"
 ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
@@ -256,7 +256,7 @@ def test_two_nodes_across_a_virtual_network_end_with_identical_weights(two_hosts
 
 def test_save_on_each_node_is_refused_under_zero3_before_any_process_group(monkeypatch):
     """Under ZeRO-3 only global rank 0 gets the gathered weights: refused while parsing, from the launcher's JSON."""
-    from finetune.recipe import parse_recipe
+    from finetune.recipe.parse import parse_recipe
 
     monkeypatch.chdir(PROJECT_ROOT)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
@@ -267,7 +267,7 @@ def test_save_on_each_node_is_refused_under_zero3_before_any_process_group(monke
 
 def test_save_on_each_node_is_refused_under_fsdp1_before_any_process_group(monkeypatch):
     """FSDP1 gathers the full state dict on global rank 0 only (FSDP2 is gathered on every node: tests/test_fsdp.py)."""
-    from finetune.recipe import parse_recipe
+    from finetune.recipe.parse import parse_recipe
 
     monkeypatch.chdir(PROJECT_ROOT)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")

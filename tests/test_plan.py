@@ -6,9 +6,9 @@ import pytest
 from gpu_simulation import T4, simulate_gpus
 
 from finetune.cli import main
-from finetune.devices import KNOWN_GPUS
+from finetune.launch.devices import KNOWN_GPUS
 from finetune.memory.estimate import GiB
-from finetune.plan import PlanRequest, make_plan
+from finetune.plan.decision_tree import PlanRequest, make_plan
 
 QLORA = ["--model", "qwen2.5-0.5b", "--gpus", "1", "--qlora", "--lora-rank", "16", "--seq-len", "512", "--json"]
 
@@ -59,7 +59,8 @@ def test_plan_help_names_the_gpu_options(capsys):
     assert "--gpu " in out and "--compute-capability" in out and "auto" in out
 
 
-# --- the batch: adapted to the GPU count, planned by finetune.scaling, passed on as a global batch -------------------
+# --- the batch: adapted to the GPU count, planned by finetune.recipe.batch_plan, passed on as a global batch
+# -------------------
 
 def test_a_default_global_batch_is_adapted_to_the_gpu_count_and_launched_as_a_global_batch(capsys):
     assert main(["plan", "--model", "qwen2.5-0.5b", "--gpus", "64", "--gpu-memory", "80"]) == 0
@@ -86,10 +87,11 @@ def test_a_global_batch_the_user_gave_must_split_over_the_gpus(capsys):
 
 
 def test_the_launch_command_replans_like_finetune_train_for_another_world_size(capsys):
-    """The keys the plan launches with, read by the recipe parser and planned by `finetune.scaling` for 4 processes
+    """The keys the plan launches with, read by the recipe parser and planned by `finetune.recipe.batch_plan` for 4
+    processes
     (what `finetune train` does under any launch), keep the global batch and the LR rule and cap the micro-batch."""
-    from finetune.recipe import read_recipe
-    from finetune.scaling import plan_from_recipe
+    from finetune.recipe.batch_plan import plan_from_recipe
+    from finetune.recipe.parse import read_recipe
 
     plan = planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "8", "--gpu-memory", "80", "--global-batch-size",
                    "64", "--learning-rate", "1e-4", "--base-batch-size", "16", "--lr-scaling", "sqrt", "--json")
@@ -104,8 +106,8 @@ def test_the_launch_command_replans_like_finetune_train_for_another_world_size(c
 
 
 def test_the_plan_and_finetune_train_share_the_lr_scaling_default(capsys):
-    from finetune.args import FinetuneTrainingArguments
-    from finetune.scaling import DEFAULT_LR_SCALING
+    from finetune.recipe.args import FinetuneTrainingArguments
+    from finetune.recipe.batch_plan import DEFAULT_LR_SCALING
 
     plan = planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "2", "--gpu-memory", "80", "--json")
     assert plan["batch_plan"]["lr_scaling"] == DEFAULT_LR_SCALING == FinetuneTrainingArguments.lr_scaling

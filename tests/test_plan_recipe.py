@@ -9,7 +9,7 @@ from test_memory_distributed import slack  # the ledger's documented slack: alig
 
 from finetune import outputs
 from finetune.cli import main
-from finetune.devices import KNOWN_GPUS
+from finetune.launch.devices import KNOWN_GPUS
 from finetune.memory.estimate import GiB
 from finetune.memory.report import write_memory_report
 

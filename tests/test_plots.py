@@ -7,7 +7,7 @@ import pytest
 
 from finetune.errors import RecipeError
 from finetune.memory.estimate import GiB
-from finetune.plan import PlanRequest, decision_path, make_plan
+from finetune.plan.decision_tree import PlanRequest, decision_path, make_plan
 from finetune.plots import loss_history, plot_estimates, plot_loss_curves, plot_plans, run_results
 
 matplotlib.use("Agg")

@@ -1,5 +1,6 @@
 """Precision on the path real users take: a hub checkpoint stored in bf16 (tests/hub_fixtures.py) trained under bf16
-mixed precision keeps fp32 master weights (finetune.models.trainable_dtype), so every weight moves as it does from
+mixed precision keeps fp32 master weights (finetune.models.loading.trainable_dtype), so every weight moves as it does
+from
 the same model stored in fp32; `pure_bf16` is asked for by name; the ledger equals the prediction in both."""
 
 import json
@@ -11,9 +12,9 @@ from safetensors.torch import load_file
 from support import CPU_LAUNCHES, assert_succeeded, finetune_command, launch_demo, run
 
 from finetune.errors import RecipeError
-from finetune.models import hold_trainable_parameters, trainable_dtype
-from finetune.recipe import parse_recipe
-from finetune.strategies import Strategy
+from finetune.launch.strategies import Strategy
+from finetune.models.loading import hold_trainable_parameters, trainable_dtype
+from finetune.recipe.parse import parse_recipe
 
 STATES = ("params_bytes", "grads_bytes", "optimizer_bytes")
 # lr 2e-5 on weights of ~0.02: each update is far below half a bf16 step, the case pure bf16 rounds away.
@@ -101,8 +102,8 @@ def test_ddp_on_a_bf16_checkpoint_holds_fp32_states_equal_to_the_prediction_on_e
 def test_lora_on_a_bf16_checkpoint_keeps_the_base_in_bf16_and_trains_fp32_adapters(hub_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from finetune.args import LoraArguments
-    from finetune.models import apply_lora
+    from finetune.models.loading import apply_lora
+    from finetune.recipe.args import LoraArguments
 
     model = apply_lora(AutoModelForCausalLM.from_pretrained(hub_model_dir), LoraArguments(use_lora=True, lora_r=4))
     hold_trainable_parameters(model, trainable_dtype(Strategy("ddp"), "bf16"))

@@ -1,4 +1,5 @@
-"""Preference data and planning without a launch (finetune.preference, the estimator's `method: dpo`): pair formats
+"""Preference data and planning without a launch (finetune.train.preference, the estimator's `method: dpo`): pair
+formats
 and their errors, the synthetic pairs, the recipe keys, and the reference model's bytes per strategy."""
 
 import json
@@ -10,17 +11,17 @@ from datasets import Dataset
 from support import PROJECT_ROOT, finetune_command, run
 
 from finetune.errors import RecipeError
-from finetune.evaluation import summarize_evaluations
 from finetune.memory import model_shape
 from finetune.memory.estimate import Setup, activation_bytes, estimate
-from finetune.preference import (
+from finetune.recipe.parse import read_recipe
+from finetune.train.evaluation import summarize_evaluations
+from finetune.train.preference import (
     check_pairs,
     detect_pair_format,
     load_preference_data,
     synthetic_pair,
     to_pair,
 )
-from finetune.recipe import read_recipe
 
 USER = {"role": "user", "content": "2+2?"}
 
@@ -204,8 +205,8 @@ TOKENIZED = [(4, 3, 2), (6, 8, 1), (3, 1, 1)]  # fits; 14 tokens: overlong; fits
 def length_policies(overlong_policy="truncate", unlabeled_policy="drop", tokenized=TOKENIZED, split="train",
                     prompt_fills=1):
     """`prompt_fills`: pairs whose prompt alone reached 10 tokens, which TRL dropped."""
-    from finetune.args import DataArguments
-    from finetune.preference import SOURCE_COLUMN, apply_pair_length_policies
+    from finetune.recipe.args import DataArguments
+    from finetune.train.preference import SOURCE_COLUMN, apply_pair_length_policies
 
     rows = [{"prompt": "p", "chosen": "c", "rejected": "r", SOURCE_COLUMN: 0}] * (len(tokenized) + prompt_fills)
     pairs = Dataset.from_list(rows)
@@ -338,7 +339,7 @@ def test_the_dpo_loss_types_are_those_of_the_installed_trl():
 
     from trl import DPOTrainer
 
-    from finetune.args import DPO_LOSS_TYPES
+    from finetune.recipe.args import DPO_LOSS_TYPES
 
     dispatched = re.findall(r'loss_type == "(\w+)"', inspect.getsource(DPOTrainer._compute_loss))
     assert sorted(DPO_LOSS_TYPES) == sorted(dispatched) and "aot_unpaired" in DPO_LOSS_TYPES

@@ -7,7 +7,7 @@ from support import PROJECT_ROOT
 from transformers import TrainingArguments
 
 from finetune.errors import RecipeError
-from finetune.recipe import parse_recipe
+from finetune.recipe.parse import parse_recipe
 
 ON_GPU = ["--use_cpu", "false"]  # the parser's default on a machine with a GPU
 

@@ -12,9 +12,9 @@ from finetune.cli import main
 from finetune.data import cache
 from finetune.data.cache import KEY_FILE, cache_dir, load_preprocessed, save_preprocessed
 from finetune.errors import RecipeError
-from finetune.models import load_tokenizer
-from finetune.recipe import parse_recipe
-from finetune.train import read_preprocessed, tokenize_data
+from finetune.models.loading import load_tokenizer
+from finetune.recipe.parse import parse_recipe
+from finetune.train.run import read_preprocessed, tokenize_data
 
 DEMO = PROJECT_ROOT / "recipes" / "demo.yaml"
 SMALL = ["--max_steps", "2", "--generation_eval_samples", "4"]

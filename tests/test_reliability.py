@@ -7,7 +7,7 @@ import pytest
 from support import PROJECT_ROOT
 
 from finetune import outputs
-from finetune.checkpoints import (
+from finetune.checkpoints.complete import (
     COMPLETE_MARKER,
     is_complete,
     mark_complete,
@@ -18,7 +18,7 @@ from finetune.checkpoints import (
 from finetune.data.tokenize import IGNORE_INDEX, encode_conversation
 from finetune.errors import RecipeError
 from finetune.presets import build_tokenizer
-from finetune.recipe import load_recipe_file, parse_recipe
+from finetune.recipe.parse import load_recipe_file, parse_recipe
 
 DEMO = PROJECT_ROOT / "recipes" / "demo.yaml"
 
@@ -146,8 +146,8 @@ def test_an_output_dir_that_is_a_file_or_unwritable_stops_before_any_work(tmp_pa
 def test_custom_model_code_without_trust_remote_code_is_refused_in_one_line(hub_model_dir, tmp_path):
     import shutil
 
-    from finetune.args import ModelArguments
-    from finetune.models import load_model, load_tokenizer
+    from finetune.models.loading import load_model, load_tokenizer
+    from finetune.recipe.args import ModelArguments
 
     custom = shutil.copytree(hub_model_dir, tmp_path / "custom")
     config = json.loads((custom / "config.json").read_text())
@@ -161,8 +161,8 @@ def test_custom_model_code_without_trust_remote_code_is_refused_in_one_line(hub_
 
 
 def test_a_global_batch_that_follows_the_process_count_is_a_warning_with_the_numbers(capsys):
-    from finetune.recipe import _check_steps_and_accumulation
-    from finetune.scaling import plan_from_recipe
+    from finetune.recipe.batch_plan import plan_from_recipe
+    from finetune.recipe.parse import _check_steps_and_accumulation
 
     demo = {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 1, "learning_rate": 2e-3}
     _check_steps_and_accumulation(demo, {}, plan_from_recipe(demo, 64, world_size=3))
@@ -192,7 +192,7 @@ def test_warmup_longer_than_the_run_is_a_named_warning_with_the_numbers(capsys):
 def test_warmup_longer_than_an_epoch_run_is_named_when_the_steps_are_known(capsys):
     from types import SimpleNamespace
 
-    from finetune.effective import warn_about_warmup
+    from finetune.train.effective import warn_about_warmup
 
     args = SimpleNamespace(warmup_steps=30, learning_rate=2e-3, max_steps=-1)
     warn_about_warmup(args, SimpleNamespace(max_steps=12, is_world_process_zero=True))
@@ -220,7 +220,7 @@ def one_line_file(tmp_path, name: str, data: bytes):
 
 
 def test_an_eval_strategy_without_an_eval_split_is_refused_naming_the_key(tmp_path):
-    from finetune.train import train
+    from finetune.train.run import train
 
     data = one_line_file(tmp_path, "train.jsonl", b"".join(
         json.dumps({"instruction": f"say {i}", "output": str(i)}).encode() + b"\n" for i in range(8)))
@@ -294,8 +294,8 @@ def test_an_empty_data_file_is_named_as_empty(tmp_path, content):
 
 @pytest.mark.parametrize("path", ["./no/such/model", "~/no-such-model", "/no/such/model", "runs/qwen/final"])
 def test_a_local_model_path_that_does_not_exist_is_named_as_a_missing_directory(path):
-    from finetune.args import ModelArguments
-    from finetune.models import load_tokenizer
+    from finetune.models.loading import load_tokenizer
+    from finetune.recipe.args import ModelArguments
 
     with pytest.raises(RecipeError, match=rf"^`model_name_or_path: {path}`: no such directory"):
         load_tokenizer(ModelArguments(model_name_or_path=path))
@@ -317,7 +317,7 @@ def refused_write(kind: str) -> BaseException:
     ("read-only", "read-only file system"), ("safetensors", "permission denied"),
 ])
 def test_a_folder_that_refuses_a_save_is_one_line_naming_it_and_the_previous_checkpoint_stays(tmp_path, kind, reason):
-    from finetune.disk import saving_within_free_space
+    from finetune.checkpoints.disk import saving_within_free_space
 
     kept = checkpoint(tmp_path, 2, None)
     mark_complete(kept, 2, {"strategy": "ddp", "world_size": 1}, {})
@@ -340,7 +340,7 @@ def test_a_refused_write_outside_a_save_is_one_line_naming_the_file(monkeypatch,
     def refusing(*args):
         raise PermissionError(errno.EACCES, "Permission denied", "/runs/out/eval_results.json")
 
-    monkeypatch.setattr("finetune.train.train_command", refusing)
+    monkeypatch.setattr("finetune.train.run.train_command", refusing)
     assert main(["train", str(DEMO)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("finetune: error: the file system refused /runs/out/eval_results.json: permission denied")

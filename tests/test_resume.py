@@ -8,7 +8,7 @@ import pytest
 from support import CPU_LAUNCHES, assert_succeeded, finetune_command, launch_demo, run
 from transformers.optimization import _get_linear_schedule_with_warmup_lr_lambda
 
-from finetune.checkpoints import read_marker
+from finetune.checkpoints.complete import read_marker
 
 STEPS, WARMUP, SAVE = 12, 4, 6
 

@@ -1,4 +1,5 @@
-"""One run per output_dir (finetune/run_lock.py): a run holding the folder refuses a second one by name, a killed run's
+"""One run per output_dir (finetune/checkpoints/run_lock.py): a run holding the folder refuses a second one by name, a
+killed run's
 lock is taken over aloud, a finished run's is taken quietly, the record-only fallback (no flock) decides by pid and
 host, the ranks of a launch agree; and end to end, a 2-process run started on a busy folder stops at once while the
 first run finishes intact."""
@@ -16,15 +17,16 @@ import pytest
 import torch
 from support import CPU_LAUNCHES, PROJECT_ROOT, error_lines, finetune_command, launch_demo
 
-from finetune import outputs, run_lock
-from finetune.checkpoints import COMPLETE_MARKER
+from finetune import outputs
+from finetune.checkpoints import run_lock
+from finetune.checkpoints.complete import COMPLETE_MARKER
+from finetune.checkpoints.run_lock import acquire, output_dir_lock, release
 from finetune.errors import RecipeError
-from finetune.run_lock import acquire, output_dir_lock, release
 
 # A process that takes the lock through the module, says so, and holds it until killed.
 HOLDER = """
 import sys, time
-from finetune.run_lock import acquire
+from finetune.checkpoints.run_lock import acquire
 acquire(sys.argv[1], sys.argv[2])
 print("held", flush=True)
 time.sleep(120)

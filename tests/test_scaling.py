@@ -6,7 +6,7 @@ import pytest
 from support import accelerate_launch_command, assert_succeeded, finetune_command, run
 
 from finetune.errors import RecipeError
-from finetune.scaling import (
+from finetune.recipe.batch_plan import (
     BatchPlan,
     plan_batch,
     plan_from_recipe,
@@ -178,8 +178,8 @@ def test_cross_rank_token_averaging_first_step(tmp_path, varlen_data):
 
 
 def test_a_default_batch_rounds_up_to_the_world_size_and_the_lr_rule_default_is_the_recipes():
-    from finetune.args import FinetuneTrainingArguments
-    from finetune.scaling import DEFAULT_LR_SCALING, reachable_global_batch
+    from finetune.recipe.args import FinetuneTrainingArguments
+    from finetune.recipe.batch_plan import DEFAULT_LR_SCALING, reachable_global_batch
 
     assert [reachable_global_batch(32, world) for world in (1, 2, 3, 64)] == [32, 32, 33, 64]
     with pytest.raises(RecipeError, match="world size"):

@@ -13,10 +13,7 @@ from finetune.bench.harness import variants
 from finetune.configs.accelerate import deepspeed_section_as_json
 from finetune.errors import RecipeError
 from finetune.generated_files import SHIPPED as SHIPPED_FILES
-from finetune.memory.estimate import Setup, temporary_bytes
-from finetune.memory.shapes import model_shape
-from finetune.plan import CANDIDATES, PlanRequest, make_plan
-from finetune.strategies import (
+from finetune.launch.strategies import (
     DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE,
     SHIPPED,
     SHIPPED_BY_NAME,
@@ -26,6 +23,9 @@ from finetune.strategies import (
     read_config_file,
     shipped,
 )
+from finetune.memory.estimate import Setup, temporary_bytes
+from finetune.memory.shapes import model_shape
+from finetune.plan.decision_tree import CANDIDATES, PlanRequest, make_plan
 
 ROWS = {row.name: row for row in SHIPPED}
 

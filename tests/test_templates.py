@@ -7,11 +7,11 @@ import pytest
 from hub_fixtures import FAMILIES, build_tokenizer
 
 from finetune import presets
-from finetune.args import ModelArguments
 from finetune.cli import main
 from finetune.data.tokenize import IGNORE_INDEX, encode_conversation
 from finetune.errors import RecipeError
-from finetune.models import load_tokenizer
+from finetune.models.loading import load_tokenizer
+from finetune.recipe.args import ModelArguments
 
 # What each family's template writes after an answer, and which of it is learned: the end-of-turn token (it is what
 # generation stops on) but not the newline some templates put between turns, which follows it and is never generated.

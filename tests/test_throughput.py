@@ -6,7 +6,7 @@ import json
 import pytest
 
 from finetune import presets
-from finetune.throughput import FlopsModel, peak_tflops_of
+from finetune.train.throughput import FlopsModel, peak_tflops_of
 
 
 def test_flops_per_token_of_the_tiny_model_match_a_hand_calculation():

@@ -9,12 +9,12 @@ import pytest
 from hub_fixtures import build_tokenizer
 
 from finetune import presets
-from finetune.args import DataArguments, ModelArguments
 from finetune.cli import main
 from finetune.data import encode_example, load_raw_data, prepare_datasets, to_messages
 from finetune.data.tokenize import IGNORE_INDEX
 from finetune.errors import RecipeError
-from finetune.models import load_tokenizer
+from finetune.models.loading import load_tokenizer
+from finetune.recipe.args import DataArguments, ModelArguments
 
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from finetune import presets
-from finetune.args import FinetuneTrainingArguments
-from finetune.trainer import FinetuneTrainer
+from finetune.recipe.args import FinetuneTrainingArguments
+from finetune.train.trainer import FinetuneTrainer
 
 
 def make_trainer(tmp_path, **options):

@@ -1,4 +1,5 @@
-"""Recipes as TRL and the alignment-handbook write them (finetune.aliases): every renamed key lands on ours with its
+"""Recipes as TRL and the alignment-handbook write them (finetune.recipe.aliases): every renamed key lands on ours
+with its
 value and says so, keys that ask for what finetune does anyway are noted, the others are refused naming the fix, and
 a handbook-style recipe trains the demo model unchanged under `finetune train --config`."""
 
@@ -7,11 +8,11 @@ import json
 import pytest
 from support import PROJECT_ROOT, assert_succeeded, finetune_command, run
 
-from finetune.aliases import TRL_KEYS, TRL_KEYS_BY_NAME
 from finetune.cli import build_parser
 from finetune.commands.train import recipe_and_overrides
 from finetune.errors import RecipeError
-from finetune.recipe import RecipeParser, parse_recipe, read_recipe
+from finetune.recipe.aliases import TRL_KEYS, TRL_KEYS_BY_NAME
+from finetune.recipe.parse import RecipeParser, parse_recipe, read_recipe
 
 DEMO = PROJECT_ROOT / "recipes" / "demo.yaml"
 TRL_RECIPE = PROJECT_ROOT / "tests" / "fixtures" / "trl_sft_recipe.yaml"

@@ -15,10 +15,15 @@ import torch
 from support import CPU_LAUNCHES, PROJECT_ROOT, assert_succeeded, finetune_command, launch_demo, run
 
 from finetune import presets
-from finetune.checkpoints import COMPLETE_MARKER, agree_on_newest_complete, check_checkpoint_files, why_incomplete
+from finetune.checkpoints.complete import (
+    COMPLETE_MARKER,
+    agree_on_newest_complete,
+    check_checkpoint_files,
+    why_incomplete,
+)
 from finetune.cli import main
 from finetune.errors import RecipeError
-from finetune.recipe import parse_recipe
+from finetune.recipe.parse import parse_recipe
 
 ZERO2_RUN = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",
              "--warmup_steps", "2"]
@@ -287,7 +292,7 @@ def test_export_writes_into_a_users_folder_only_with_force_and_replaces_an_earli
 def test_a_run_still_training_is_named_with_its_complete_checkpoints(lora_seed7, tmp_path, capsys):
     import socket
 
-    from finetune.run_lock import acquire, release
+    from finetune.checkpoints.run_lock import acquire, release
 
     run_dir = copy_run(lora_seed7, tmp_path / "run")
     (run_dir / "checkpoint-4" / COMPLETE_MARKER).unlink()  # being saved now
@@ -319,7 +324,7 @@ def test_a_lora_run_with_seed_7_exports_and_chats_with_the_trained_model(lora_se
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from finetune.export import load_with_tokenizer
+    from finetune.commands.chat import load_with_tokenizer
 
     trained = PeftModel.from_pretrained(presets.build_model(presets.build_tokenizer(), seed=7), lora_seed7)
     other_seed = PeftModel.from_pretrained(presets.build_model(presets.build_tokenizer(), seed=0), lora_seed7)

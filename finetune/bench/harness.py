@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from finetune import outputs
-from finetune.launching import finetune_command, run
-from finetune.strategies import SHIPPED, SHIPPED_BY_NAME
+from finetune.launch.commands import finetune_command
+from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME
+from finetune.testing.subprocesses import run
 
 # The strategies the bench compares: every shipped one that also runs on CPU processes, launched as the table says.
 STRATEGY_VARIANTS = [row.name for row in SHIPPED if row.cpu]
@@ -30,7 +31,7 @@ class Variant:
     name: str
     what: str
     processes: int = 1
-    launch: str | None = None  # a shipped strategy (finetune.strategies.SHIPPED)
+    launch: str | None = None  # a shipped strategy (finetune.launch.strategies.SHIPPED)
     extra: list[str] = field(default_factory=list)
     plain: bool = False
     needs_cuda: str | None = None  # why it cannot run without CUDA

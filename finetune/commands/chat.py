@@ -1,18 +1,19 @@
 """`finetune chat OUTPUT_DIR|CHECKPOINT [--prompt TEXT]`: talk to a fine-tuned model, one prompt or a conversation
 read from stdin (what `llamafactory-cli chat` and torchtune's generate recipe do).
 
-The model and tokenizer are loaded as `finetune export` loads them (`finetune.export.load_with_tokenizer`: full
-weights, ZeRO or FSDP shards consolidated, a LoRA adapter on its base, merged or not). Each prompt is given as the
-run was trained: rendered with the tokenizer's chat template and `add_generation_prompt` as training and evaluation
-render it, or, for a run whose data summary says it learned plain text only (prompt/completion pairs, text), as plain
-text, each turn on its own. The answer stops at any token that ended an answer in training (the template's end of
-turn as well as EOS: `finetune.evaluation.stop_token_ids`), so it never holds a turn the model goes on to invent, and
-streams to stdout token by token (Transformers' `TextStreamer`); notes go to stderr, so stdout holds the answers alone.
+The model and tokenizer are loaded as `finetune export` loads them (`load_with_tokenizer`: full weights, ZeRO or FSDP
+shards consolidated, a LoRA adapter on its base, merged or not). Each prompt is given as the run was trained: rendered
+with the tokenizer's chat template and `add_generation_prompt` as training and evaluation render it, or, for a run
+whose data summary says it learned plain text only (prompt/completion pairs, text), as plain text, each turn on its
+own. The answer stops at any token that ended an answer in training (the template's end of turn as well as EOS:
+`finetune.train.evaluation.stop_token_ids`), so it never holds a turn the model goes on to invent, and streams to
+stdout token by token (Transformers' `TextStreamer`); notes go to stderr, so stdout holds the answers alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def generation_settings(max_new_tokens: int, temperature: float | None, top_p: f
 
 def render_prompt(tokenizer, messages: list[dict]) -> str:
     """The conversation as the model sees it: the chat template with the generation prompt, as `generate_answers`
-    (finetune.evaluation) renders eval prompts and training renders the turns before each answer."""
+    (finetune.train.evaluation) renders eval prompts and training renders the turns before each answer."""
     from jinja2.exceptions import TemplateError
 
     from finetune.data.tokenize import template_name
@@ -84,8 +85,8 @@ def run_folders(checkpoint: str) -> list[Path]:
     """Where the records of the run a model comes from may be: its folder, the run's when it is a checkpoint-N, and
     for a `finetune export`, the same of the folder it was exported from."""
     from finetune import outputs
-    from finetune.checkpoints import CHECKPOINT_NAME
-    from finetune.export import EXPORT_RECORD
+    from finetune.checkpoints.complete import CHECKPOINT_NAME
+    from finetune.checkpoints.export import EXPORT_RECORD
 
     source = Path(checkpoint)
     export = outputs.read_record(source, EXPORT_RECORD, missing=None)
@@ -125,7 +126,7 @@ class Conversation:
 
     def __init__(self, model, tokenizer, generation: dict, system: str | None = None, show_prompt: bool = False,
                  plain_text_format: str | None = None):
-        from finetune.evaluation import stop_token_ids
+        from finetune.train.evaluation import stop_token_ids
 
         self.model, self.tokenizer, self.generation = model, tokenizer, generation
         self.opening = [{"role": "system", "content": system}] if system else []
@@ -150,7 +151,7 @@ class Conversation:
         import torch
         from transformers import TextStreamer
 
-        from finetune.evaluation import until_stop
+        from finetune.train.evaluation import until_stop
 
         messages = [*self.messages, {"role": "user", "content": text}]
         prompt, inputs = self.encode(messages)
@@ -207,7 +208,6 @@ def chat_command(args) -> int:
     import torch
     from transformers import set_seed
 
-    from finetune.export import load_with_tokenizer
 
     generation = generation_settings(args.max_new_tokens, args.temperature, args.top_p)
     trained_on = plain_text_format(args.checkpoint, args.system)
@@ -229,3 +229,25 @@ def chat_command(args) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
     return 0
+
+
+def load_with_tokenizer(source: str | Path, merge_lora: bool = False, base_model: str | None = None,
+                        seed: int | None = None):
+    """`(model, tokenizer)` for `source` in memory (what `finetune chat` talks to): the model as `load_for_export`
+    loads it (an adapter not merged stays a peft model), and the tokenizer saved beside it, else its base's
+    (`base_model`, or the one the adapter names), through `models.load_tokenizer` as training loaded it: a tokenizer
+    without a chat template gets the default one training gave it."""
+    from finetune.checkpoints.export import beside, load_for_export
+    from finetune.errors import RecipeError
+    from finetune.models.loading import load_tokenizer
+    from finetune.recipe.args import ModelArguments
+
+    source = Path(source)
+    model, _ = load_for_export(source, merge_lora, base_model, seed)
+    saved, adapter = beside(source, "tokenizer_config.json"), beside(source, "adapter_config.json")
+    name = str(saved.parent) if saved is not None else base_model or (
+        adapter is not None and json.loads(adapter.read_text()).get("base_model_name_or_path"))
+    if not name:
+        raise RecipeError(f"{source} has no tokenizer (no tokenizer_config.json there, nor in {source.parent}): copy "
+                          "the tokenizer files of the model it was trained from next to the weights.")
+    return model, load_tokenizer(ModelArguments(model_name_or_path=name))

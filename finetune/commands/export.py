@@ -23,7 +23,7 @@ def export_command_parser(subparsers) -> None:
 
 
 def export_command(args) -> int:
-    from finetune.export import export
+    from finetune.checkpoints.export import export
 
     out_dir = export(args.checkpoint, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype,
                      base_model=args.base_model, seed=args.seed, force=args.force)

@@ -58,8 +58,8 @@ def labels_command(args) -> int:
     from rich.console import Console
 
     from finetune.data import load_raw_data
-    from finetune.models import load_tokenizer
-    from finetune.recipe import parse_recipe
+    from finetune.models.loading import load_tokenizer
+    from finetune.recipe.parse import parse_recipe
 
     recipe = parse_recipe(args.recipe, overrides)
     tokenizer = load_tokenizer(recipe.model)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-from finetune.devices import KNOWN_GPUS
+from finetune.launch.devices import KNOWN_GPUS
 from finetune.memory.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, GiB
-from finetune.plan import DEFAULT_GLOBAL_BATCH_SIZE
-from finetune.scaling import DEFAULT_LR_SCALING, LR_SCALING_RULES
+from finetune.plan.decision_tree import DEFAULT_GLOBAL_BATCH_SIZE
+from finetune.recipe.batch_plan import DEFAULT_LR_SCALING, LR_SCALING_RULES
 
 # Options that describe the model and run: a recipe gives them itself (`--recipe`), so they are refused beside it.
 RECIPE_GIVES = {"model": "model_name_or_path", "precision": "bf16/fp16", "optimizer": "optim", "lora_rank": "lora_r",
@@ -79,8 +79,8 @@ def plan_command_parser(subparsers) -> None:
 
 
 def plan_command(args) -> int:
-    from finetune.devices import gpu_named
     from finetune.errors import RecipeError
+    from finetune.launch.devices import gpu_named
 
     if args.gpu is not None and args.compute_capability is not None:
         raise RecipeError("give `--gpu` or `--compute-capability`, not both.")
@@ -112,21 +112,21 @@ def plan_command(args) -> int:
 
 
 def make_plan_for(args, gpu, gpu_memory: float) -> dict:
-    from finetune.plan import PlanRequest, make_plan
-    from finetune.plan_calibration import overhead_for
+    from finetune.plan.calibration import overhead_for
+    from finetune.plan.decision_tree import PlanRequest, make_plan
 
     hardware = dict(host_memory_gib=args.host_memory, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
                     tflops_per_gpu=args.tflops_per_gpu, gpu_overhead_bytes=overhead_for(gpu and gpu.name))
     batch = {name: getattr(args, name) for name in BATCH_OPTIONS}
     if args.recipe is not None:
-        from finetune.plan_recipe import request_from_recipe
+        from finetune.plan.from_recipe import request_from_recipe
 
         request, data_summary = request_from_recipe(args.recipe, args.gpus, gpu_memory, gpu, config=args.config,
                                                     batch_options=batch, **hardware)
         return {**make_plan(request), "recipe": args.recipe, "data": data_summary}
     your_strategy = your_config = None
     if args.config is not None:
-        from finetune.strategies import read_config_file
+        from finetune.launch.strategies import read_config_file
 
         your_strategy, your_config = read_config_file(args.config)[0], args.config
     request = PlanRequest(
@@ -142,7 +142,7 @@ def make_plan_for(args, gpu, gpu_memory: float) -> dict:
 
 
 def calibrate_command(args, gpu) -> int:
-    from finetune.plan_calibration import compare, save_overhead
+    from finetune.plan.calibration import compare, save_overhead
 
     comparison = compare(args.calibrate)
     saved = None
@@ -323,7 +323,7 @@ def print_inter_node(console, traffic: dict) -> None:
         table.add_row(row["name"], f"{row['bytes_per_node'] / 1e9:,.1f}", f"{row['seconds']:,.2f}",
                       f"{traffic['compute_seconds']:,.2f}", "yes" if row["hidden"] else "no")
     console.print(table)
-    from finetune.strategies import SHIPPED_BY_NAME
+    from finetune.launch.strategies import SHIPPED_BY_NAME
 
     by_name = {row["name"]: row for row in traffic["strategies"]}
     zero3, zeropp, hybrid = (by_name[SHIPPED_BY_NAME[name].label]

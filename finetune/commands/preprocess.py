@@ -1,8 +1,8 @@
 """`finetune preprocess RECIPE.yaml [--key value ...]`: tokenize (and pack) the recipe's data once, in one process,
 before a launch, so that no rank of `finetune train` waits at a barrier while rank 0 tokenizes (`ddp_timeout`).
 
-It parses the recipe as `finetune train` does, runs the same data pipeline (`finetune.train.tokenize_data`) and writes
-the cache `finetune train` reads on every rank while its key matches (`finetune.data.cache`).
+It parses the recipe as `finetune train` does, runs the same data pipeline (`finetune.data.pipeline.tokenize_data`) and
+writes the cache `finetune train` reads on every rank while its key matches (`finetune.data.cache`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def preprocess_command(args) -> int:
     from finetune.data.cache import cache_dir, cache_key, check_cache_dir, key_digest, save_preprocessed
     from finetune.data.summary import print_data_summary
     from finetune.errors import RecipeError
-    from finetune.models import load_tokenizer
-    from finetune.recipe import parse_recipe
-    from finetune.train import tokenize_data
+    from finetune.models.loading import load_tokenizer
+    from finetune.recipe.parse import parse_recipe
+    from finetune.train.run import tokenize_data
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError("`finetune preprocess` runs as one process: run it without `accelerate launch`/`torchrun`, "

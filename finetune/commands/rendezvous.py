@@ -21,7 +21,7 @@ def rendezvous_command_parser(subparsers) -> None:
 
 
 def rendezvous_command(args) -> int:
-    from finetune.rendezvous import meet
+    from finetune.launch.rendezvous import meet
 
     names = meet(args.main_addr, args.main_port, args.nnodes, args.node_rank, args.timeout)
     print(f"rendezvous: all {args.nnodes} nodes arrived at {args.main_addr}:{args.main_port} ({', '.join(names)})",

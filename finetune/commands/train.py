@@ -53,11 +53,11 @@ def recipe_and_overrides(args) -> tuple[str, list[str]]:
 
 def train_command(args) -> int:
     if args.help_keys:
-        from finetune.recipe import RecipeParser
+        from finetune.recipe.parse import RecipeParser
 
         print(RecipeParser().format_help())
         return 0
-    from finetune.train import train_command as run
+    from finetune.train.run import train_command as run
 
     run(*recipe_and_overrides(args))
     return 0

@@ -53,7 +53,7 @@ def accelerate_config(
     }
     if strategy == "single":
         # One GPU, pinned: `accelerate launch` then sets CUDA_VISIBLE_DEVICES, so on a box with several GPUs Trainer
-        # does not wrap the model in nn.DataParallel (finetune.preflight stops a process that sees several).
+        # does not wrap the model in nn.DataParallel (finetune.recipe.preflight stops a process that sees several).
         config["gpu_ids"] = "0"
     if num_machines > 1:
         config.update(main_process_ip=MAIN_PROCESS_IP_PLACEHOLDER, main_process_port=main_process_port)

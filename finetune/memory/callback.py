@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from finetune.errors import RecipeError
+from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, prepared_strategy
 from finetune.memory.estimate import Setup, estimate
 from finetune.memory.ledger import (
     GradientProbe,
@@ -29,7 +30,6 @@ from finetune.memory.ledger import (
 )
 from finetune.memory.report import write_memory_report
 from finetune.memory.shapes import shape_of
-from finetune.strategies import PURE_BF16_KINDS, Strategy, prepared_strategy
 
 logger = logging.get_logger(__name__)
 STATE_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
@@ -48,7 +48,7 @@ def optimizer_kind(optim: str) -> str | None:
 
 
 def training_method(args) -> str:
-    """"dpo" for TRL's DPO arguments (finetune.preference.FinetuneDPOConfig, or any DPOConfig), else "sft"."""
+    """"dpo" for TRL's DPO arguments (finetune.train.preference.FinetuneDPOConfig, or any DPOConfig), else "sft"."""
     return "dpo" if any(cls.__name__ == "DPOConfig" for cls in type(args).__mro__) else "sft"
 
 
@@ -70,7 +70,7 @@ def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, S
     config = model.config
     trainable_parameters = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters)
-    # What the trainable weights are really held in (finetune.models.trainable_dtype), read off the model.
+    # What the trainable weights are really held in (finetune.models.loading.trainable_dtype), read off the model.
     pure_bf16 = state.distributed_type != DistributedType.DEEPSPEED and precision != "fp16" \
         and bool(trainable_parameters) and all(p.dtype == torch.bfloat16 for p in trainable_parameters)
     return strategy, Setup(
@@ -119,10 +119,10 @@ class MemoryReportCallback(TrainerCallback):
     """Measures each rank's parameters, gradients, optimizer states and peak memory; writes the report.
 
     `sequence_length` sizes the predicted activations (default: the model's maximum context). The measured bytes go
-    into the first training log as `memory/*`; in a plain `Trainer`, `finetune.trainer.log_metrics_first(trainer)`
+    into the first training log as `memory/*`; in a plain `Trainer`, `finetune.train.trainer.log_metrics_first(trainer)`
     lets `report_to` (TensorBoard, W&B, MLflow) see them."""
 
-    adds_logged_metrics = True  # finetune.trainer.log_metrics_first: runs before the reporting integrations
+    adds_logged_metrics = True  # finetune.train.trainer.log_metrics_first: runs before the reporting integrations
 
     def __init__(self, sequence_length: int | None = None, output_dir: str | None = None):
         self.sequence_length = sequence_length

@@ -18,7 +18,8 @@ Model states follow what DeepSpeed and Trainer really allocate, measured on real
 - In fp32, DeepSpeed still clones the fp32 partition for the optimizer (4Ψ/N more than the paper's 16Ψ).
 - Without DeepSpeed (single GPU, DDP, FSDP), Trainer's mixed precision is autocast: weights, gradients
   and Adam states stay fp32 (4 + 4 + 8 = 16 bytes/param), because the toolkit holds trainable parameters in fp32
-  whatever the checkpoint's dtype (`finetune.models.trainable_dtype`; Trainer alone would train a bf16 checkpoint
+  whatever the checkpoint's dtype (`finetune.models.loading.trainable_dtype`; Trainer alone would train a bf16
+  checkpoint
   in pure bf16); frozen weights stay in the loaded dtype. DDP adds its gradient buckets (4Ψ, a copy of
   the gradients, `gradient_as_bucket_view=False`). `pure_bf16` holds all three in bf16: torch's AdamW keeps its
   moments in the parameter's dtype (`torch/optim/adamw.py`, `zeros_like(p)`), so 2 + 2 + 4 = 8 bytes/param.
@@ -37,8 +38,8 @@ from dataclasses import asdict, dataclass, field
 
 from finetune.configs.deepspeed import BUCKET_SIZE
 from finetune.errors import RecipeError
+from finetune.launch.strategies import FSDP_SHARDING, KINDS, PURE_BF16_KINDS
 from finetune.memory.shapes import ModelShape
-from finetune.strategies import FSDP_SHARDING, KINDS, PURE_BF16_KINDS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 METHODS = ("sft", "dpo")
@@ -126,7 +127,7 @@ class Setup:
         if self.offload_param and self.zero_stage != 3:
             raise RecipeError("offload_param needs ZeRO stage 3: only stage 3 partitions parameters.")
         if self.pure_bf16 and (self.strategy not in PURE_BF16_KINDS or self.precision == "fp16"):
-            raise RecipeError("pure_bf16 is modelled for one process and DDP without fp16 (finetune.preflight).")
+            raise RecipeError("pure_bf16 is modelled for one process and DDP without fp16 (finetune.recipe.preflight).")
         if self.qlora and not self.lora_rank:
             raise RecipeError("QLoRA trains LoRA adapters on a 4-bit base: set lora_rank too.")
 
@@ -350,7 +351,7 @@ def host_load_bytes_per_node(trainable: int, frozen_bytes: float, setup: Setup) 
     Transformers 5 builds the model on the meta device and materialises each weight from the checkpoint on the CPU
     when no `device_map` is given (`low_cpu_mem_usage` is gone: modeling_utils.py::from_pretrained pops it unused).
     So without ZeRO-3's `zero3_init_flag` every local rank holds the whole model in the load dtype (trainable
-    weights cast as the strategy holds them, `finetune.models.hold_trainable_parameters`) until Trainer moves it
+    weights cast as the strategy holds them, `finetune.models.loading.hold_trainable_parameters`) until Trainer moves it
     to its GPU or DeepSpeed partitions it: GPUs per node × model bytes. Under `zero3_init` only global rank 0 reads
     the checkpoint (modeling_utils.py: `map_location = "cpu" if rank == 0 else "meta"`), memory-mapped, and each
     module is gathered on the GPU to be filled (integrations/deepspeed.py::_load_state_dict_into_zero3_model): one

@@ -167,7 +167,7 @@ def attention_projections(model) -> list[str]:
     """The names of the linear layers directly inside the model's attention modules (by class: `LlamaAttention`,
     `Qwen2Attention`, `GPTNeoXAttention`, ...): `q_proj`, `k_proj`, `v_proj`, `o_proj` in Llama-style models,
     `query_key_value` and `dense` in GPT-NeoX. Found by type, so any family Transformers models this way works; the
-    `attention` preset of `lora_target_modules` adapts these (finetune.models) and the estimator counts them."""
+    `attention` preset of `lora_target_modules` adapts these (finetune.models.loading) and the estimator counts them."""
     import torch
 
     names = set()

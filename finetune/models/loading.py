@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from finetune import presets
 from finetune.errors import RecipeError, did_you_mean
+from finetune.launch.strategies import Strategy
 from finetune.memory.shapes import attention_projections
-from finetune.strategies import Strategy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -135,9 +135,9 @@ class QLoRALoad:
 
 def qlora_compute_dtype(torch_dtype: str) -> torch.dtype:
     """The dtype QLoRA dequantizes and computes in: the half dtype `torch_dtype` names, else (`auto`, `float32`) the
-    visible GPU's (`finetune.devices`): bf16, or fp16 on a GPU without native bf16 such as the T4, as the mixed
+    visible GPU's (`finetune.launch.devices`): bf16, or fp16 on a GPU without native bf16 such as the T4, as the mixed
     precision there must be fp16 too (`preflight.check_precision_on_gpu`). No GPU visible (planning, tests): bf16."""
-    from finetune.devices import visible_gpu
+    from finetune.launch.devices import visible_gpu
 
     if torch_dtype in ("float16", "bfloat16"):
         return DTYPES[torch_dtype]

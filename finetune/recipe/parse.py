@@ -1,8 +1,8 @@
-"""Parsing a recipe: a YAML file plus `--key value` overrides onto the sections of `finetune.args`.
+"""Parsing a recipe: a YAML file plus `--key value` overrides onto the sections of `finetune.recipe.args`.
 
 Scalars from YAML go through argparse exactly as they would on the command line, so `learning_rate: abc` fails the
 same way `--learning_rate abc` does. Unknown keys (with a did-you-mean), bad values and a launch that cannot work
-(`finetune.preflight`) stop with a `RecipeError` before any process group is started.
+(`finetune.recipe.preflight`) stop with a `RecipeError` before any process group is started.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
-from finetune.aliases import Translation, requested_method, translate_command_line, translate_values
-from finetune.args import (
+from finetune.errors import RecipeError, did_you_mean, launched_rank
+from finetune.launch.strategies import Strategy
+from finetune.recipe.aliases import Translation, requested_method, translate_command_line, translate_values
+from finetune.recipe.args import (
     RECIPE_SECTIONS,
     DataArguments,
     FinetuneTrainingArguments,
@@ -26,8 +28,8 @@ from finetune.args import (
     ModelArguments,
     PreferenceArguments,
 )
-from finetune.errors import RecipeError, did_you_mean, launched_rank
-from finetune.preflight import (
+from finetune.recipe.batch_plan import BatchPlan, plan_from_recipe
+from finetune.recipe.preflight import (
     check_launcher_precision,
     check_lora_adapters,
     check_pure_bf16,
@@ -35,8 +37,6 @@ from finetune.preflight import (
     preflight_launch,
     warmup_warning,
 )
-from finetune.scaling import BatchPlan, plan_from_recipe
-from finetune.strategies import Strategy
 
 COMMAND_LINE = "command line"
 BATCH_PLAN = "batch plan (global_batch_size, lr_scaling, warmup_tokens)"
@@ -162,8 +162,8 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     if warning and launched_rank() == 0:
         print(f"warning: {warning}")
     training_type = FinetuneTrainingArguments
-    if sections.preference.method == "dpo":  # TRL's DPOConfig and ours in one (finetune.preference)
-        from finetune.preference import FinetuneDPOConfig, dpo_keys
+    if sections.preference.method == "dpo":  # TRL's DPOConfig and ours in one (finetune.train.preference)
+        from finetune.train.preference import FinetuneDPOConfig, dpo_keys
 
         training_type, training_inputs = FinetuneDPOConfig, {**training_inputs, **dpo_keys(sections.preference, data)}
     training = _build(training_type, training_inputs, sections.values, sections.overrides)
@@ -211,7 +211,7 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
 
 def _name_the_aliases(sources: dict[str, str], from_file: Translation, from_command_line: Translation) -> None:
     """Marks the keys given under another name (`recipe R.yaml (given as TRL's max_length)`), and notes, once, the
-    keys accepted without effect (finetune.aliases)."""
+    keys accepted without effect (finetune.recipe.aliases)."""
     for key, source in sources.items():
         alias = (from_command_line if source == COMMAND_LINE else from_file).renamed.get(key)
         if alias is not None:
@@ -259,7 +259,7 @@ def _resolve_auto_precision(values: dict[str, Any], overrides: list[str], precis
     """`bf16: auto` (axolotl's habit): bf16 mixed precision where the visible GPU has it, fp16 where it does not (a
     T4, a V100), none on CPU; written into `values`/`overrides` as plain booleans before parsing. Returns how it was
     resolved, which the effective config records as the source of `bf16` and `fp16`."""
-    from finetune.devices import training_precision_here, visible_gpu
+    from finetune.launch.devices import training_precision_here, visible_gpu
 
     flags = [index for index, token in enumerate(overrides[:-1]) if token == "--bf16"]
     given = overrides[flags[-1] + 1] if flags else values.get("bf16")

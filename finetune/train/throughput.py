@@ -15,7 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from finetune import outputs
-from finetune.devices import known_gpu
+from finetune.launch.devices import known_gpu
 
 
 def device_name() -> str:
@@ -23,7 +23,8 @@ def device_name() -> str:
 
 
 def peak_tflops_of(name: str) -> float | None:
-    """The dense bf16 peak of a known accelerator (`finetune.devices.KNOWN_GPUS`), or None (a CPU, an unknown GPU:
+    """The dense bf16 peak of a known accelerator (`finetune.launch.devices.KNOWN_GPUS`), or None (a CPU, an unknown
+    GPU:
     pass `peak_tflops`)."""
     gpu = known_gpu(name)
     return gpu.peak_tflops if gpu is not None else None
@@ -81,9 +82,9 @@ class ThroughputCallback(TrainerCallback):
     `warmup_steps`, and adds `throughput/*` to every training log; rank 0 writes `throughput.json` at the end.
 
     `peak_tflops` overrides the accelerator table (per device); without a peak, MFU is left out. In a plain `Trainer`,
-    `finetune.trainer.log_metrics_first(trainer)` lets `report_to` (TensorBoard, W&B, MLflow) see the figures."""
+    `finetune.train.trainer.log_metrics_first(trainer)` lets `report_to` (TensorBoard, W&B, MLflow) see the figures."""
 
-    adds_logged_metrics = True  # finetune.trainer.log_metrics_first: runs before the reporting integrations
+    adds_logged_metrics = True  # finetune.train.trainer.log_metrics_first: runs before the reporting integrations
 
     def __init__(self, peak_tflops: float | None = None, warmup_steps: int = 1):
         self.peak_tflops = peak_tflops

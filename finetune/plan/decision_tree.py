@@ -3,12 +3,14 @@
 Every shipped strategy is estimated; the recommendation is the first that fits in the classic decision
 tree (fits on one GPU → DDP, then ZeRO-1; a little short → ZeRO-2; far short → ZeRO-3 / FSDP; still short →
 CPU offload, then NVMe), each step trading speed for memory. The micro-batch is the largest that still fits
-the recommended strategy; the batch plan is `finetune.scaling.plan_from_recipe`, the one `finetune train` runs, with
+the recommended strategy; the batch plan is `finetune.recipe.batch_plan.plan_from_recipe`, the one `finetune train`
+runs, with
 its defaults, and the launch command passes the global batch (not micro-batch × accumulation) so `finetune train`
 re-plans for whatever world size it is launched with. A default global batch is adapted to the GPU count; one the
-user gave is split exactly or refused. The precision is the GPU's (`finetune.devices`): bf16 where it has it, else
+user gave is split exactly or refused. The precision is the GPU's (`finetune.launch.devices`): bf16 where it has it,
+else
 fp16 (a T4). Each strategy is estimated with the accumulation it would run (ZeRO-1 holds full-size gradients between
-micro-steps) and checked against host RAM at load as well as under offload. `finetune.plan_recipe` fills a request
+micro-steps) and checked against host RAM at load as well as under offload. `finetune.plan.from_recipe` fills a request
 from a recipe and its data's token lengths.
 """
 
@@ -17,12 +19,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from finetune.devices import Gpu, default_precision
 from finetune.errors import RecipeError
+from finetune.launch.devices import Gpu, default_precision
+from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy, Strategy
 from finetune.memory.estimate import GiB, MemoryEstimate, Setup, estimate, parallel_3d
 from finetune.memory.shapes import ALIASES, model_shape
-from finetune.scaling import plan_batch, plan_from_recipe, reachable_global_batch
-from finetune.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy, Strategy
+from finetune.recipe.batch_plan import plan_batch, plan_from_recipe, reachable_global_batch
 
 HEADROOM = 0.9  # of GPU memory the estimate may fill; the rest: CUDA context, allocator fragmentation
 DEFAULT_GLOBAL_BATCH_SIZE = 32  # sequences per step when neither the user nor a recipe gives one
@@ -64,9 +66,9 @@ class PlanRequest:
     max_micro_batch_size: int = 64
     learning_rate: float | None = None  # at base_batch_size; default 2e-5 full, 2e-4 LoRA
     base_batch_size: int | None = None
-    lr_scaling: str | None = None  # None: the recipe's default (finetune.scaling.DEFAULT_LR_SCALING)
+    lr_scaling: str | None = None  # None: the recipe's default (finetune.recipe.batch_plan.DEFAULT_LR_SCALING)
     recipe: str = "RECIPE.yaml"
-    # Planned from a recipe (finetune.plan_recipe): the launch leaves model, precision, LoRA, lengths and learning
+    # Planned from a recipe (finetune.plan.from_recipe): the launch leaves model, precision, LoRA, lengths and learning
     # rate to it and passes only the keys in `launch_keys`, besides the batch.
     from_recipe: bool = False
     launch_keys: tuple[str, ...] = ()
@@ -233,7 +235,7 @@ def make_plan(request: PlanRequest) -> dict:
 def plan_precision(request: PlanRequest) -> str:
     """The mixed precision planned: `auto` is bf16 on a GPU that has it and fp16 on one that does not (a T4, compute
     capability 7.5); asking bf16 by name for such a GPU is refused, since `finetune train` would refuse it there
-    (`finetune.preflight.check_precision_on_gpu`)."""
+    (`finetune.recipe.preflight.check_precision_on_gpu`)."""
     if request.precision == "auto":
         return default_precision(request.gpu)
     if request.precision == "bf16" and request.gpu is not None and not request.gpu.supports_bf16:
@@ -293,7 +295,7 @@ def largest_micro_batch(request: PlanRequest, shape, candidate: Candidate) -> in
 
 def batch_plan(request: PlanRequest, max_micro_batch_size: int) -> dict:
     """The batch plan `finetune train` makes for this global batch on `request.gpus` processes
-    (`finetune.scaling.plan_from_recipe`, the same defaults), capped at the micro-batch that fits."""
+    (`finetune.recipe.batch_plan.plan_from_recipe`, the same defaults), capped at the micro-batch that fits."""
     base_lr = request.learning_rate or (2e-4 if request.lora_rank else 2e-5)
     training = {"per_device_train_batch_size": max_micro_batch_size, "gradient_accumulation_steps": 1,
                 "global_batch_size": request.global_batch_size, "max_micro_batch_size": max_micro_batch_size,

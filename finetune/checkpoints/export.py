@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from finetune import outputs, presets, run_lock
-from finetune.checkpoints import (
+from finetune import outputs, presets
+from finetune.checkpoints import run_lock
+from finetune.checkpoints.complete import (
     CHECKPOINT_NAME,
     check_checkpoint_files,
     checkpoints_newest_first,
@@ -33,7 +34,7 @@ from finetune.checkpoints import (
     why_incomplete,
 )
 from finetune.errors import RecipeError
-from finetune.models import DTYPES
+from finetune.models.loading import DTYPES
 
 # Written into every export: the folder may be exported into again (its earlier files replaced), and only then.
 EXPORT_RECORD = "finetune_export.json"
@@ -193,7 +194,7 @@ def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dt
     before = {path.name for path in out_dir.iterdir()}  # a user's files under --force are not this export's
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        found = _beside(source, name)
+        found = beside(source, name)
         if found is not None:
             (out_dir / name).write_bytes(found.read_bytes())
     written = sorted(path.name for path in out_dir.iterdir() if path.name not in before | {EXPORT_RECORD})
@@ -239,7 +240,7 @@ def forget_earlier_export(out_dir: Path) -> None:
             (out_dir / name).unlink()
 
 
-def _beside(source: Path, name: str) -> Path | None:
+def beside(source: Path, name: str) -> Path | None:
     """`source/name`, else `source.parent/name` (a checkpoint's own file, else its run's), refused by name when it
     does not read."""
     found = next((folder / name for folder in (source, source.parent) if (folder / name).is_file()), None)
@@ -247,23 +248,3 @@ def _beside(source: Path, name: str) -> Path | None:
     if damage is not None:
         raise RecipeError(f"{found} {damage}: it cannot be loaded. Copy it again from the model it came from.")
     return found
-
-
-def load_with_tokenizer(source: str | Path, merge_lora: bool = False, base_model: str | None = None,
-                        seed: int | None = None):
-    """`(model, tokenizer)` for `source` in memory (what `finetune chat` talks to): the model as `load_for_export`
-    loads it (an adapter not merged stays a peft model), and the tokenizer saved beside it, else its base's
-    (`base_model`, or the one the adapter names), through `models.load_tokenizer` as training loaded it: a tokenizer
-    without a chat template gets the default one training gave it."""
-    from finetune.args import ModelArguments
-    from finetune.models import load_tokenizer
-
-    source = Path(source)
-    model, _ = load_for_export(source, merge_lora, base_model, seed)
-    saved, adapter = _beside(source, "tokenizer_config.json"), _beside(source, "adapter_config.json")
-    name = str(saved.parent) if saved is not None else base_model or (
-        adapter is not None and json.loads(adapter.read_text()).get("base_model_name_or_path"))
-    if not name:
-        raise RecipeError(f"{source} has no tokenizer (no tokenizer_config.json there, nor in {source.parent}): copy "
-                          "the tokenizer files of the model it was trained from next to the weights.")
-    return model, load_tokenizer(ModelArguments(model_name_or_path=name))

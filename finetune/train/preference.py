@@ -24,10 +24,10 @@ from datasets import Dataset, concatenate_datasets, interleave_datasets
 from trl import DPOConfig, DPOTrainer
 from trl.data_utils import is_conversational
 
-from finetune.args import FinetuneTrainingArguments
 from finetune.data.formats import _openai_message, _sharegpt_message
 from finetune.errors import RecipeError
-from finetune.trainer import FinetuneTrainerMixin
+from finetune.recipe.args import FinetuneTrainingArguments
+from finetune.train.trainer import FinetuneTrainerMixin
 
 # In detection order: a format's columns must all be present. `pairs`: TRL's preference format, strings or
 # conversations (`prompt` may be left out when `chosen` and `rejected` are whole conversations that share it);

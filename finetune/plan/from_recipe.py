@@ -1,6 +1,7 @@
 """`finetune plan --recipe`: a plan request read from the user's own recipe and data.
 
-The recipe is parsed by `finetune.recipe.read_recipe` (the same keys, defaults and errors as `finetune train`, but no
+The recipe is parsed by `finetune.recipe.parse.read_recipe` (the same keys, defaults and errors as `finetune train`,
+but no
 launch check and no process group: the plan is for another machine), and its training rows are tokenized, truncated
 and packed by the data pipeline `finetune train` runs (`finetune.data`; no model is loaded), so activations are
 predicted from the lengths the micro-batches will really have, not from `max_seq_length`.
@@ -11,9 +12,9 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from finetune.devices import Gpu, default_precision
 from finetune.errors import RecipeError
-from finetune.plan import PlanRequest
+from finetune.launch.devices import Gpu, default_precision
+from finetune.plan.decision_tree import PlanRequest
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ def data_lengths(sections) -> tuple[tuple[int, ...], dict]:
     summary `finetune train` writes (`data_summary.json`)."""
     from finetune.data import load_raw_data, prepare_datasets
     from finetune.data.collate import pack_prepared
-    from finetune.models import load_tokenizer
+    from finetune.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(sections.model)
     seed = int(sections.training_inputs.get("seed") or 42)
@@ -44,7 +45,7 @@ def data_lengths(sections) -> tuple[tuple[int, ...], dict]:
 def preference_summary(sections) -> dict:
     """The recipe's preference pairs, loaded, checked and counted as `finetune train` loads them (the summary's
     `sources`); TRL tokenizes them only when training starts."""
-    from finetune.preference import load_preference_data
+    from finetune.train.preference import load_preference_data
 
     return load_preference_data(sections.data, int(sections.training_inputs.get("seed") or 42)).summary
 
@@ -56,7 +57,7 @@ def recipe_precision(training: dict) -> str:
 def your_strategy(training: dict, config: str | None):
     """The strategy the recipe launches: its `deepspeed` key (which wins over an Accelerate config, as in
     Trainer), else `--config` (an Accelerate YAML or DeepSpeed JSON); None when neither says."""
-    from finetune.strategies import launched_strategy, read_config_file
+    from finetune.launch.strategies import launched_strategy, read_config_file
 
     if training.get("deepspeed"):
         strategy, _ = launched_strategy(training["deepspeed"], environ={})
@@ -73,7 +74,7 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
     max_micro_batch_size, learning_rate, base_batch_size, lr_scaling) given on the command line win over the
     recipe's and are passed on in the launch command; `hardware`: the other `PlanRequest` fields (host memory...)."""
     from finetune.memory.callback import optimizer_kind
-    from finetune.recipe import read_recipe
+    from finetune.recipe.parse import read_recipe
 
     sections = read_recipe(recipe, auto_precision=default_precision(gpu))
     training, data, lora = sections.training_inputs, sections.data, sections.lora

@@ -1,6 +1,7 @@
 """`python -m finetune` with Accelerate allowed to prepare FSDP on CPU processes over gloo: the CPU twin of an FSDP run,
 for the tests and `finetune bench --cpu`, never on a GPU path:
-    accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m finetune.fsdp_on_cpu train recipes/demo.yaml
+    accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m finetune.testing.fsdp_on_cpu train
+    recipes/demo.yaml
 
 Accelerate turns FSDP on only for GPU-like distributed types (accelerate/state.py: `AcceleratorState.__init__`
 switches MULTI_GPU, MULTI_XPU, ... to FSDP, never MULTI_CPU), though PyTorch's FSDP2 (`fully_shard`) shards and trains
@@ -8,12 +9,10 @@ on CPU over gloo. This shim makes that one switch for MULTI_CPU too, as Accelera
 policy FSDP2 casts by: Accelerate wraps no autocast around an FSDP2 model); everything after it is the user's path.
 """
 
-import sys
+import runpy
 
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
-
-from finetune.cli import main
 
 _init = AcceleratorState.__init__
 
@@ -32,5 +31,5 @@ def _init_with_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
 
 AcceleratorState.__init__ = _init_with_fsdp_on_cpu
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # then exactly `python -m finetune ...`
+    runpy.run_module("finetune", run_name="__main__", alter_sys=True)

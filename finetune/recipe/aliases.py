@@ -87,7 +87,7 @@ TRL_KEYS = (
     TrlKey("eval_packing", SFT_CONFIG, kept=(None,),
            why="eval data is packed exactly when training data is (`packing`); drop the key"),
     TrlKey("loss_type", SFT_CONFIG, kept=("nll",), dpo="dpo_loss_type",
-           why="the loss is the answer tokens' cross-entropy (finetune/trainer.py, compute_loss); drop the key "
+           why="the loss is the answer tokens' cross-entropy (finetune/train/trainer.py, compute_loss); drop the key "
                "(DPOConfig's loss types need `method: dpo`, where `loss_type` is our `dpo_loss_type`, "
                "docs/preference.md)"),
     TrlKey("router_aux_loss_coef", SFT_CONFIG, kept=(None,),
@@ -132,7 +132,7 @@ TRL_KEYS = (
            why="an 8-bit base is not supported; `load_in_4bit: true` (our `use_qlora`) trains on a 4-bit NF4 base"),
     TrlKey("bnb_4bit_quant_type", MODEL_CONFIG, kept=("nf4",), why="the 4-bit base is always NF4; drop the key"),
     TrlKey("use_bnb_nested_quant", MODEL_CONFIG, ignored=True,
-           why="the 4-bit base always uses nested (double) quantization (finetune/models.py)"),
+           why="the 4-bit base always uses nested (double) quantization (finetune/models/loading.py)"),
     TrlKey("bnb_4bit_quant_storage", MODEL_CONFIG, ignored=True,
            why="the 4-bit storage dtype follows the strategy: the compute dtype under FSDP or ZeRO-3, so they shard"),
     # ScriptArguments

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from finetune.configs.lint import lint_deepspeed
-from finetune.devices import visible_gpu
 from finetune.errors import RecipeError, launched_rank
-from finetune.strategies import PURE_BF16_KINDS, Strategy, is_true, launched_strategy
+from finetune.launch.devices import visible_gpu
+from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, is_true, launched_strategy
 
 
 def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | None]:
@@ -40,7 +40,7 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
                           "to a filesystem shared by the nodes.")
     resume = training_inputs.get("resume_from_checkpoint")
     if resume not in (None, "", "auto", "false", "False"):
-        from finetune.checkpoints import check_explicit_checkpoint
+        from finetune.checkpoints.complete import check_explicit_checkpoint
 
         check_explicit_checkpoint(resume)
     if training_inputs.get("ddp_comm_hook") == "bf16" and not torch.cuda.is_available():
@@ -81,11 +81,11 @@ def check_precision_on_gpu(training_inputs: dict[str, Any]) -> None:
 
     Stopping, rather than switching to fp16 with a warning: fp16 is not bf16 with fewer bits. Its range ends at
     65504, so it needs loss scaling and can overflow where the bf16 run would not; the recipe's bf16 also reaches
-    QLoRA's storage check (`check_qlora`), `pure_bf16` and what `finetune.effective` and checkpoints record, and a
+    QLoRA's storage check (`check_qlora`), `pure_bf16` and what `finetune.train.effective` and checkpoints record, and a
     silent switch would leave those disagreeing with what runs. Transformers would not stop it either: it asks
     `torch.cuda.is_bf16_supported()` counting emulation (`_validate_args` in transformers/training_args.py), which a
     T4 passes, and trains bf16 emulated, or raises a bare ValueError where even emulation fails. The GPU is
-    `finetune.devices.visible_gpu`, the one Trainer trains on."""
+    `finetune.launch.devices.visible_gpu`, the one Trainer trains on."""
     if is_true(training_inputs.get("use_cpu")):
         return
     asked = [key for key in ("bf16", "bf16_full_eval", "pure_bf16") if is_true(training_inputs.get(key))]
@@ -160,10 +160,11 @@ def training_precision(training_inputs: dict[str, Any]) -> str:
 
 
 def check_qlora(torch_dtype: str, training_inputs: dict[str, Any], strategy: Strategy) -> None:
-    """QLoRA computes in `finetune.models.qlora_compute_dtype`: bf16 named by `torch_dtype` on a GPU without it
+    """QLoRA computes in `finetune.models.loading.qlora_compute_dtype`: bf16 named by `torch_dtype` on a GPU without it
     stops here. Under a strategy that shards parameters the packed 4-bit weights are stored in the compute dtype
-    (finetune.models.qlora_load); a mixed precision of the other half dtype would cast those bytes as numbers."""
-    from finetune.models import qlora_compute_dtype
+    (finetune.models.loading.qlora_load); a mixed precision of the other half dtype would cast those bytes as
+    numbers."""
+    from finetune.models.loading import qlora_compute_dtype
 
     gpu = visible_gpu()
     if qlora_compute_dtype(torch_dtype) == torch.bfloat16 and gpu is not None and not gpu.supports_bf16:
@@ -183,7 +184,8 @@ def check_qlora(torch_dtype: str, training_inputs: dict[str, Any], strategy: Str
 
 
 def check_pure_bf16(training_inputs: dict[str, Any], strategy: Strategy) -> None:
-    """`pure_bf16` (finetune.models.trainable_dtype) is asked for by name and means what it says where the model's
+    """`pure_bf16` (finetune.models.loading.trainable_dtype) is asked for by name and means what it says where the
+    model's
     own tensors are stepped: one process and DDP. DeepSpeed keeps fp32 masters of its own, and Accelerate's FSDP
     path upcasts trainable parameters, so there the key would silently do nothing."""
     if not is_true(training_inputs.get("pure_bf16")):
@@ -215,14 +217,14 @@ def check_lora_adapters(model_args, lora) -> None:
     """The LoRA keys that name parts of the model (`lora_target_modules`, `modules_to_save`) are checked against an
     empty (meta-device) instance of it built from its config alone, so that a name matching nothing stops here,
     before any process group, not on every rank after loading the weights. A config that cannot be read here (custom
-    code, no network) is left to the loading, which says why; `finetune.models.apply_lora` checks again."""
+    code, no network) is left to the loading, which says why; `finetune.models.loading.apply_lora` checks again."""
     if not lora.use_lora or not (lora.modules_to_save or lora.lora_target_modules):
         return
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     from finetune.memory.shapes import resolve_config
-    from finetune.models import lora_config
+    from finetune.models.loading import lora_config
 
     try:
         with init_empty_weights():

@@ -22,7 +22,7 @@ from finetune.configs.accelerate import FSDP_SHARDING as GENERATED_FSDP_SHARDING
 from finetune.configs.accelerate import STRATEGIES, accelerate_config, deepspeed_section_as_json
 from finetune.configs.deepspeed import NVME_PATH_PLACEHOLDER, deepspeed_config
 from finetune.errors import RecipeError
-from finetune.launching import Launch
+from finetune.launch.commands import Launch
 
 KINDS = STRATEGIES  # the generator's names: single, ddp, deepspeed, fsdp
 # Where the optimizer steps the model's own tensors, so `pure_bf16` means what it says (DeepSpeed keeps fp32 masters of
@@ -336,7 +336,7 @@ class ShippedStrategy:
         return Strategy.from_accelerate(config, self.accelerate_file or self.multinode_file)
 
     def launch(self, cpu: bool) -> Launch:
-        """What runs it on GPUs, or on 2 CPU processes (FSDP there through `finetune.fsdp_on_cpu`)."""
+        """What runs it on GPUs, or on 2 CPU processes (FSDP there through `finetune.testing.fsdp_on_cpu`)."""
         if cpu:
             if not self.cpu:
                 raise RecipeError(f"{self.label} does not run on CPU processes.")
@@ -344,7 +344,8 @@ class ShippedStrategy:
                 return Launch("accelerate_configs/cpu_ddp.yaml")
             if self.kind == "fsdp":
                 suffix = "" if self.fsdp_sharding == "full_shard" else f"_{self.fsdp_sharding}"
-                return Launch(f"accelerate_configs/cpu_fsdp{suffix}.yaml", program=("-m", "finetune.fsdp_on_cpu"))
+                return Launch(f"accelerate_configs/cpu_fsdp{suffix}.yaml",
+                              program=("-m", "finetune.testing.fsdp_on_cpu"))
             return Launch("accelerate_configs/cpu_deepspeed_zero2.yaml", self.deepspeed_file)
         if self.accelerate_file is not None:
             return Launch(self.accelerate_file)

@@ -1,9 +1,9 @@
 """`FinetuneTrainerMixin`: the toolkit's guarantees for a Hugging Face `Trainer`, each in the method a reader looks in;
-`FinetuneTrainer` is Trainer with them, `finetune.preference.FinetuneDPOTrainer` TRL's DPOTrainer with them.
+`FinetuneTrainer` is Trainer with them, `finetune.train.preference.FinetuneDPOTrainer` TRL's DPOTrainer with them.
 
 - `FinetuneTrainer.compute_loss`: how the loss of a micro-batch is normalised (`loss_normalization`).
 - `_save_checkpoint`: a checkpoint counts as complete only once every rank saved it; rotation then keeps the
-  `save_total_limit` newest complete ones and the best one (finetune.checkpoints), on every node's disk under
+  `save_total_limit` newest complete ones and the best one (finetune.checkpoints.complete), on every node's disk under
   `save_on_each_node`.
 - `save_model`: weights `from_pretrained` loads under FSDP's sharded state dict too, and with `save_on_each_node`
   on every node, not only global rank 0.
@@ -28,7 +28,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune import outputs
-from finetune.checkpoints import (
+from finetune.checkpoints.complete import (
     checkpoint_layout,
     continue_schedule_at_this_runs_rate,
     mark_complete,
@@ -36,7 +36,7 @@ from finetune.checkpoints import (
     prepare_resume,
     rotate_complete_checkpoints,
 )
-from finetune.disk import needed_checkpoint_bytes, saving_within_free_space, trainable_parameter_bytes
+from finetune.checkpoints.disk import needed_checkpoint_bytes, saving_within_free_space, trainable_parameter_bytes
 
 
 def log_metrics_first(trainer: Trainer) -> None:
@@ -49,9 +49,10 @@ def log_metrics_first(trainer: Trainer) -> None:
 
 class FinetuneTrainerMixin:
     """The toolkit's guarantees for any `Trainer` subclass: `class X(FinetuneTrainerMixin, SomeTrainer)`.
-    `FinetuneTrainer` (supervised fine-tuning) and `finetune.preference.FinetuneDPOTrainer` (TRL's DPO) are two such.
+    `FinetuneTrainer` (supervised fine-tuning) and `finetune.train.preference.FinetuneDPOTrainer` (TRL's DPO) are two
+    such.
 
-    `recipe_values` (finetune.checkpoints.recipe_values) and `train_data` (the training rows' fingerprint,
+    `recipe_values` (finetune.checkpoints.complete.recipe_values) and `train_data` (the training rows' fingerprint,
     finetune.data.summary.fingerprint) are recorded in every checkpoint, so that a resumed run can name what
     changed."""
 
@@ -79,7 +80,7 @@ class FinetuneTrainerMixin:
 
     def _save_checkpoint(self, model, trial):
         folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        # A full disk stops in one line, before the save where it can be foreseen (finetune.disk).
+        # A full disk stops in one line, before the save where it can be foreseen (finetune.checkpoints.disk).
         with saving_within_free_space(folder, needed_checkpoint_bytes(folder.parent, trainable_parameter_bytes(model))):
             super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()  # every rank has written its part

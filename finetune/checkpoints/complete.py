@@ -4,7 +4,7 @@ Trainer writes a checkpoint's files in place, so a run killed mid-save leaves a 
 checkpoint. After each save, all ranks meet and rank 0 writes `finetune_complete.json` into the folder (with the
 recipe and the layout it was trained with); only then are older checkpoints rotated out. `resume_from_checkpoint:
 auto` takes the newest folder that has the marker and holds every file a resume needs, whole
-(`finetune.checkpoint_files`), and names each newer one it skips, with the file at fault.
+(`finetune.checkpoints.untrusted_files`), and names each newer one it skips, with the file at fault.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune import outputs
-from finetune.checkpoint_files import (  # noqa: F401 (check_checkpoint_files: resume and export call it from here)
+from finetune.checkpoints.untrusted_files import (  # noqa: F401 (check_checkpoint_files: resume and export call it from here)
     CHECKPOINT_NAME,
     UnsafeCheckpointFile,
     check_checkpoint_files,
@@ -29,9 +29,9 @@ from finetune.checkpoint_files import (  # noqa: F401 (check_checkpoint_files: r
     files_loaders_open,
 )
 from finetune.errors import RecipeError, launched_rank
+from finetune.launch.strategies import Strategy, prepared_strategy
 from finetune.memory.ledger import optimizer_chain
 from finetune.outputs import CHECKPOINT_COMPLETE as COMPLETE_MARKER
-from finetune.strategies import Strategy, prepared_strategy
 
 # Keys whose change between a run and its resumption is expected, not worth a warning.
 RESUME_KEYS_IGNORED = {"resume_from_checkpoint", "output_dir", "save_on_preemption"}

@@ -14,7 +14,7 @@ from accelerate.utils import gather_object
 from transformers import set_seed
 
 from finetune import outputs
-from finetune.checkpoints import (
+from finetune.checkpoints.complete import (
     agree_on_newest_complete,
     check_checkpoint_files,
     check_same_data,
@@ -23,18 +23,18 @@ from finetune.checkpoints import (
     recipe_values,
     why_incomplete,
 )
+from finetune.checkpoints.preemption import PreemptionCallback, save_on_preemption
+from finetune.checkpoints.run_lock import output_dir_lock
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data import load_raw_data, prepare_datasets
 from finetune.data.cache import cache_dir, load_preprocessed
 from finetune.data.collate import data_collator, pack_prepared, prepare_model_for_packing
 from finetune.data.summary import dropped_rows, fingerprint, print_data_summary, write_data_summary
 from finetune.data.tokenize import PreparedData
-from finetune.divergence import NonFiniteLossCallback
-from finetune.effective import report_and_guard_launch
 from finetune.errors import RecipeError
-from finetune.evaluation import ExactMatchCallback, print_before_after, record_stop_tokens, summarize_evaluations
+from finetune.launch.watchdog import watching_ranks
 from finetune.memory import MemoryReportCallback
-from finetune.models import (
+from finetune.models.loading import (
     FrozenWeightsCallback,
     apply_lora,
     hold_trainable_parameters,
@@ -42,14 +42,14 @@ from finetune.models import (
     load_tokenizer,
     trainable_dtype,
 )
-from finetune.preemption import PreemptionCallback, save_on_preemption
-from finetune.preflight import check_eval_split
-from finetune.recipe import Recipe, parse_recipe
-from finetune.run_lock import output_dir_lock
-from finetune.scaling import print_batch_plan, write_batch_plan
-from finetune.throughput import ThroughputCallback
-from finetune.trainer import FinetuneTrainer
-from finetune.watchdog import watching_ranks
+from finetune.recipe.batch_plan import print_batch_plan, write_batch_plan
+from finetune.recipe.parse import Recipe, parse_recipe
+from finetune.recipe.preflight import check_eval_split
+from finetune.train.divergence import NonFiniteLossCallback
+from finetune.train.effective import report_and_guard_launch
+from finetune.train.evaluation import ExactMatchCallback, print_before_after, record_stop_tokens, summarize_evaluations
+from finetune.train.throughput import ThroughputCallback
+from finetune.train.trainer import FinetuneTrainer
 
 
 def train(recipe: Recipe) -> dict:
@@ -58,12 +58,13 @@ def train(recipe: Recipe) -> dict:
     set_seed(args.seed)
 
     dpo = recipe.preference.method == "dpo"
-    # a silent rank or a dead launcher ends this rank (finetune.watchdog); one run per output_dir (finetune.run_lock)
+    # a silent rank or a dead launcher ends this rank (finetune.launch.watchdog); one run per output_dir
+    # (finetune.checkpoints.run_lock)
     with watching_ranks(args), output_dir_lock(args):
         tokenizer = load_tokenizer(recipe.model)
         model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
                            strategy=recipe.strategy)
-        if recipe.lora.use_lora and not dpo:  # DPO: TRL applies the adapters (finetune.preference.dpo_trainer)
+        if recipe.lora.use_lora and not dpo:  # DPO: TRL applies the adapters (finetune.train.preference.dpo_trainer)
             model = apply_lora(model, recipe.lora)
         if not dpo:  # DPO: once TRL has applied any adapters, or a LoRA run's frozen base would be cast too
             hold_trainable_parameters(model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
@@ -84,7 +85,7 @@ def train(recipe: Recipe) -> dict:
         memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length) if args.memory_report else None
         throughput = ThroughputCallback(peak_tflops=args.peak_tflops) if args.throughput_report else None
         divergence = NonFiniteLossCallback(fp16=args.fp16)
-        preemption = PreemptionCallback() if save_on_preemption(args) else None  # SIGTERM saves (finetune.preemption)
+        preemption = PreemptionCallback() if save_on_preemption(args) else None  # SIGTERM saves: checkpoints.preemption
         callbacks = [callback for callback in (exact_match, memory_report, throughput, frozen_check, divergence,
                                                preemption) if callback is not None]
         if dpo:
@@ -153,9 +154,9 @@ def prepare_data(recipe: Recipe, tokenizer, model) -> PreparedData:
 
 
 def prepare_preference_data(recipe: Recipe):
-    """DPO's preference pairs (finetune.preference), with the fingerprint checkpoints record (of the pairs' text).
+    """DPO's preference pairs (finetune.train.preference), with the fingerprint checkpoints record (of the pairs' text).
     TRL tokenizes them when the trainer is built (dpo_trainer), which completes and prints their summary."""
-    from finetune.preference import SOURCE_COLUMN, load_preference_data
+    from finetune.train.preference import SOURCE_COLUMN, load_preference_data
 
     data = load_preference_data(recipe.data, recipe.training.seed)
     data.summary["train_fingerprint"] = fingerprint(data.train.remove_columns(SOURCE_COLUMN))
@@ -163,12 +164,12 @@ def prepare_preference_data(recipe: Recipe):
 
 
 def dpo_trainer(recipe: Recipe, model, tokenizer, data, callbacks):
-    """TRL's DPOTrainer with the toolkit's guarantees (finetune.preference.FinetuneDPOTrainer): the reference is a
+    """TRL's DPOTrainer with the toolkit's guarantees (finetune.train.preference.FinetuneDPOTrainer): the reference is a
     second copy of the starting model, frozen, or under LoRA the policy with its adapters disabled (TRL applies the
     adapters from `lora_config`, so no reference adapter is copied). The pairs TRL tokenizes go through the length
     policies; rank 0 then prints and writes the data summary with what TRL truncated or dropped."""
-    from finetune.models import lora_config
-    from finetune.preference import (
+    from finetune.models.loading import lora_config
+    from finetune.train.preference import (
         FinetuneDPOTrainer,
         frozen_reference,
         prepare_reference_for_zero3,
@@ -238,7 +239,7 @@ def checkpoint_to_resume(recipe: Recipe, train_data: str) -> str | None:
     collective: with `save_on_each_node` each node reads its own disk), or starts fresh; rank 0 names skipped
     half-written or damaged checkpoints and recipe keys that changed since the checkpoint. A checkpoint holding a file
     that could run code when loaded is refused by name on every rank. Changed training data is refused unless
-    `ignore_data_skip` (finetune.checkpoints.check_same_data)."""
+    `ignore_data_skip` (finetune.checkpoints.complete.check_same_data)."""
     args = recipe.training
     wanted, skipped = args.resume_from_checkpoint, []
     if wanted in (None, "", "false", "False"):

@@ -1,7 +1,8 @@
 """The recipe's sections as dataclasses, each field documented where it is declared.
 
 A recipe is flat YAML, as with TRL: model, data, LoRA, method (SFT or DPO) and `TrainingArguments` keys side by
-side, every Trainer flag under its own name. `finetune.recipe` parses a file and `--key value` overrides onto these
+side, every Trainer flag under its own name. `finetune.recipe.parse` parses a file and `--key value` overrides onto
+these
 sections.
 """
 
@@ -17,7 +18,7 @@ from transformers import TrainingArguments
 
 from finetune import presets
 from finetune.errors import RecipeError
-from finetune.watchdog import start_process_group
+from finetune.launch.watchdog import start_process_group
 
 
 @dataclass
@@ -148,7 +149,8 @@ class DataArguments:
 
 @dataclass
 class LoraArguments:
-    # `lora_target_modules` values that name a set of layers rather than layers (finetune.models.lora_target_modules)
+    # `lora_target_modules` values that name a set of layers rather than layers
+    # (finetune.models.loading.lora_target_modules)
     target_presets = ("all-linear", "attention")
 
     use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) instead of all weights."})
@@ -231,7 +233,7 @@ DPO_LOSS_TYPES = trl_dpo_loss_types()
 @dataclass
 class PreferenceArguments:
     """What is trained for: the answers of the data (SFT), or preferences between two answers (DPO, through TRL's
-    `DPOTrainer`; finetune.preference)."""
+    `DPOTrainer`; finetune.train.preference)."""
 
     method: Literal["sft", "dpo"] = field(
         default="sft",
@@ -364,7 +366,7 @@ class FinetuneTrainingArguments(TrainingArguments):
 
     @cached_property
     def _setup_devices(self):
-        start_process_group(self)  # with ddp_timeout, which Transformers leaves out on CPU (finetune.watchdog)
+        start_process_group(self)  # with ddp_timeout, which Transformers leaves out on CPU (finetune.launch.watchdog)
         return super()._setup_devices
 
 

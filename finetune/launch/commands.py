@@ -1,38 +1,17 @@
-"""Starting `finetune` and `accelerate launch` in subprocesses, as the bench (and the tests) do: a free port for each
-launch, a timeout, and the child's output kept (stdout and stderr merged) to show when it fails."""
+"""The commands that launch a strategy: `accelerate launch` with its config (and a DeepSpeed JSON swapped in), a free
+port for each launch, and `python -m finetune`."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
 import sys
-from pathlib import Path
 from typing import NamedTuple
-
-OUTPUT_TAIL = 6000  # characters of a child's output shown when it fails
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: str | Path | None = None):
-    """Runs `command`, returning the CompletedProcess with stdout and stderr merged into `.output`; a timeout is an
-    AssertionError with the output so far."""
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    try:
-        result = subprocess.run(
-            command, cwd=cwd, env=child_env, timeout=timeout, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )
-    except subprocess.TimeoutExpired as error:
-        output = error.stdout if isinstance(error.stdout, str) else (error.stdout or b"").decode(errors="replace")
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(command)}\n{output[-OUTPUT_TAIL:]}") from None
-    result.output = result.stdout
-    return result
 
 
 def finetune_command(*args: str) -> list[str]:

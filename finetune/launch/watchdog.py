@@ -13,7 +13,7 @@ size) reads per beat.
 
 Orphans: a launcher killed with SIGKILL cannot stop its workers. Each rank asks the kernel for SIGKILL when its parent
 dies (prctl PR_SET_PDEATHSIG, Linux) and, elsewhere, the beat thread sees the parent change. The kernel drops the run
-lock's flock with the process (finetune.run_lock).
+lock's flock with the process (finetune.checkpoints.run_lock).
 """
 
 from __future__ import annotations

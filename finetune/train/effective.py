@@ -20,12 +20,12 @@ from rich.table import Table
 from transformers import TrainerCallback
 
 from finetune import outputs
-from finetune.aliases import GIVEN_AS
 from finetune.errors import RecipeError
+from finetune.launch.strategies import Strategy, running_strategy
 from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
-from finetune.models import trainable_dtype
-from finetune.preflight import warmup_warning
-from finetune.strategies import Strategy, running_strategy
+from finetune.models.loading import trainable_dtype
+from finetune.recipe.aliases import GIVEN_AS
+from finetune.recipe.preflight import warmup_warning
 
 # Trainer argument → the DeepSpeed key Trainer fills from it when the config says "auto".
 DEEPSPEED_KEYS = {
@@ -78,7 +78,8 @@ def describe_effective_config(trainer, recipe) -> dict:
     add("precision", precision_key or "fp32", precision_source)
     held = trainable_dtype(requested, args.mixed_precision, args.pure_bf16)
     add("trainable_weights", "fp32 (DeepSpeed's master copy)" if held is None else str(held).removeprefix("torch."),
-        "pure_bf16" if args.pure_bf16 else "fp32 master weights under any precision (finetune.models.trainable_dtype)")
+        "pure_bf16" if args.pure_bf16
+        else "fp32 master weights under any precision (finetune.models.loading.trainable_dtype)")
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "max_grad_norm"):
         source = sources.get(key, "default")
         deepspeed_value = deepspeed.get(DEEPSPEED_KEYS.get(key, ""), None)
@@ -87,7 +88,7 @@ def describe_effective_config(trainer, recipe) -> dict:
         elif deepspeed_value is not None:
             source = f"{requested.source} ({DEEPSPEED_KEYS[key]}={deepspeed_value}); Trainer has {getattr(args, key)}"
         add(key, getattr(args, key), source)
-    for key, source in sources.items():  # keys given under another name: the source says which (finetune.aliases)
+    for key, source in sources.items():  # keys given under another name: the source says which (recipe.aliases)
         if GIVEN_AS in source and key not in values:
             add(key, next(getattr(section, key) for section in recipe.sections if hasattr(section, key)), source)
     global_batch = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
@@ -201,7 +202,7 @@ def strategy_problems(requested: Strategy, running: Strategy, trainer) -> list[s
 
 def warn_about_warmup(args, state) -> str | None:
     """A run of `num_train_epochs` knows its steps only now: rank 0 says when the warmup lasts all of them (a run
-    of `max_steps` was told when the recipe was read, `finetune.recipe`)."""
+    of `max_steps` was told when the recipe was read, `finetune.recipe.parse`)."""
     if args.max_steps > 0:
         return None
     warning = warmup_warning(args.warmup_steps, args.learning_rate, state.max_steps)
@@ -239,6 +240,6 @@ class StrategyCheckCallback(TrainerCallback):
         mine = {"rank": args.process_index, **held_bytes(model, optimizer)}
         ranks = gather_object([mine]) if args.world_size > 1 else [mine]
         self.effective["ranks"] = sorted(ranks, key=lambda entry: entry["rank"])
-        if state.is_world_process_zero:  # keeps what was added since (the resume record, finetune.trainer)
+        if state.is_world_process_zero:  # keeps what was added since (the resume record, finetune.train.trainer)
             written = outputs.read_record(args.output_dir, outputs.EFFECTIVE_CONFIG, missing={})
             outputs.write_record(args.output_dir, outputs.EFFECTIVE_CONFIG, {**written, **self.effective})

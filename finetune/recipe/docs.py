@@ -1,6 +1,6 @@
 """Generated documentation, written by `finetune configs write` and checked by `finetune configs check` like the
 configs: `docs/recipes.md` (every recipe key with its default and help, from the recipe dataclasses) and
-`docs/from_trl.md` (what becomes of each TRL and Transformers-4 key, from `finetune.aliases`)."""
+`docs/from_trl.md` (what becomes of each TRL and Transformers-4 key, from `finetune.recipe.aliases`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import enum
 
 from transformers import TrainingArguments
 
-from finetune.aliases import TRL_KEYS, TrlKey, shown
-from finetune.args import (
+from finetune.recipe.aliases import TRL_KEYS, TrlKey, shown
+from finetune.recipe.args import (
     DataArguments,
     FinetuneTrainingArguments,
     LoraArguments,
@@ -80,7 +80,8 @@ def recipe_reference() -> str:
     lines = [
         "# Recipe reference",
         "",
-        "Generated from the recipe dataclasses in `finetune/args.py` by `finetune configs write`; `finetune configs",
+        "Generated from the recipe dataclasses in `finetune/recipe/args.py` by `finetune configs write`; `finetune "
+        "configs",
         "check` fails when this file differs. A recipe is a flat YAML mapping of these keys; `--key value` after the",
         "recipe on the command line wins over the file, and an unknown key stops the run with the closest known one.",
         "",
@@ -131,7 +132,8 @@ def from_trl_guide() -> str:
     lines = [
         "# Coming from TRL, the alignment-handbook, axolotl or LLaMA-Factory",
         "",
-        "Generated from `finetune/aliases.py` by `finetune configs write`; `finetune configs check` fails when this",
+        "Generated from `finetune/recipe/aliases.py` by `finetune configs write`; `finetune configs check` fails when "
+        "this",
         "file differs.",
         "",
         "`finetune train` (and `finetune preprocess`) take the recipe after `--config`, as `trl sft` does, or as their",

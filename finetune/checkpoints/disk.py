@@ -18,7 +18,12 @@ from pathlib import Path
 
 from accelerate.utils import convert_bytes as human_bytes
 
-from finetune.checkpoints import CHECKPOINT_NAME, checkpoints_newest_first, is_complete, newest_complete_checkpoint
+from finetune.checkpoints.complete import (
+    CHECKPOINT_NAME,
+    checkpoints_newest_first,
+    is_complete,
+    newest_complete_checkpoint,
+)
 from finetune.errors import RecipeError
 
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
