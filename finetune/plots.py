@@ -114,7 +114,7 @@ def run_results(output_dir) -> dict:
         "train loss": summary.get("train_loss"),
         "exact match after": _mean(after.get("exact_match")),
     }
-    if "reward_accuracy" in after:  # DPO (finetune.train.preference): held-out pairs won, against the reference
+    if "reward_accuracy" in after:  # a preference method: held-out pairs won, against the reference
         row.update({"reward accuracy before": before.get("reward_accuracy"),
                     "reward accuracy after": after["reward_accuracy"], "reward margin after": after["reward_margin"]})
     throughput = outputs.read_record(output_dir, outputs.THROUGHPUT, missing=None)

@@ -1,5 +1,7 @@
 import json
 import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import pytest
 
@@ -7,6 +9,33 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class LaunchedOnRead(Mapping):
+    """Session runs by name, each launched the first time its key is read and kept: a test asking for one run pays
+    for that run only. A launch that failed fails every test that reads it, without launching again."""
+
+    def __init__(self, launchers: dict[str, Callable[[], Any]]):
+        self._launchers = launchers
+        self._results: dict[str, tuple[bool, Any]] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._results:
+            launch = self._launchers[key]  # an unknown key is a KeyError, as in any mapping
+            try:
+                self._results[key] = (True, launch())
+            except Exception as error:  # kept and raised again for each reader
+                self._results[key] = (False, error)
+        succeeded, value = self._results[key]
+        if not succeeded:
+            raise value
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._launchers)
+
+    def __len__(self) -> int:
+        return len(self._launchers)
 
 
 # One 2-process demo run per CPU-runnable DeepSpeed config (fp32, the CPU default), plus two in bf16 mixed
@@ -18,23 +47,28 @@ EXTRA_ARGS = {"zero3": ("--save_strategy", "steps", "--save_steps", "3")}
 
 @pytest.fixture(scope="session")
 def deepspeed_runs(tmp_path_factory):
+    """`deepspeed_runs[key]`: the run's effective config, losses, log history and output_dir; keys are the CPU-runnable
+    DeepSpeed configs and `zero2_bf16`, `zero3_bf16`."""
     from support import CPU_RUNNABLE_DEEPSPEED, assert_succeeded, launch_demo
 
-    runs = {}
-    for name, extra in [*((n, ()) for n in CPU_RUNNABLE_DEEPSPEED), *((n, ("--bf16", "true")) for n in BF16_RUNS)]:
-        key = f"{name}_bf16" if extra else name
-        output_dir = tmp_path_factory.mktemp(key)
-        result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, *extra,
-                             *EXTRA_ARGS.get(key, ()), deepspeed_json=f"deepspeed_configs/{name}.json")
-        assert_succeeded(result)
-        state = json.loads((output_dir / "trainer_state.json").read_text())
-        runs[key] = {
-            "effective": json.loads((output_dir / "effective_config.json").read_text()),
-            "losses": [entry["loss"] for entry in state["log_history"] if "loss" in entry],
-            "log_history": state["log_history"],
-            "output_dir": output_dir,
-        }
-    return runs
+    def launcher(name: str, key: str, extra: tuple[str, ...]):
+        def launch() -> dict:
+            output_dir = tmp_path_factory.mktemp(key)
+            result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, *extra,
+                                 *EXTRA_ARGS.get(key, ()), deepspeed_json=f"deepspeed_configs/{name}.json")
+            assert_succeeded(result)
+            state = json.loads((output_dir / "trainer_state.json").read_text())
+            return {
+                "effective": json.loads((output_dir / "effective_config.json").read_text()),
+                "losses": [entry["loss"] for entry in state["log_history"] if "loss" in entry],
+                "log_history": state["log_history"],
+                "output_dir": output_dir,
+            }
+        return launch
+
+    runs = [*((name, name, ()) for name in CPU_RUNNABLE_DEEPSPEED),
+            *((name, f"{name}_bf16", ("--bf16", "true")) for name in BF16_RUNS)]
+    return LaunchedOnRead({key: launcher(name, key, extra) for name, key, extra in runs})
 
 
 @pytest.fixture(scope="session")
@@ -49,18 +83,20 @@ def ddp_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def lora_runs(tmp_path_factory):
-    """Short 2-process LoRA runs of the demo recipe under DDP, ZeRO-2 and ZeRO-3; their output_dirs."""
+    """Short 2-process LoRA runs of the demo recipe under DDP, ZeRO-2 and ZeRO-3 (`lora_runs[name]`: its output_dir),
+    each launched when first read."""
     from support import CPU_LAUNCHES, LORA_DEMO_RUN, PLANTED_TOKEN, assert_succeeded, launch_demo
 
-    runs = {}
-    for name, launch in CPU_LAUNCHES.items():
-        output_dir = tmp_path_factory.mktemp(f"lora_{name}")
-        result = launch_demo(launch, output_dir, *LORA_DEMO_RUN,
-                             env={"HF_TOKEN": PLANTED_TOKEN})
-        assert_succeeded(result)
-        assert PLANTED_TOKEN not in result.output
-        runs[name] = output_dir
-    return runs
+    def launcher(name: str):
+        def launch():
+            output_dir = tmp_path_factory.mktemp(f"lora_{name}")
+            result = launch_demo(CPU_LAUNCHES[name], output_dir, *LORA_DEMO_RUN, env={"HF_TOKEN": PLANTED_TOKEN})
+            assert_succeeded(result)
+            assert PLANTED_TOKEN not in result.output
+            return output_dir
+        return launch
+
+    return LaunchedOnRead({name: launcher(name) for name in CPU_LAUNCHES})
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Adapter keys (finetune.models.loading.lora_config): DoRA, rsLoRA, `modules_to_save` and the target presets reach
+"""Adapter keys (finetune.models.lora.lora_config): DoRA, rsLoRA, `modules_to_save` and the target presets reach
 peft as
 asked, the estimator counts what peft trains, and a name that matches nothing stops while the recipe is read. The
 2-process runs under DDP and ZeRO-3 are in tests/test_adapters_distributed.py."""
@@ -13,7 +13,7 @@ from finetune import presets
 from finetune.errors import RecipeError
 from finetune.memory.estimate import Setup, lora_trainable_parameters
 from finetune.memory.shapes import attention_projections, model_shape
-from finetune.models.loading import apply_lora
+from finetune.models.lora import apply_lora
 from finetune.recipe.args import LoraArguments
 from finetune.recipe.parse import parse_recipe
 

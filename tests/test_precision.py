@@ -102,7 +102,7 @@ def test_ddp_on_a_bf16_checkpoint_holds_fp32_states_equal_to_the_prediction_on_e
 def test_lora_on_a_bf16_checkpoint_keeps_the_base_in_bf16_and_trains_fp32_adapters(hub_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from finetune.models.loading import apply_lora
+    from finetune.models.lora import apply_lora
     from finetune.recipe.args import LoraArguments
 
     model = apply_lora(AutoModelForCausalLM.from_pretrained(hub_model_dir), LoraArguments(use_lora=True, lora_r=4))

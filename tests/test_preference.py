@@ -1,6 +1,6 @@
-"""Preference data and planning without a launch (finetune.train.preference, the estimator's `method: dpo`): pair
-formats
-and their errors, the synthetic pairs, the recipe keys, and the reference model's bytes per strategy."""
+"""Preference data and planning without a launch (finetune.data.pairs, finetune/train/methods/dpo/, the estimator's
+terms for `method: dpo`): pair formats and their errors, the synthetic pairs, the recipe keys, and the reference
+model's bytes per strategy."""
 
 import json
 import random
@@ -10,18 +10,21 @@ import pytest
 from datasets import Dataset
 from support import PROJECT_ROOT, finetune_command, run
 
-from finetune.errors import RecipeError
-from finetune.memory import model_shape
-from finetune.memory.estimate import Setup, activation_bytes, estimate
-from finetune.recipe.parse import read_recipe
-from finetune.train.evaluation import summarize_evaluations
-from finetune.train.preference import (
+from finetune.data.pairs import (
     check_pairs,
     detect_pair_format,
     load_preference_data,
     synthetic_pair,
     to_pair,
 )
+from finetune.errors import RecipeError
+from finetune.memory import model_shape
+from finetune.memory.estimate import Setup, activation_bytes, estimate
+from finetune.recipe.parse import read_recipe
+from finetune.train.evaluation import summarize_evaluations
+from finetune.train.methods.dpo import DirectPreferenceOptimization
+
+DPO_TERMS = DirectPreferenceOptimization.memory
 
 USER = {"role": "user", "content": "2+2?"}
 
@@ -117,28 +120,26 @@ def test_the_synthetic_dataset_gives_held_out_pairs_and_a_file_of_pairs_loads(tm
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["--beta", "0.5"], "`beta` configures preference training but `method` is sft"),
+    (["--beta", "0.5"], "`beta` configures `method: dpo` but `method` is sft"),
     (["--method", "dpo", "--beta", "0"], "`beta` must be positive"),
     (["--method", "dpo", "--dpo_loss_type", "orpo"], "`dpo_loss_type: orpo` is not one of sigmoid, hinge, ipo"),
     (["--method", "dpo", "--dpo_loss_type", "sigmoid", "sft", "--dpo_loss_weights", "1"],
      "`dpo_loss_weights` gives 1 weight"),
-    (["--method", "kto"], "argument --method: invalid choice: 'kto'"),
+    (["--method", "kto"], "`method: kto` is not one of sft, dpo"),
 ])
 def test_preference_keys_are_checked_by_name(overrides, message):
     with pytest.raises(RecipeError, match=message):
         read_recipe("recipes/demo.yaml", overrides)
 
 
-def test_packing_is_refused_with_dpo():
-    sections = read_recipe("recipes/demo.yaml", ["--method", "dpo", "--packing", "true"])
+def test_packing_is_refused_with_dpo_when_the_recipe_is_read():
     with pytest.raises(RecipeError, match="`packing` and `padding_free` are for supervised fine-tuning"):
-        load_preference_data(sections.data, seed=0)
+        read_recipe("recipes/demo.yaml", ["--method", "dpo", "--packing", "true"])
 
 
-def test_a_preprocessed_dir_is_refused_with_dpo(tmp_path):
-    sections = read_recipe("recipes/demo.yaml", ["--method", "dpo", "--preprocessed_dir", str(tmp_path)])
+def test_a_preprocessed_dir_is_refused_with_dpo_when_the_recipe_is_read(tmp_path):
     with pytest.raises(RecipeError, match="TRL's DPOTrainer tokenizes the pairs itself and reads no cache"):
-        load_preference_data(sections.data, seed=0)
+        read_recipe("recipes/demo.yaml", ["--method", "dpo", "--preprocessed_dir", str(tmp_path)])
 
 
 @pytest.mark.parametrize(("strategy", "stage", "lora", "expected"), [
@@ -150,7 +151,7 @@ def test_the_reference_model_is_whole_sharded_or_absent_as_trl_prepares_it(strat
     gpus = 1 if strategy == "single" else 2
     for precision, element in (("bf16", 2), ("fp32", 4)):
         setup = Setup(strategy=strategy, zero_stage=stage, num_gpus=gpus, precision=precision, lora_rank=lora,
-                      method="dpo")
+                      method=DPO_TERMS)
         result = estimate(shape, setup)
         assert result.reference_bytes == int(expected * element * shape.num_parameters)
         sft = estimate(shape, Setup(strategy=strategy, zero_stage=stage, num_gpus=gpus, precision=precision,
@@ -163,7 +164,7 @@ def test_the_reference_model_is_whole_sharded_or_absent_as_trl_prepares_it(strat
 
 def test_dpo_activations_are_two_sequences_per_pair_without_full_logits():
     shape = model_shape("tiny")
-    dpo = activation_bytes(shape, Setup(micro_batch_size=2, sequence_length=64, method="dpo"))
+    dpo = activation_bytes(shape, Setup(micro_batch_size=2, sequence_length=64, method=DPO_TERMS))
     sft_two = activation_bytes(shape, Setup(micro_batch_size=4, sequence_length=64))
     logits = 64 * 4 * shape.vocab_size * (2 + 4 + 4)
     assert dpo == sft_two - logits
@@ -194,7 +195,9 @@ def test_plan_for_dpo_shows_the_reference_and_launches_with_the_method(tmp_path)
                  cwd=PROJECT_ROOT)
     assert result.returncode == 0, result.output[-2000:]
     plan = json.loads(result.output[result.output.index("{"):])
-    assert all(row["setup"]["method"] == "dpo" for row in plan["strategies"])
+    assert all(row["setup"]["method"] == {"reference_model": True, "sequences_per_example": 2, "logits_held": False}
+               for row in plan["strategies"])
+    assert plan["data"]["method"] == "dpo"
 
 
 # Pairs as TRL's DPOTrainer leaves them after tokenizing, for the length policies: prompt, chosen and rejected token
@@ -205,8 +208,8 @@ TOKENIZED = [(4, 3, 2), (6, 8, 1), (3, 1, 1)]  # fits; 14 tokens: overlong; fits
 def length_policies(overlong_policy="truncate", unlabeled_policy="drop", tokenized=TOKENIZED, split="train",
                     prompt_fills=1):
     """`prompt_fills`: pairs whose prompt alone reached 10 tokens, which TRL dropped."""
+    from finetune.data.pairs import SOURCE_COLUMN, apply_pair_length_policies
     from finetune.recipe.args import DataArguments
-    from finetune.train.preference import SOURCE_COLUMN, apply_pair_length_policies
 
     rows = [{"prompt": "p", "chosen": "c", "rejected": "r", SOURCE_COLUMN: 0}] * (len(tokenized) + prompt_fills)
     pairs = Dataset.from_list(rows)
@@ -325,12 +328,12 @@ def test_trls_dpo_loss_keys_become_ours_under_method_dpo_and_are_recorded(tmp_pa
     recipe.write_text(yaml.safe_dump({"method": "dpo", **given}))
     sections = read_recipe(str(recipe))
     for key, value in ours.items():
-        assert getattr(sections.preference, key) == value
+        assert getattr(sections.method.settings, key) == value
         trl_name = key.removeprefix("dpo_")
         assert sections.sources[key] == (f"recipe {recipe} (given as TRL's {trl_name})" if trl_name in given
                                          else f"recipe {recipe}")
     on_the_command_line = read_recipe("recipes/demo.yaml", ["--method", "dpo", "--loss_type", "ipo"])
-    assert on_the_command_line.preference.dpo_loss_type == ["ipo"]
+    assert on_the_command_line.method.settings.dpo_loss_type == ["ipo"]
 
 
 def test_the_dpo_loss_types_are_those_of_the_installed_trl():
@@ -339,7 +342,7 @@ def test_the_dpo_loss_types_are_those_of_the_installed_trl():
 
     from trl import DPOTrainer
 
-    from finetune.recipe.args import DPO_LOSS_TYPES
+    from finetune.train.methods.dpo import DPO_LOSS_TYPES
 
     dispatched = re.findall(r'loss_type == "(\w+)"', inspect.getsource(DPOTrainer._compute_loss))
     assert sorted(DPO_LOSS_TYPES) == sorted(dispatched) and "aot_unpaired" in DPO_LOSS_TYPES
@@ -348,8 +351,8 @@ def test_the_dpo_loss_types_are_those_of_the_installed_trl():
 @pytest.mark.parametrize(("overrides", "message"), [
     (["--loss_type", "ipo"], "TRL's `loss_type: ipo` in the command line is not supported: the loss is the answer "
                              "tokens' cross-entropy"),
-    (["--loss_weights", "1"], "TRL's `loss_weights: 1` in the command line is not supported: a weight per DPO loss "
-                              "type needs `method: dpo`"),
+    (["--loss_weights", "1"], "TRL's `loss_weights: 1` in the command line is DPOConfig's: it needs `method: dpo`, "
+                              "where it is our `dpo_loss_weights`"),
     (["--method", "dpo", "--loss_type", "ipo", "--dpo_loss_type", "ipo"], "gives both `dpo_loss_type` and "
                                                                           "`loss_type`"),
     (["--method", "dpo", "--max_prompt_length", "512"], "TRL's `max_prompt_length: 512` in the command line is not "

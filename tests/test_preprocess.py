@@ -11,10 +11,10 @@ from finetune import outputs
 from finetune.cli import main
 from finetune.data import cache
 from finetune.data.cache import KEY_FILE, cache_dir, load_preprocessed, save_preprocessed
+from finetune.data.pipeline import read_preprocessed, tokenize_data
 from finetune.errors import RecipeError
 from finetune.models.loading import load_tokenizer
 from finetune.recipe.parse import parse_recipe
-from finetune.train.run import read_preprocessed, tokenize_data
 
 DEMO = PROJECT_ROOT / "recipes" / "demo.yaml"
 SMALL = ["--max_steps", "2", "--generation_eval_samples", "4"]

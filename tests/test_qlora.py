@@ -13,7 +13,7 @@ from transformers import BitsAndBytesConfig
 
 from finetune.errors import RecipeError
 from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME
-from finetune.models.loading import qlora_compute_dtype, qlora_load
+from finetune.models.lora import qlora_compute_dtype, qlora_load
 from finetune.recipe.parse import parse_recipe
 
 SHARDED = {"zero3", "zero3_offload", "zero3_nvme", "zero3_zeropp", "fsdp_full_shard", "fsdp_shard_grad_op",

@@ -10,6 +10,7 @@ from finetune.launch.devices import KNOWN_GPUS
 from finetune.memory.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, GiB
 from finetune.plan.decision_tree import DEFAULT_GLOBAL_BATCH_SIZE
 from finetune.recipe.batch_plan import DEFAULT_LR_SCALING, LR_SCALING_RULES
+from finetune.recipe.methods import DEFAULT_METHOD, METHODS
 
 # Options that describe the model and run: a recipe gives them itself (`--recipe`), so they are refused beside it.
 RECIPE_GIVES = {"model": "model_name_or_path", "precision": "bf16/fp16", "optimizer": "optim", "lora_rank": "lora_r",
@@ -46,8 +47,9 @@ def plan_command_parser(subparsers) -> None:
     model.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
     model.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048)")
     model.add_argument("--gradient-checkpointing", action="store_true")
-    model.add_argument("--method", choices=("sft", "dpo"),
-                       help="dpo: add the frozen reference model and two sequences per pair (default sft)")
+    model.add_argument("--method", choices=tuple(METHODS),
+                       help="the training method: a preference method adds its frozen reference model and two "
+                            "sequences per pair (default sft)")
     batch = parser.add_argument_group("batch and learning rate (with --recipe: override the recipe's)")
     batch.add_argument("--global-batch-size", type=int,
                        help="sequences per optimizer step; must split over --gpus (default "
@@ -136,7 +138,7 @@ def make_plan_for(args, gpu, gpu_memory: float) -> dict:
         global_batch_size=batch["global_batch_size"], max_micro_batch_size=batch["max_micro_batch_size"] or 64,
         learning_rate=batch["learning_rate"], base_batch_size=batch["base_batch_size"],
         lr_scaling=batch["lr_scaling"], your_strategy=your_strategy, your_config=your_config,
-        method=args.method or "sft", **hardware,
+        method=args.method or DEFAULT_METHOD, **hardware,
     )
     return make_plan(request)
 
@@ -224,8 +226,8 @@ def print_plan(plan: dict) -> None:
                         f"({plan['trainable_parameters'] / 1e9:.3g}B trained) on {plan['gpus']} × "
                         f"{plan['gpu_memory_gib']:g} GiB{' ' + plan['gpu'] if plan['gpu'] else ''}, "
                         f"{plan['precision']} — {unit_name} per GPU")
-    dpo = rows[0]["estimate"].setup.method == "dpo"
-    for column in ("strategy", "params", "grads", "optimizer", *(("reference",) if dpo else ()), "activations",
+    reference = rows[0]["estimate"].setup.method.reference_model
+    for column in ("strategy", "params", "grads", "optimizer", *(("reference",) if reference else ()), "activations",
                    "buffers", "total / GPU", "offloaded / node", "host RAM at load / node", "fits"):
         table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
     yours = plan["your_strategy"]
@@ -235,7 +237,7 @@ def print_plan(plan: dict) -> None:
         table.add_row(
             # Gradients at their peak (between accumulation micro-steps under ZeRO-1), as the total counts them.
             row["name"], size(result.params_bytes), size(result.grads_peak_bytes),
-            size(result.optimizer_bytes), *((size(result.reference_bytes),) if dpo else ()),
+            size(result.optimizer_bytes), *((size(result.reference_bytes),) if reference else ()),
             size(result.activations_bytes), size(result.temporary_bytes), size(result.total_bytes),
             size(result.host_bytes_per_node) if result.offloaded else "–", size(result.host_load_bytes_per_node),
             "yes" if row["fits"] else f"no ({row['shortfall']})", style=style,
@@ -287,7 +289,8 @@ def print_plan(plan: dict) -> None:
 
 def print_data_lengths(console, plan: dict) -> None:
     """The recipe's data as the plan read it: rows, length percentiles, packing, and the length planned."""
-    if plan["data"].get("method") == "dpo":  # TRL tokenizes the pairs when training starts: planned at full length
+    if any("pairs" in (source.get("train") or {}) for source in plan["data"]["sources"]):
+        # preference pairs: TRL tokenizes them when training starts, so they are planned at full length
         for source in plan["data"]["sources"]:
             console.print(f"Data {source['name']} ({source['format']}): {source['train']['pairs']:,} training pairs, "
                           "two sequences each, tokenized by TRL when training starts.")

@@ -28,20 +28,19 @@ def preprocess_command_parser(subparsers) -> None:
 
 def preprocess_command(args) -> int:
     from finetune.data.cache import cache_dir, cache_key, check_cache_dir, key_digest, save_preprocessed
+    from finetune.data.pipeline import tokenize_data
     from finetune.data.summary import print_data_summary
     from finetune.errors import RecipeError
     from finetune.models.loading import load_tokenizer
     from finetune.recipe.parse import parse_recipe
-    from finetune.train.run import tokenize_data
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError("`finetune preprocess` runs as one process: run it without `accelerate launch`/`torchrun`, "
                           "then launch `finetune train` with the same recipe.")
     recipe = parse_recipe(*recipe_and_overrides(args))
-    if recipe.preference.method == "dpo":
-        raise RecipeError("`finetune preprocess` is for supervised fine-tuning data: under `method: dpo`, TRL's "
-                          "DPOTrainer tokenizes the preference pairs itself when training starts and would never "
-                          "read a cache; launch `finetune train` with this recipe directly.")
+    if recipe.method.preprocess_refusal is not None:
+        raise RecipeError("`finetune preprocess` is for supervised fine-tuning data: "
+                          f"{recipe.method.preprocess_refusal}; launch `finetune train` with this recipe directly.")
     output_dir = recipe.training.output_dir
     directory = check_cache_dir(cache_dir(recipe.data, output_dir), output_dir)  # before the work, not after
     tokenizer = load_tokenizer(recipe.model)

@@ -17,7 +17,7 @@ from finetune import outputs
 def trained_as_plain_text(summary: dict) -> bool:
     """Whether a run learned every source without a chat template: prompt/completion and text examples
     (finetune.data.tokenize.encode_example), and preference pairs of plain strings (TRL renders only conversational
-    pairs with the template; finetune.train.preference records which). False without sources (a hub model's record)."""
+    pairs with the template; finetune.data.pairs records which). False without sources (a hub model's record)."""
     from finetune.data.formats import CONVERSATION_FORMATS, FORMAT_COLUMNS
 
     plain = set(FORMAT_COLUMNS) - set(CONVERSATION_FORMATS)
@@ -35,7 +35,7 @@ def fingerprint(dataset) -> str:
     million rows of 512 tokens take about a second."""
     digest = hashlib.sha256()
     columns = [name for name in ("input_ids", "labels", "position_ids") if name in dataset.column_names]
-    if not columns:  # preference pairs (finetune.train.preference), which TRL tokenizes later: their text
+    if not columns:  # preference pairs (finetune.data.pairs), which TRL tokenizes later: their text
         for row in dataset:
             digest.update(json.dumps(row, sort_keys=True, default=str).encode())
         return f"{len(dataset)} rows, sha256 {digest.hexdigest()[:16]}"

@@ -18,7 +18,7 @@ from transformers.utils import logging
 
 from finetune.errors import RecipeError
 from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, prepared_strategy
-from finetune.memory.estimate import Setup, estimate
+from finetune.memory.estimate import MethodTerms, Setup, estimate
 from finetune.memory.ledger import (
     GradientProbe,
     PhasePeaks,
@@ -47,12 +47,8 @@ def optimizer_kind(optim: str) -> str | None:
     return "sgd" if name == "sgd" else None
 
 
-def training_method(args) -> str:
-    """"dpo" for TRL's DPO arguments (finetune.train.preference.FinetuneDPOConfig, or any DPOConfig), else "sft"."""
-    return "dpo" if any(cls.__name__ == "DPOConfig" for cls in type(args).__mro__) else "sft"
-
-
-def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, Setup]:
+def running_setup(args, model, sequence_length: int | None,
+                  method: MethodTerms = MethodTerms()) -> tuple[Strategy, Setup]:
     """The strategy Accelerate prepared for this run and the estimator's `Setup` for it."""
     state = AcceleratorState()
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
@@ -88,20 +84,21 @@ def running_setup(args, model, sequence_length: int | None) -> tuple[Strategy, S
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         sub_group_size=None if sub_group_size is None else int(sub_group_size),
         zero3_init=zero3_init,
-        method=training_method(args),
+        method=method,
         peft=hasattr(model, "peft_config"),
     )
 
 
-def predicted_ledger(model, args, sequence_length: int | None) -> tuple[Strategy, dict]:
-    strategy, setup = running_setup(args, model, sequence_length)
+def predicted_ledger(model, args, sequence_length: int | None,
+                     method: MethodTerms = MethodTerms()) -> tuple[Strategy, dict]:
+    strategy, setup = running_setup(args, model, sequence_length, method)
     prediction = estimate(shape_of(model), setup)
     offloaded = prediction.offloaded
     ledger = {key: getattr(prediction, key) + offloaded.get(key, 0) for key in STATE_KEYS}
     ledger["grads_between_micro_steps_bytes"] = prediction.grads_between_micro_steps_bytes
     ledger["grads_peak_bytes"] = max(ledger["grads_bytes"], prediction.grads_between_micro_steps_bytes)
     ledger["offloaded_bytes"] = sum(offloaded.values())
-    if setup.method == "dpo":
+    if setup.method.reference_model:
         ledger["reference_bytes"] = prediction.reference_bytes
     ledger["peak_bytes"] = prediction.total_bytes
     ledger["estimate"] = prediction.to_dict()
@@ -124,11 +121,13 @@ class MemoryReportCallback(TrainerCallback):
 
     adds_logged_metrics = True  # finetune.train.trainer.log_metrics_first: runs before the reporting integrations
 
-    def __init__(self, sequence_length: int | None = None, output_dir: str | None = None):
+    def __init__(self, sequence_length: int | None = None, output_dir: str | None = None,
+                 method: MethodTerms = MethodTerms()):
         self.sequence_length = sequence_length
         self.output_dir = output_dir
-        # DPO: the frozen reference model as the trainer prepared it (`trainer.ref_model`; None under LoRA, where the
-        # reference is the policy without its adapters), counted as `reference_bytes`.
+        self.method = method  # what the training method adds to the prediction (finetune/train/methods/)
+        # A preference method's frozen reference model as the trainer prepared it (`trainer.ref_model`; None under
+        # LoRA, where the reference is the policy without its adapters), counted as `reference_bytes`.
         self.reference_model = None
         self.probe: GradientProbe | None = None
         self.measured: dict | None = None
@@ -151,7 +150,7 @@ class MemoryReportCallback(TrainerCallback):
         self.phases.record("step")
         if self.measured is None:
             self.measured = measure_states(model, optimizer, self.probe.by_device())
-            if training_method(args) == "dpo":
+            if self.method.reference_model:
                 self.measured["reference_bytes"] = reference_bytes(self.reference_model)
             self.probe.remove()
             keys = (*STATE_KEYS, *GRADIENT_PEAK_KEYS, "reference_bytes")
@@ -181,7 +180,7 @@ class MemoryReportCallback(TrainerCallback):
         elif self.probe is not None:
             self.probe.remove()
         try:
-            strategy, predicted = predicted_ledger(model, args, self.sequence_length)
+            strategy, predicted = predicted_ledger(model, args, self.sequence_length, self.method)
             strategy = strategy.label
         except RecipeError as error:  # a model the estimator cannot read: report the measurement alone
             logger.warning("memory report: no prediction for this run (%s)", error)

@@ -24,8 +24,9 @@ Model states follow what DeepSpeed and Trainer really allocate, measured on real
   the gradients, `gradient_as_bucket_view=False`). `pure_bf16` holds all three in bf16: torch's AdamW keeps its
   moments in the parameter's dtype (`torch/optim/adamw.py`, `zeros_like(p)`), so 2 + 2 + 4 = 8 bytes/param.
 
-DPO (`method: dpo`) adds TRL's frozen reference model (`reference_model_bytes`) and runs each pair as two
-sequences.
+A training method adds its own terms (`MethodTerms`, declared by each method in finetune/train/methods/): a
+preference method's frozen reference model (`reference_model_bytes`), two sequences per example (a chosen and a
+rejected answer), logits it never holds whole.
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models"), counted tensor by tensor for today's decoder block (RMSNorm, gated MLP, grouped-query attention,
@@ -42,7 +43,17 @@ from finetune.launch.strategies import FSDP_SHARDING, KINDS, PURE_BF16_KINDS
 from finetune.memory.shapes import ModelShape
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-METHODS = ("sft", "dpo")
+
+
+@dataclass(frozen=True)
+class MethodTerms:
+    """What a training method adds to the memory of plain supervised fine-tuning (its method file declares them)."""
+
+    reference_model: bool = False      # a frozen copy of the starting model beside the policy (none under LoRA)
+    sequences_per_example: int = 1     # sequences in one forward per example (a pair: chosen and rejected)
+    logits_held: bool = True           # the (batch, sequence, vocab) logits are held for the loss
+
+
 # Bytes of optimizer state per trainable parameter, besides any master copy.
 OPTIMIZER_STATE_BYTES = {
     "adamw": 8,        # momentum + variance, fp32
@@ -87,9 +98,9 @@ class Setup:
     gradient_accumulation_steps: int = 1      # micro-batches per optimizer step (Trainer's name)
     sub_group_size: int | None = None         # DeepSpeed ZeRO-3, elements; None: DeepSpeed's default (1e9)
     zero3_init: bool = False                  # ZeRO-3 partitions while loading (Accelerate's `zero3_init_flag`)
-    method: str = "sft"                       # "dpo": a frozen reference model and two sequences per pair
+    method: MethodTerms = field(default_factory=MethodTerms)  # what the training method adds (reference, pairs)
     peft: bool = False                        # a live model with peft adapters (its lora_rank need not be known):
-                                              # DPO's reference is then the policy with its adapters disabled
+                                              # a reference model is then the policy with its adapters disabled
 
     @property
     def nodes(self) -> int:
@@ -109,7 +120,7 @@ class Setup:
     def check(self) -> None:
         choices = {"strategy": (self.strategy, KINDS), "precision": (self.precision, PRECISIONS),
                    "optimizer": (self.optimizer, tuple(OPTIMIZER_STATE_BYTES)),
-                   "fsdp_sharding": (self.fsdp_sharding, FSDP_SHARDING), "method": (self.method, METHODS)}
+                   "fsdp_sharding": (self.fsdp_sharding, FSDP_SHARDING)}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise RecipeError(f"`{key}: {value}` is not one of {', '.join(allowed)}.")
@@ -147,7 +158,7 @@ class MemoryEstimate:
     offloaded: dict = field(default_factory=dict)
     grads_between_micro_steps_bytes: int = 0  # on the GPU between two micro-steps of one accumulation window
     host_load_bytes_per_node: int = 0         # host RAM one node needs while loading, before sharding
-    reference_bytes: int = 0                  # DPO: the frozen reference model's weights held on this GPU
+    reference_bytes: int = 0                  # a preference method's frozen reference model on this GPU
 
     @property
     def model_states_bytes(self) -> int:
@@ -225,11 +236,12 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
 
 
 def reference_model_bytes(shape: ModelShape, setup: Setup) -> float:
-    """DPO's frozen reference model on one GPU, as TRL prepares it (trl/models/utils.py): none under LoRA (the
-    reference is the policy with its adapters disabled); under DeepSpeed an inference engine of the whole model in the
-    half dtype, ZeRO-3 partitioned like the policy (`prepare_deepspeed`: stage 3 kept, any other stage run as 0);
-    under FSDP sharded like the policy (`prepare_fsdp`); under DDP or one GPU a whole copy in the loaded dtype."""
-    if setup.method != "dpo" or setup.lora_rank or setup.peft:
+    """A preference method's frozen reference model on one GPU, as TRL prepares it (trl/models/utils.py): none under
+    LoRA (the reference is the policy with its adapters disabled); under DeepSpeed an inference engine of the whole
+    model in the half dtype, ZeRO-3 partitioned like the policy (`prepare_deepspeed`: stage 3 kept, any other stage
+    run as 0); under FSDP sharded like the policy (`prepare_fsdp`); under DDP or one GPU a whole copy in the loaded
+    dtype."""
+    if not setup.method.reference_model or setup.lora_rank or setup.peft:
         return 0
     model = shape.num_parameters * _half_or_fp32(setup)
     if setup.strategy == "deepspeed":
@@ -374,8 +386,7 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> float:
     softmax (2·a·s²·b). Full checkpointing keeps only each layer's input (s·b·h) and recomputes one layer.
     """
     s, b, h = setup.sequence_length, setup.micro_batch_size, shape.hidden_size
-    if setup.method == "dpo":
-        b *= 2  # each pair is a chosen and a rejected sequence, in one forward (TRL concatenates them)
+    b *= setup.method.sequences_per_example  # a pair: chosen and rejected in one forward (TRL concatenates them)
     c = _half_or_fp32(setup)  # activations are in the autocast dtype
     kv = h * shape.num_key_value_heads // shape.num_attention_heads
     per_layer = s * b * (6 * h + 2 * kv + 4 * shape.intermediate_size)
@@ -385,10 +396,10 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> float:
         layers = shape.num_layers * s * b * h + per_layer
     else:
         layers = shape.num_layers * per_layer
-    # Logits in the compute dtype, their fp32 upcast for the loss, and its saved log-softmax. DPO's log-probabilities
-    # come from TRL's fused head, which projects the answer positions in tiles (trl/trainer/utils.py
+    # Logits in the compute dtype, their fp32 upcast for the loss, and its saved log-softmax; none for a method whose
+    # log-probabilities come from TRL's fused head, which projects the answer positions in tiles (trl/trainer/utils.py
     # add_fused_lm_head): no (2b, s, vocab) logits are held.
-    logits = 0 if setup.method == "dpo" else s * b * shape.vocab_size * (c + 4 + (4 if c != 4 else 0))
+    logits = s * b * shape.vocab_size * (c + 4 + (4 if c != 4 else 0)) if setup.method.logits_held else 0
     return layers * c + logits
 
 

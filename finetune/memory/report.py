@@ -11,7 +11,7 @@ from finetune.errors import RecipeError
 
 PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"))
 # Gradients where they can peak besides the step (rows shown when a record has them).
-REFERENCE = ("reference_bytes", "DPO reference model")
+REFERENCE = ("reference_bytes", "reference model")
 GRADIENT_PEAKS = (("grads_between_micro_steps_bytes", "gradients between micro-steps"),
                   ("grads_peak_bytes", "gradients at their peak"))
 MiB = 1024**2

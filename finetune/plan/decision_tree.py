@@ -25,6 +25,7 @@ from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy
 from finetune.memory.estimate import GiB, MemoryEstimate, Setup, estimate, parallel_3d
 from finetune.memory.shapes import ALIASES, model_shape
 from finetune.recipe.batch_plan import plan_batch, plan_from_recipe, reachable_global_batch
+from finetune.recipe.methods import DEFAULT_METHOD, method_class
 
 HEADROOM = 0.9  # of GPU memory the estimate may fill; the rest: CUDA context, allocator fragmentation
 DEFAULT_GLOBAL_BATCH_SIZE = 32  # sequences per step when neither the user nor a recipe gives one
@@ -81,7 +82,7 @@ class PlanRequest:
     padding_free: bool = False  # each micro-batch flattened into one row (its tokens, no padding)
     your_strategy: Strategy | None = None  # the strategy the recipe or `--config` launches, checked beside the tree
     your_config: str | None = None
-    method: str = "sft"  # "dpo": a frozen reference model beside the policy, two sequences per pair
+    method: str = DEFAULT_METHOD  # a training method's name (finetune.recipe.methods): what it adds to the memory
     recipe_sets_deepspeed: bool = False  # the recipe's `deepspeed` key, which wins over the launch config
     gpu_overhead_bytes: int = 0  # measured beyond the prediction on this GPU (`finetune plan --calibrate`)
     nodes: int = 1
@@ -125,7 +126,7 @@ def _setup(request: PlanRequest, options: dict, micro_batch_size: int) -> Setup:
         gradient_checkpointing=request.gradient_checkpointing,
         gpus_per_node=request.gpus // request.nodes if request.nodes > 1 else None,
         gradient_accumulation_steps=accumulation_steps(request, micro_batch_size),
-        method=request.method,
+        method=method_class(request.method).memory,
     )
 
 
@@ -334,7 +335,7 @@ def launch_command(request: PlanRequest, candidate: Candidate, batch: dict) -> s
         parts.append(f"--use_lora true --lora_r {request.lora_rank}")
     if request.gradient_checkpointing:
         parts.append("--gradient_checkpointing true")
-    if request.method != "sft":
+    if request.method != DEFAULT_METHOD:
         parts.append(f"--method {request.method}")
     return " ".join(parts)
 

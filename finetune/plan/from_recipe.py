@@ -1,53 +1,17 @@
 """`finetune plan --recipe`: a plan request read from the user's own recipe and data.
 
 The recipe is parsed by `finetune.recipe.parse.read_recipe` (the same keys, defaults and errors as `finetune train`,
-but no
-launch check and no process group: the plan is for another machine), and its training rows are tokenized, truncated
-and packed by the data pipeline `finetune train` runs (`finetune.data`; no model is loaded), so activations are
-predicted from the lengths the micro-batches will really have, not from `max_seq_length`.
+but no launch check and no process group: the plan is for another machine), and its training rows are read by the
+recipe's method as `finetune train` reads them (`Method.plan_data`: for SFT tokenized, truncated and packed by
+finetune.data.pipeline; no model is loaded), so activations are predicted from the lengths the micro-batches will
+really have, not from `max_seq_length`.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import dataclass
-
 from finetune.errors import RecipeError
 from finetune.launch.devices import Gpu, default_precision
 from finetune.plan.decision_tree import PlanRequest
-
-
-@dataclass(frozen=True)
-class _OneProcess:
-    """What `prepare_datasets` asks of `TrainingArguments`, for a planner that starts no process group."""
-
-    seed: int
-
-    def main_process_first(self, desc: str = ""):
-        return nullcontext()
-
-
-def data_lengths(sections) -> tuple[tuple[int, ...], dict]:
-    """Token count of every training row after the data policies (truncation, drops) and packing, and the data
-    summary `finetune train` writes (`data_summary.json`)."""
-    from finetune.data import load_raw_data, prepare_datasets
-    from finetune.data.collate import pack_prepared
-    from finetune.models.loading import load_tokenizer
-
-    tokenizer = load_tokenizer(sections.model)
-    seed = int(sections.training_inputs.get("seed") or 42)
-    data = prepare_datasets(load_raw_data(sections.data), tokenizer, sections.data, _OneProcess(seed))
-    if sections.data.packing:
-        data = pack_prepared(data, sections.data.max_seq_length)
-    return tuple(len(ids) for ids in data.train["input_ids"]), data.summary
-
-
-def preference_summary(sections) -> dict:
-    """The recipe's preference pairs, loaded, checked and counted as `finetune train` loads them (the summary's
-    `sources`); TRL tokenizes them only when training starts."""
-    from finetune.train.preference import load_preference_data
-
-    return load_preference_data(sections.data, int(sections.training_inputs.get("seed") or 42)).summary
 
 
 def recipe_precision(training: dict) -> str:
@@ -78,9 +42,9 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
 
     sections = read_recipe(recipe, auto_precision=default_precision(gpu))
     training, data, lora = sections.training_inputs, sections.data, sections.lora
-    dpo = sections.preference.method == "dpo"
-    # DPO's pairs are tokenized by TRL when training starts: each pair is planned at `max_seq_length`.
-    lengths, summary = (None, preference_summary(sections)) if dpo else data_lengths(sections)
+    # the lengths the method's data will have (None: planned at `max_seq_length`, as for pairs TRL tokenizes later)
+    lengths, summary = sections.method.plan_data(sections)
+    summary["method"] = sections.method.name
     strategy, strategy_source = your_strategy(training, config)
     given = {key: value for key, value in (batch_options or {}).items() if value is not None}
     micro, accumulation = training["per_device_train_batch_size"], training["gradient_accumulation_steps"]
@@ -105,8 +69,8 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
         lr_scaling=given.get("lr_scaling") or training.get("lr_scaling"),
         recipe=recipe, from_recipe=True, launch_keys=tuple(launch_keys), token_lengths=lengths,
         padding_free=data.padding_free, your_strategy=strategy, your_config=strategy_source,
-        recipe_sets_deepspeed=bool(training.get("deepspeed")), method=sections.preference.method, **hardware,
+        recipe_sets_deepspeed=bool(training.get("deepspeed")), method=sections.method.name, **hardware,
     )
-    if not lengths and not dpo:
+    if lengths is not None and not lengths:
         raise RecipeError(f"recipe `{recipe}`: no training row is left after the data policies.")
     return request, summary

@@ -14,12 +14,14 @@ few Trainer keys that recipes still carry (`warmup_ratio`: a `warmup_steps` belo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from finetune.errors import RecipeError
 
+if TYPE_CHECKING:  # a method is passed in by the parser
+    from finetune.recipe.methods import Method
+
 SFT_CONFIG = "SFTConfig"
-DPO_CONFIG = "DPOConfig"
 MODEL_CONFIG = "ModelConfig"
 SCRIPT_ARGUMENTS = "ScriptArguments"
 DATASET_MIXTURE = "DatasetMixtureConfig"
@@ -46,9 +48,6 @@ class TrlKey:
     """What finetune does instead: said in the note, or in the refusal with the fix."""
     convert: Callable[[Any], Any] | None = None
     """Turns the value into ours (raising `ValueError` with the reason when it cannot); None: taken as it is."""
-    dpo: str | None = None
-    """Under `method: dpo`, our key that takes its value as it is: TRL's `DPOConfig` key of the same name, which means
-    something else in `SFTConfig` or is not there."""
 
     @property
     def given_as(self) -> str:
@@ -86,10 +85,9 @@ TRL_KEYS = (
                "`overlong_policy: drop` or `error`"),
     TrlKey("eval_packing", SFT_CONFIG, kept=(None,),
            why="eval data is packed exactly when training data is (`packing`); drop the key"),
-    TrlKey("loss_type", SFT_CONFIG, kept=("nll",), dpo="dpo_loss_type",
+    TrlKey("loss_type", SFT_CONFIG, kept=("nll",),
            why="the loss is the answer tokens' cross-entropy (finetune/train/trainer.py, compute_loss); drop the key "
-               "(DPOConfig's loss types need `method: dpo`, where `loss_type` is our `dpo_loss_type`, "
-               "docs/preference.md)"),
+               "(a preference method's loss types: under that `method`, docs/preference.md)"),
     TrlKey("router_aux_loss_coef", SFT_CONFIG, kept=(None,),
            why="the loss is the answer tokens' cross-entropy alone, no router auxiliary loss is added; drop the key"),
     TrlKey("activation_offloading", SFT_CONFIG, kept=(False,),
@@ -109,13 +107,6 @@ TRL_KEYS = (
     TrlKey("shuffle_dataset", SFT_CONFIG, ignored=True,
            why="Trainer's sampler shuffles the training data every epoch, seeded by `seed`"),
     TrlKey("pad_to_multiple_of", SFT_CONFIG, ignored=True, why="each micro-batch is padded to its longest row"),
-    # DPOConfig (its `max_length`, `beta`, `truncation_mode` and `loss_type` are answered above or ours)
-    TrlKey("loss_weights", DPO_CONFIG, kept=(None,), dpo="dpo_loss_weights",
-           why="a weight per DPO loss type needs `method: dpo`, where `loss_weights` is our `dpo_loss_weights`"),
-    TrlKey("max_prompt_length", f"{DPO_CONFIG} (older TRL)", kept=(None,),
-           why="TRL 1.16 has no separate prompt limit: a pair is cut to `max_seq_length` (TRL's `max_length`) keeping "
-               "its start, a pair whose prompt alone fills it is dropped, both counted (`overlong_policy`, "
-               "`unlabeled_policy`); drop the key"),
     # ModelConfig
     TrlKey("dtype", MODEL_CONFIG, ours="torch_dtype"),
     TrlKey("use_peft", MODEL_CONFIG, ours="use_lora"),
@@ -184,17 +175,8 @@ class Translation:
     """One `key: value (why)` per TRL key accepted without effect."""
 
 
-def requested_method(values: dict[str, Any], tokens: list[str]) -> str:
-    """The recipe's `method` before it is parsed (TRL's keys mean what its config for that method says): the last
-    `--method` of the command line, else the file's, else sft."""
-    method = values.get("method", "sft")
-    for option, given in _options(tokens):
-        if option is not None and option[2:].split("=", 1)[0].replace("-", "_") == "method":
-            method = (option.split("=", 1)[1:] or given or [method])[0]
-    return str(method)
-
-
-def translate_values(values: dict[str, Any], where: str, method: str = "sft") -> tuple[dict[str, Any], Translation]:
+def translate_values(values: dict[str, Any], where: str, method: type[Method] | None = None
+                     ) -> tuple[dict[str, Any], Translation]:
     """A recipe file's values with TRL's keys answered (as the config of `method` declares them): renamed to ours,
     or dropped with a note, or refused."""
     translation, translated = Translation(), {}
@@ -209,7 +191,7 @@ def translate_values(values: dict[str, Any], where: str, method: str = "sft") ->
     return translated, translation
 
 
-def translate_command_line(tokens: list[str], method: str = "sft") -> tuple[list[str], Translation]:
+def translate_command_line(tokens: list[str], method: type[Method] | None = None) -> tuple[list[str], Translation]:
     """`--key value ...` tokens with TRL's keys answered the same way; `--use_peft` alone means true, as in
     `HfArgumentParser`."""
     translation, translated, given = Translation(), [], set()
@@ -231,12 +213,40 @@ def translate_command_line(tokens: list[str], method: str = "sft") -> tuple[list
     return translated, translation
 
 
-def _answer(name: str, value: Any, where: str, translation: Translation, method: str) -> str | None:
+def method_trl_key(name: str, method: type[Method] | None) -> TrlKey | None:
+    """TRL's key `name` as the recipe's method answers it (its TRL config's meaning), else as any recipe does; a key
+    only another method's config has is answered as that method answers it when the value asks for nothing (the
+    default), and refused, naming the method, otherwise (`_answer`)."""
+    own = {key.name: key for key in (method.trl_keys if method is not None else ())}
+    return own.get(name) or TRL_KEYS_BY_NAME.get(name)
+
+
+def _other_method_wanting(name: str, method: type[Method] | None) -> tuple[type[Method], TrlKey] | None:
+    from finetune.recipe.methods import all_methods
+
+    for other in all_methods():
+        if other is not method:
+            for key in other.trl_keys:
+                if key.name == name:
+                    return other, key
+    return None
+
+
+def _answer(name: str, value: Any, where: str, translation: Translation, method: type[Method] | None) -> str | None:
     """The key `name` goes to (itself when it is not TRL's), or None when it is accepted without effect."""
-    key = TRL_KEYS_BY_NAME.get(name)
+    key = method_trl_key(name, method)
     if key is None:
-        return name
-    ours = key.dpo if method == "dpo" and key.dpo is not None else key.ours
+        wanting = _other_method_wanting(name, method)
+        if wanting is None:
+            return name
+        other, key = wanting
+        if value is None or key.ignored or _normalised(value) in [_normalised(kept) for kept in key.kept]:
+            translation.notes.append(note_for(key, value))
+            return None
+        ours = f", where it is our `{key.ours}`" if key.ours else ""
+        raise RecipeError(f"TRL's `{name}: {shown(value)}` in {where} is {key.origin}'s: it needs `method: "
+                          f"{other.name}`{ours}.")
+    ours = key.ours
     if ours is not None:
         if value is None:
             raise RecipeError(f"`{name}: null` in {where}: finetune's `{ours}` (TRL's `{name}`) needs a value.")

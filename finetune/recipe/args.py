@@ -1,9 +1,8 @@
 """The recipe's sections as dataclasses, each field documented where it is declared.
 
-A recipe is flat YAML, as with TRL: model, data, LoRA, method (SFT or DPO) and `TrainingArguments` keys side by
-side, every Trainer flag under its own name. `finetune.recipe.parse` parses a file and `--key value` overrides onto
-these
-sections.
+A recipe is flat YAML, as with TRL: model, data, LoRA, the training method (and its own keys, declared by the method:
+finetune.recipe.methods) and `TrainingArguments` keys side by side, every Trainer flag under its own name.
+`finetune.recipe.parse` parses a file and `--key value` overrides onto these sections.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from transformers import TrainingArguments
 from finetune import presets
 from finetune.errors import RecipeError
 from finetune.launch.watchdog import start_process_group
+from finetune.recipe.methods import METHODS
 
 
 @dataclass
@@ -150,7 +150,7 @@ class DataArguments:
 @dataclass
 class LoraArguments:
     # `lora_target_modules` values that name a set of layers rather than layers
-    # (finetune.models.loading.lora_target_modules)
+    # (finetune.models.lora.lora_target_modules)
     target_presets = ("all-linear", "attention")
 
     use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) instead of all weights."})
@@ -213,69 +213,15 @@ class LoraArguments:
                               "names: give the preset alone, or a list of module names.")
 
 
-def trl_dpo_loss_types() -> tuple[str, ...]:
-    """TRL's DPO loss types as the installed TRL declares them: TRL keeps no list but the one in the help of
-    `DPOConfig.loss_type` (trl/trainer/dpo_config.py, "Possible values are: `'sigmoid'`, ..."), which its trainer's
-    loss dispatch mirrors."""
-    import dataclasses
-    import re
-
-    from trl.trainer.dpo_config import DPOConfig
-
-    help_text = next(f for f in dataclasses.fields(DPOConfig) if f.name == "loss_type").metadata["help"]
-    values = help_text.split("Possible values are:", 1)[-1].split(". ", 1)[0]
-    return tuple(re.findall(r"`'(\w+)'`", values))
-
-
-DPO_LOSS_TYPES = trl_dpo_loss_types()
-
-
 @dataclass
-class PreferenceArguments:
-    """What is trained for: the answers of the data (SFT), or preferences between two answers (DPO, through TRL's
-    `DPOTrainer`; finetune.train.preference)."""
+class MethodArguments:
+    """What is trained for: the training method (finetune.recipe.methods); each method documents its own keys."""
 
-    method: Literal["sft", "dpo"] = field(
+    method: str = field(
         default="sft",
-        metadata={"help": "sft: learn the answers of the data. dpo: Direct Preference Optimization on prompt/chosen/"
-                          "rejected pairs (`dataset: synthetic` gives pairs made from the synthetic tasks), against a "
-                          "frozen reference copy of the starting model (the adapter-disabled base under LoRA)."},
+        metadata={"help": f"The training method: {', '.join(METHODS)} (finetune.recipe.methods; each method's own "
+                          "keys are listed under it)."},
     )
-    beta: float = field(
-        default=0.1,
-        metadata={"help": "DPO: how far the policy may move from the reference (higher: closer). TRL's `beta`."},
-    )
-    dpo_loss_type: list[str] = field(
-        default_factory=lambda: ["sigmoid"],
-        metadata={"help": "DPO: TRL's `loss_type`, one or several of " + ", ".join(DPO_LOSS_TYPES)
-                          + " (sigmoid: DPO; ipo: IPO; sigmoid + sft: RPO)."},
-    )
-    dpo_loss_weights: list[float] | None = field(
-        default=None,
-        metadata={"help": "DPO: a weight per `dpo_loss_type` when several are combined (TRL's `loss_weights`)."},
-    )
-
-    def __post_init__(self):
-        if isinstance(self.dpo_loss_type, str):  # one loss given alone, as TRL's DPOConfig takes it
-            self.dpo_loss_type = [self.dpo_loss_type]
-        if isinstance(self.dpo_loss_weights, (int, float)):
-            self.dpo_loss_weights = [float(self.dpo_loss_weights)]
-        if self.method == "sft":
-            changed = [key for key, default in (("beta", 0.1), ("dpo_loss_type", ["sigmoid"]),
-                                                ("dpo_loss_weights", None)) if getattr(self, key) != default]
-            if changed:
-                raise RecipeError(f"`{changed[0]}` configures preference training but `method` is sft: set "
-                                  f"`method: dpo` (or drop `{changed[0]}`).")
-            return
-        if self.beta <= 0:
-            raise RecipeError(f"`beta` must be positive, got {self.beta}.")
-        unknown = [name for name in self.dpo_loss_type if name not in DPO_LOSS_TYPES]
-        if unknown or not self.dpo_loss_type:
-            raise RecipeError(f"`dpo_loss_type: {unknown[0] if unknown else '[]'}` is not one of "
-                              f"{', '.join(DPO_LOSS_TYPES)}.")
-        if self.dpo_loss_weights is not None and len(self.dpo_loss_weights) != len(self.dpo_loss_type):
-            raise RecipeError(f"`dpo_loss_weights` gives {len(self.dpo_loss_weights)} weight(s) for "
-                              f"{len(self.dpo_loss_type)} `dpo_loss_type`(s): give one per loss.")
 
 
 @dataclass
@@ -371,5 +317,5 @@ class FinetuneTrainingArguments(TrainingArguments):
 
 
 # In the order they are built: the training section last, since constructing it starts the process group.
-RECIPE_SECTIONS = (ModelArguments, DataArguments, LoraArguments, PreferenceArguments,
+RECIPE_SECTIONS = (ModelArguments, DataArguments, LoraArguments, MethodArguments,
                    FinetuneTrainingArguments)

@@ -14,9 +14,10 @@ from finetune.recipe.args import (
     DataArguments,
     FinetuneTrainingArguments,
     LoraArguments,
+    MethodArguments,
     ModelArguments,
-    PreferenceArguments,
 )
+from finetune.recipe.methods import all_methods
 
 RECIPE_REFERENCE = "docs/recipes.md"
 FROM_TRL = "docs/from_trl.md"
@@ -33,8 +34,8 @@ SECTIONS = (
     ("Model", ModelArguments, "What to load: the embedded tiny default, a local directory or a hub id."),
     ("Data", DataArguments, "Formats, mixes, packing and what happens to rows that do not fit."),
     ("LoRA and QLoRA", LoraArguments, "Adapters (peft) instead of all weights; QLoRA on a 4-bit base."),
-    ("Method: SFT or DPO", PreferenceArguments, "Learn the answers (SFT), or preferences between two answers with "
-     "TRL's DPOTrainer (docs/preference.md)."),
+    ("Method", MethodArguments, "What is trained for: each method (finetune/train/methods/) is listed below with its "
+     "own keys (preference methods: docs/preference.md)."),
 )
 
 
@@ -100,6 +101,11 @@ def recipe_reference() -> str:
     for title, section, about in SECTIONS:
         lines += [f"## {title}", "", about, ""]
         lines += _table([_row(field) for field in dataclasses.fields(section) if field.init])
+    for method in all_methods():
+        lines += [f"### `method: {method.name}`", "", _cell(method.description[:1].upper() + method.description[1:])
+                  + ".", ""]
+        if method.arguments is not None:
+            lines += _table([_row(field) for field in dataclasses.fields(method.arguments) if field.init])
     changed, added = toolkit_training_fields()
     lines += ["## Training: Trainer's keys with another default here", "",
               "Every other Trainer key keeps Trainer's default. Each of these says why it differs.", "",
@@ -118,14 +124,13 @@ def recipe_reference() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _answer(key: TrlKey) -> str:
-    under_dpo = f"; under `method: dpo` renamed to `{key.dpo}`" if key.dpo is not None else ""
+def _answer(key: TrlKey, method: str | None = None) -> str:
+    under = f"under `method: {method}`: " if method is not None else ""
     if key.ours is not None:
-        return f"renamed to `{key.ours}`" + (" (a fraction below 1)" if key.convert is not None else "") + under_dpo
+        return under + f"renamed to `{key.ours}`" + (" (a fraction below 1)" if key.convert is not None else "")
     if key.ignored:
-        return "any value: noted and ignored" + under_dpo
-    return ("accepted with " + " or ".join(f"`{shown(value)}`" for value in key.kept) + ", refused otherwise"
-            + under_dpo)
+        return under + "any value: noted and ignored"
+    return under + "accepted with " + " or ".join(f"`{shown(value)}`" for value in key.kept) + ", refused otherwise"
 
 
 def from_trl_guide() -> str:
@@ -139,10 +144,10 @@ def from_trl_guide() -> str:
         "`finetune train` (and `finetune preprocess`) take the recipe after `--config`, as `trl sft` does, or as their",
         "first argument; `--key value` pairs after it win over the file either way. Trainer's keys keep Trainer's",
         "names and meaning. The keys",
-        "below are TRL's (`SFTConfig`, `DPOConfig`, `ModelConfig`, `ScriptArguments`, `DatasetMixtureConfig`,",
-        "`TrlParser`, as of trl 1.16) and Trainer keys that Transformers 5 removed but recipes still carry; a key",
-        "means what the config of the recipe's `method` says (`loss_type` is SFT's under `method: sft`, DPO's under",
-        "`method: dpo`). Each is renamed to ours",
+        "below are TRL's (its configs, `ModelConfig`, `ScriptArguments`, `DatasetMixtureConfig`, `TrlParser`, as of",
+        "trl 1.16) and Trainer keys that Transformers 5 removed but recipes still carry; a key means what the config",
+        "of the recipe's `method` says (a method's own rows, last, win under that method; under another, a value that",
+        "asks for something is refused, naming the method). Each is renamed to ours",
         "(`effective_config.json` records it as `given as TRL's max_length`), accepted with a note when it asks for",
         "what finetune does anyway, or refused in one line that names the key and the fix. A key given under both",
         "names is refused.",
@@ -151,6 +156,8 @@ def from_trl_guide() -> str:
         "| --- | --- | --- | --- |",
     ]
     lines += [f"| `{key.name}` | {key.origin} | {_answer(key)} | {_cell(key.why) or '–'} |" for key in TRL_KEYS]
+    lines += [f"| `{key.name}` | {key.origin} | {_answer(key, method.name)} | {_cell(key.why) or '–'} |"
+              for method in all_methods() for key in method.trl_keys]
     lines += ["", "A TRL recipe that trains unchanged: `tests/fixtures/trl_sft_recipe.yaml` "
               "(`finetune train --config tests/fixtures/trl_sft_recipe.yaml`)."]
     return "\n".join(lines).rstrip() + "\n"

@@ -19,16 +19,17 @@ from transformers import HfArgumentParser
 
 from finetune.errors import RecipeError, did_you_mean, launched_rank
 from finetune.launch.strategies import Strategy
-from finetune.recipe.aliases import Translation, requested_method, translate_command_line, translate_values
+from finetune.recipe.aliases import Translation, translate_command_line, translate_values
 from finetune.recipe.args import (
     RECIPE_SECTIONS,
     DataArguments,
     FinetuneTrainingArguments,
     LoraArguments,
+    MethodArguments,
     ModelArguments,
-    PreferenceArguments,
 )
 from finetune.recipe.batch_plan import BatchPlan, plan_from_recipe
+from finetune.recipe.methods import Method, all_methods, requested_method
 from finetune.recipe.preflight import (
     check_launcher_precision,
     check_lora_adapters,
@@ -50,7 +51,7 @@ class Recipe:
     data: DataArguments
     lora: LoraArguments
     training: FinetuneTrainingArguments
-    preference: PreferenceArguments = field(default_factory=PreferenceArguments)  # sft, or dpo and its keys
+    method: Method  # the training method, holding its own keys (finetune.recipe.methods)
     # Where each key given by the user came from: "recipe <path>", COMMAND_LINE or BATCH_PLAN.
     sources: dict[str, str] = field(default_factory=dict)
     batch_plan: BatchPlan | None = None
@@ -59,7 +60,8 @@ class Recipe:
 
     @property
     def sections(self) -> tuple:
-        return self.model, self.data, self.lora, self.preference, self.training
+        method = MethodArguments(method=self.method.name)
+        return self.model, self.data, self.lora, method, *filter(None, [self.method.settings]), self.training
 
     @property
     def planned_keys(self) -> set[str]:
@@ -71,7 +73,7 @@ class RecipeParser(HfArgumentParser):
     """`HfArgumentParser` that raises `RecipeError` instead of printing usage and exiting."""
 
     def __init__(self):
-        super().__init__(RECIPE_SECTIONS, prog="finetune train", allow_abbrev=False)
+        super().__init__(method_sections() + RECIPE_SECTIONS, prog="finetune train", allow_abbrev=False)
 
         # Without an accelerator, Trainer must be told `use_cpu`: otherwise a launcher's DeepSpeed or
         # multi-process config silently trains as ONE process per rank (world size 1).
@@ -122,6 +124,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def method_sections() -> tuple[type, ...]:
+    """Every registered method's own keys: all are known keys, so that one given under another method is named."""
+    return tuple(method.arguments for method in all_methods() if method.arguments is not None)
+
+
 @dataclass
 class RecipeSections:
     """A recipe as parsed, before any launch check: the model, data and LoRA sections and the training keys (not yet
@@ -130,7 +137,7 @@ class RecipeSections:
     model: ModelArguments
     data: DataArguments
     lora: LoraArguments
-    preference: PreferenceArguments
+    method: Method
     training_inputs: dict[str, Any]
     sources: dict[str, str]
     values: dict[str, Any]  # the YAML's own values
@@ -161,13 +168,9 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
                              max_steps)
     if warning and launched_rank() == 0:
         print(f"warning: {warning}")
-    training_type = FinetuneTrainingArguments
-    if sections.preference.method == "dpo":  # TRL's DPOConfig and ours in one (finetune.train.preference)
-        from finetune.train.preference import FinetuneDPOConfig, dpo_keys
-
-        training_type, training_inputs = FinetuneDPOConfig, {**training_inputs, **dpo_keys(sections.preference, data)}
-    training = _build(training_type, training_inputs, sections.values, sections.overrides)
-    return Recipe(model=model, data=data, lora=lora, training=training, preference=sections.preference,
+    training_type, method_inputs = sections.method.training_arguments(data)  # TRL's config, where the method has one
+    training = _build(training_type, {**training_inputs, **method_inputs}, sections.values, sections.overrides)
+    return Recipe(model=model, data=data, lora=lora, training=training, method=sections.method,
                   sources=sources, batch_plan=batch_plan, strategy=strategy, deepspeed_config=deepspeed_config)
 
 
@@ -200,13 +203,28 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
         for key in ("bf16", "fp16"):
             sources[key] = f"{sources.get('bf16', 'the recipe')}: {resolved_auto}"
     inputs = {section: {f.name: getattr(namespace, f.name) for f in dataclasses.fields(section)
-                        if f.init and hasattr(namespace, f.name)} for section in RECIPE_SECTIONS}
+                        if f.init and hasattr(namespace, f.name)} for section in RECIPE_SECTIONS + method_sections()}
     model = _build(ModelArguments, inputs[ModelArguments], values, overrides)
     data = _build(DataArguments, inputs[DataArguments], values, overrides)
     lora = _build(LoraArguments, inputs[LoraArguments], values, overrides)
-    preference = _build(PreferenceArguments, inputs[PreferenceArguments], values, overrides)
-    return RecipeSections(model, data, lora, preference, inputs[FinetuneTrainingArguments], sources, values,
-                          overrides)
+    _refuse_other_methods_keys(method, inputs)
+    settings = None if method.arguments is None else _build(method.arguments, inputs[method.arguments], values,
+                                                            overrides)
+    chosen = method(settings)
+    chosen.check_data_keys(data)
+    return RecipeSections(model, data, lora, chosen, inputs[FinetuneTrainingArguments], sources, values, overrides)
+
+
+def _refuse_other_methods_keys(method: type[Method], inputs: dict[type, dict[str, Any]]) -> None:
+    """A key of another method's, given another value than its default, would do nothing: refused, naming it."""
+    for other in all_methods():
+        if other is method or other.arguments is None:
+            continue
+        defaults = other.arguments()
+        for key, value in inputs[other.arguments].items():
+            if value != getattr(defaults, key):
+                raise RecipeError(f"`{key}` configures `method: {other.name}` but `method` is {method.name}: set "
+                                  f"`method: {other.name}` (or drop `{key}`).")
 
 
 def _name_the_aliases(sources: dict[str, str], from_file: Translation, from_command_line: Translation) -> None:

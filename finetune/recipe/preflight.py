@@ -160,11 +160,11 @@ def training_precision(training_inputs: dict[str, Any]) -> str:
 
 
 def check_qlora(torch_dtype: str, training_inputs: dict[str, Any], strategy: Strategy) -> None:
-    """QLoRA computes in `finetune.models.loading.qlora_compute_dtype`: bf16 named by `torch_dtype` on a GPU without it
+    """QLoRA computes in `finetune.models.lora.qlora_compute_dtype`: bf16 named by `torch_dtype` on a GPU without it
     stops here. Under a strategy that shards parameters the packed 4-bit weights are stored in the compute dtype
-    (finetune.models.loading.qlora_load); a mixed precision of the other half dtype would cast those bytes as
+    (finetune.models.lora.qlora_load); a mixed precision of the other half dtype would cast those bytes as
     numbers."""
-    from finetune.models.loading import qlora_compute_dtype
+    from finetune.models.lora import qlora_compute_dtype
 
     gpu = visible_gpu()
     if qlora_compute_dtype(torch_dtype) == torch.bfloat16 and gpu is not None and not gpu.supports_bf16:
@@ -217,14 +217,14 @@ def check_lora_adapters(model_args, lora) -> None:
     """The LoRA keys that name parts of the model (`lora_target_modules`, `modules_to_save`) are checked against an
     empty (meta-device) instance of it built from its config alone, so that a name matching nothing stops here,
     before any process group, not on every rank after loading the weights. A config that cannot be read here (custom
-    code, no network) is left to the loading, which says why; `finetune.models.loading.apply_lora` checks again."""
+    code, no network) is left to the loading, which says why; `finetune.models.lora.apply_lora` checks again."""
     if not lora.use_lora or not (lora.modules_to_save or lora.lora_target_modules):
         return
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     from finetune.memory.shapes import resolve_config
-    from finetune.models.loading import lora_config
+    from finetune.models.lora import lora_config
 
     try:
         with init_empty_weights():

@@ -159,8 +159,9 @@ def summarize_evaluations(log_history: list[dict], exact_match_history: list[dic
     return summary
 
 
-# DPO's evaluation (TRL): how often the policy prefers the chosen answer more than the reference does, and by how
-# much (β times the log-ratio difference). Both are 0 before training, when the policy is the reference.
+# A preference method's evaluation (TRL's): how often the policy prefers the chosen answer more than the reference
+# does, and by how much (β times the log-ratio difference). Both are 0 before training, when the policy is the
+# reference.
 PREFERENCE_METRICS = {"eval_rewards/accuracies": "reward_accuracy", "eval_rewards/margins": "reward_margin"}
 
 

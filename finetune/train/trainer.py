@@ -1,5 +1,5 @@
 """`FinetuneTrainerMixin`: the toolkit's guarantees for a Hugging Face `Trainer`, each in the method a reader looks in;
-`FinetuneTrainer` is Trainer with them, `finetune.train.preference.FinetuneDPOTrainer` TRL's DPOTrainer with them.
+`FinetuneTrainer` is Trainer with them; each training method's trainer (finetune/train/methods/) is TRL's with them.
 
 - `FinetuneTrainer.compute_loss`: how the loss of a micro-batch is normalised (`loss_normalization`).
 - `_save_checkpoint`: a checkpoint counts as complete only once every rank saved it; rotation then keeps the
@@ -49,7 +49,7 @@ def log_metrics_first(trainer: Trainer) -> None:
 
 class FinetuneTrainerMixin:
     """The toolkit's guarantees for any `Trainer` subclass: `class X(FinetuneTrainerMixin, SomeTrainer)`.
-    `FinetuneTrainer` (supervised fine-tuning) and `finetune.train.preference.FinetuneDPOTrainer` (TRL's DPO) are two
+    `FinetuneTrainer` (supervised fine-tuning) and each training method's TRL trainer (finetune/train/methods/) are
     such.
 
     `recipe_values` (finetune.checkpoints.complete.recipe_values) and `train_data` (the training rows' fingerprint,

@@ -1,15 +1,9 @@
-"""Preference fine-tuning (`method: dpo`): TRL's `DPOTrainer` on the toolkit's rails.
+"""Preference pairs: a prompt, a chosen answer and a rejected one, as TRL's preference trainers take them.
 
-The same recipe, launchers and generated configs as supervised fine-tuning, the same callbacks (memory report,
-throughput, divergence stop) and the same checkpoint and resume guarantees (`FinetuneTrainerMixin`). What differs:
-
-- the data are pairs: a prompt, a chosen answer and a rejected one (`PAIR_FORMATS`); `dataset: synthetic` makes pairs
-  from the synthetic tasks, the correct answer chosen and a plausible wrong one rejected (`synthetic_pair`);
-- a frozen reference model scores both answers: a second copy of the starting model, which TRL prepares as the
-  strategy says (DeepSpeed ZeRO-3 shards it like the policy, ZeRO-0/1/2 keep it whole in the half dtype, DDP keeps it
-  whole), or, under LoRA, the policy itself with its adapters disabled (no copy);
-- the loss is TRL's (`dpo_loss_type`, `beta`), and the evaluation reports TRL's reward accuracy and margin: how often,
-  and by how much, the policy prefers the chosen answer more than the reference did.
+The formats (`PAIR_FORMATS`: TRL's own, and LLaMA-Factory's alpaca and sharegpt pairs) share the SFT formats' message
+readers (finetune.data.formats); `dataset: synthetic` makes pairs from the synthetic tasks, the correct answer chosen
+and a plausible wrong one rejected (`synthetic_pair`). Pairs are checked and counted per source as SFT examples are;
+what TRL drops or truncates when it tokenizes them goes through the same length policies (`apply_pair_length_policies`).
 """
 
 from __future__ import annotations
@@ -21,17 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset, concatenate_datasets, interleave_datasets
-from trl import DPOConfig, DPOTrainer
 from trl.data_utils import is_conversational
 
 from finetune.data.formats import _openai_message, _sharegpt_message
 from finetune.errors import RecipeError
-from finetune.recipe.args import FinetuneTrainingArguments
-from finetune.train.trainer import FinetuneTrainerMixin
 
-# In detection order: a format's columns must all be present. `pairs`: TRL's preference format, strings or
-# conversations (`prompt` may be left out when `chosen` and `rejected` are whole conversations that share it);
-# the alpaca and sharegpt pairs are LLaMA-Factory's.
 PAIR_FORMATS = {
     "sharegpt_pairs": ("conversations", "chosen", "rejected"),
     "alpaca_pairs": ("instruction", "chosen", "rejected"),
@@ -55,7 +43,7 @@ def detect_pair_format(column_names) -> str:
         if set(required) <= columns:
             return name
     expected = "; ".join(f"{name}: {', '.join(required)}" for name, required in PAIR_FORMATS.items())
-    raise RecipeError(f"`method: dpo` trains on preference pairs, but the data's columns are "
+    raise RecipeError(f"a preference method trains on preference pairs, but the data's columns are "
                       f"{', '.join(sorted(columns))}; expected one of: {expected} (`prompt` optional with `pairs`).")
 
 
@@ -153,13 +141,6 @@ def load_preference_data(data_args, seed: int) -> PreferenceData:
     from finetune import presets
     from finetune.data.loading import load_raw_data
 
-    if data_args.packing or data_args.padding_free:
-        raise RecipeError("`packing` and `padding_free` are for supervised fine-tuning; TRL's DPO pads each pair "
-                          "(drop them with `method: dpo`).")
-    if data_args.preprocessed_dir is not None:
-        raise RecipeError(f"`preprocessed_dir: {data_args.preprocessed_dir}` names a cache of tokenized SFT data "
-                          "(`finetune preprocess`); under `method: dpo` TRL's DPOTrainer tokenizes the pairs itself "
-                          "and reads no cache: drop the key.")
     raw = load_raw_data(data_args)
     trains, evals, sources = [], [], []
     for source in raw.sources:
@@ -187,7 +168,7 @@ def load_preference_data(data_args, seed: int) -> PreferenceData:
         sources.append(record)
     train = interleave_datasets(trains, probabilities=raw.weights, seed=seed) if len(trains) > 1 else trains[0]
     evaluation = (concatenate_datasets(evals) if len(evals) > 1 else evals[0]) if evals else None
-    summary = {"method": "dpo", "sources": sources, "train_rows": len(train),
+    summary = {"sources": sources, "train_rows": len(train),
                "eval_rows": 0 if evaluation is None else len(evaluation)}
     return PreferenceData(train, evaluation, summary)
 
@@ -195,7 +176,7 @@ def load_preference_data(data_args, seed: int) -> PreferenceData:
 def apply_pair_length_policies(pairs: Dataset, tokenized: Dataset, data_args, split: str,
                                summary: dict) -> Dataset:
     """TRL's tokenized pairs under the recipe's length policies, with what became of them added to `summary` per
-    source. TRL (`DPOTrainer._prepare_dataset`, truncation_mode `keep_start`) has already dropped every pair whose
+    source. TRL's trainer (its `_prepare_dataset`, truncation_mode `keep_start`) has already dropped every pair whose
     prompt alone fills `max_length` (our `max_seq_length`: no answer token would be left), and its collator keeps the
     first `max_length` tokens of each longer sequence (prompt + chosen, prompt + rejected). As for SFT examples, a
     pair longer than `max_seq_length` (its prompt and longer answer) is then truncated so (`overlong_policy:
@@ -259,58 +240,3 @@ def print_preference_summary(summary: dict) -> None:
                 parts.append(f"{split} {source[split]['pairs']} pairs" + (f" (dropped {dropped})" if dropped else "")
                              + (f" ({truncated} truncated to max_seq_length)" if truncated else ""))
         print(f"preference data {source['name']} ({source['format']}): {', '.join(parts)}")
-
-
-@dataclass
-class FinetuneDPOConfig(FinetuneTrainingArguments, DPOConfig):
-    """The recipe's training arguments and TRL's DPO keys in one object, as DPOTrainer reads them. Every Trainer key
-    keeps the value the recipe gave (or Trainer's default): TRL's own defaults for them (bf16, gradient checkpointing,
-    learning rate 1e-6, logging every 10 steps) do not apply, so a DPO recipe reads as an SFT one."""
-
-
-def dpo_keys(preference, data_args) -> dict:
-    """TRL's DPO keys from the recipe: `beta`, the loss, and `max_length` from `max_seq_length`."""
-    return {"beta": preference.beta, "loss_type": list(preference.dpo_loss_type),
-            "loss_weights": preference.dpo_loss_weights, "max_length": data_args.max_seq_length}
-
-
-class FinetuneDPOTrainer(FinetuneTrainerMixin, DPOTrainer):
-    """TRL's DPOTrainer with the toolkit's checkpoints, resume, rotation and saving (`FinetuneTrainerMixin`).
-    `ref_model` is always given, or None under LoRA: TRL would otherwise reload the reference by the model's name
-    (a hub download, or nothing for the embedded model). With `data_args` and the data's `summary`, the pairs TRL
-    tokenizes go through the recipe's length policies and are counted there (`apply_pair_length_policies`)."""
-
-    def __init__(self, *args, data_args=None, summary: dict | None = None, **kwargs):
-        self.data_args, self.data_summary = data_args, summary
-        super().__init__(*args, **kwargs)
-
-    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-        tokenized = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
-        if self.data_args is None or SOURCE_COLUMN not in dataset.column_names:
-            return tokenized
-        split = "train" if dataset_name == "train" else "eval"
-        return apply_pair_length_policies(dataset, tokenized, self.data_args, split, self.data_summary)
-
-    def _send_telemetry(self):
-        """No usage pings: nothing leaves the machine unless the user asks (`report_to`)."""
-
-    def create_model_card(self, *args, **kwargs):
-        """TRL writes a README.md model card into every checkpoint; the run's own records say what was trained."""
-
-
-def prepare_reference_for_zero3(args, model) -> None:
-    """ZeRO-3 fills its "auto" bucket sizes from the model only when training starts, but TRL builds the reference
-    engine when the trainer is constructed, from the config as it is then: fill them now with the values Transformers
-    would (hidden², 0.9·hidden², 10·hidden), so the reference is partitioned like the policy."""
-    config = getattr(args, "hf_deepspeed_config", None)
-    hidden = getattr(model.config, "hidden_size", None)
-    if config is None or hidden is None or config.get_value("zero_optimization.stage") != 3:
-        return
-    config.fill_only("zero_optimization.reduce_bucket_size", hidden * hidden)
-    config.fill_only("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden * hidden))
-    config.fill_only("zero_optimization.stage3_param_persistence_threshold", 10 * hidden)
-
-
-def frozen_reference(model) -> None:
-    model.requires_grad_(False)
-    model.eval()

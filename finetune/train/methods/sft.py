@@ -1,0 +1,63 @@
+"""Supervised fine-tuning (`method: sft`, the default): learn the answers of the data.
+
+The data pipeline (finetune.data.pipeline: formats, chat template, completion-only labels, packing, the `finetune
+preprocess` cache), the toolkit's `FinetuneTrainer` (the loss in `compute_loss`), and the generation exact match
+on held-out prompts that the before/after summary reports.
+"""
+
+from __future__ import annotations
+
+from finetune.recipe.methods import Method
+
+
+class SupervisedFineTuning(Method):
+    name = "sft"
+    description = "learn the answers of the data (cross-entropy on the answer tokens)"
+
+    def plan_data(self, sections):
+        from finetune.data.pipeline import example_lengths
+
+        return example_lengths(sections)
+
+    def prepare_model(self, recipe, model):
+        from finetune.models.loading import hold_trainable_parameters, trainable_dtype
+        from finetune.models.lora import apply_lora
+
+        args = recipe.training
+        if recipe.lora.use_lora:
+            model = apply_lora(model, recipe.lora)
+        # after the adapters are added: a LoRA run's frozen base keeps its loaded dtype
+        hold_trainable_parameters(model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
+        return model
+
+    def prepare_data(self, recipe, tokenizer, model):
+        from finetune.data.pipeline import prepare_data
+
+        return prepare_data(recipe, tokenizer, model)
+
+    def callbacks(self, recipe, tokenizer, data) -> list:
+        from finetune.train.evaluation import ExactMatchCallback
+
+        return [ExactMatchCallback(tokenizer, data.generation_examples, recipe.data.generation_max_new_tokens)]
+
+    def build_trainer(self, recipe, model, tokenizer, data, callbacks):
+        from finetune.checkpoints.complete import recipe_values
+        from finetune.data.collate import data_collator
+        from finetune.train.trainer import FinetuneTrainer
+
+        return FinetuneTrainer(
+            model=model,
+            args=recipe.training,
+            train_dataset=data.train,
+            eval_dataset=data.eval,
+            data_collator=data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free, model=model),
+            processing_class=tokenizer,
+            callbacks=callbacks,
+            recipe_values=recipe_values(recipe),
+            train_data=data.summary["train_fingerprint"],
+        )
+
+    def print_data_summary(self, summary: dict) -> None:
+        from finetune.data.summary import print_data_summary
+
+        print_data_summary(summary)
