@@ -1,8 +1,11 @@
-"""The package's shape: no import cycle between its parts, `configs/` a leaf, and the README's Layout table naming
-every module and folder there is (and nothing that is not). `ruff check` runs in `make test` itself."""
+"""The package's shape: no import cycle between its parts (its folders), `configs/` a leaf, the README's Layout table
+one line per folder, DPO named only in its method's home, `train()` free of method branches, and a recipe parsed
+without the trainer layer. `ruff check` runs in `make test` itself."""
 
 import ast
+import json
 import re
+import subprocess
 import sys
 
 import pytest
@@ -86,24 +89,95 @@ def test_configs_is_a_leaf():
         assert not outside, f"{path.name} imports {outside}"
 
 
-def layout_row(path: str) -> str:
+def layout_rows() -> dict[str, str]:
+    """The README's Layout table: path → what."""
     readme = (PROJECT_ROOT / "README.md").read_text()
     section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
-    return next(line for line in section.splitlines() if line.startswith(f"| `{path}`"))
+    return {match[1]: match[2] for match in re.finditer(r"^\| `([^`]+)`[^|]*\| (.*) \|$", section, flags=re.M)}
 
 
-def test_readme_layout_names_every_module_and_folder_of_the_package():
-    named = set(re.findall(r"`([\w/]+(?:\.py|/))`", layout_row("finetune/").split("|")[2]))
-    present = {p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
-    present |= {f"{p.name}/" for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
-    assert named == present, f"README lacks {sorted(present - named)}, names {sorted(named - present)}"
+def package_folders() -> set[str]:
+    return {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+
+
+def test_readme_layout_has_one_line_per_folder_of_the_package():
+    rows = layout_rows()
+    named = {path.removeprefix("finetune/").rstrip("/") for path in rows if path.startswith("finetune/") and
+             path != "finetune/"}
+    folders = package_folders()
+    assert named == folders, f"README lacks {sorted(folders - named)}, names {sorted(named - folders)}"
+
+
+def test_readme_layout_names_the_top_level_modules_and_each_folder_names_only_its_own_files():
+    rows = layout_rows()
+    top = set(re.findall(r"`([\w]+\.py)`", rows["finetune/"]))
+    assert top == {p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    for folder in package_folders():
+        for name in re.findall(r"`([\w/]+\.py|[\w/]+/)`", rows[f"finetune/{folder}/"]):
+            assert (PACKAGE / folder / name).exists(), f"README's finetune/{folder}/ row names {name}, not there"
 
 
 def test_readme_layout_paths_exist():
-    readme = (PROJECT_ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
-    for path in re.findall(r"^\| `([^`]+)`", readme, flags=re.M):
+    for path in layout_rows():
         for part in path.split("`, `"):
             assert (PROJECT_ROOT / part).exists(), part
+
+
+def test_the_architecture_guide_names_only_paths_that_exist():
+    guide = (PROJECT_ROOT / "docs" / "architecture.md").read_text()
+    paths = set(re.findall(r"`(finetune/[\w/.]+)`", guide))
+    assert len(paths) > 20
+    for path in paths:
+        assert (PROJECT_ROOT / path).exists(), f"docs/architecture.md names {path}, which does not exist"
+
+
+# The DPO method's home and the registry that names it; nowhere else in the library is DPO named.
+DPO_HOME = ("finetune/train/methods/dpo/", "finetune/recipe/methods.py")
+
+
+def test_dpo_is_named_only_in_its_method_home_and_the_registry():
+    named = sorted(str(path.relative_to(PROJECT_ROOT)) for path in PACKAGE.rglob("*.py")
+                   if "dpo" in path.read_text().lower())
+    outside = [path for path in named if not path.startswith(DPO_HOME)]
+    assert not outside, f"DPO is named outside its home: {outside}"
+    assert "finetune/train/methods/dpo/__init__.py" in named and "finetune/recipe/methods.py" in named
+
+
+def test_train_has_no_method_branches():
+    """`train()` asks the method; it never compares the method to a name or tests a method's class."""
+    source = (PACKAGE / "train" / "run.py").read_text()
+    tree = ast.parse(source)
+    train = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "train")
+    for node in ast.walk(train):
+        if isinstance(node, ast.Compare):
+            compared = ast.unparse(node)
+            assert "method" not in compared, f"train() branches on the method: {compared}"
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            assert node.value.lower() not in ("sft", "dpo"), f"train() names a method: {node.value!r}"
+
+
+# Modules a recipe must not load: the trainer layer, checkpoints, and TRL's trainers (TRL's configs are allowed).
+TRAINER_LAYER = ("finetune.train.run", "finetune.train.trainer", "finetune.train.methods.dpo.trainer",
+                 "finetune.checkpoints", "transformers.trainer", "trl.trainer.dpo_trainer", "trl.trainer.sft_trainer")
+
+
+def test_parsing_any_shipped_recipe_imports_no_trainer_checkpoints_or_trls_trainers():
+    script = ("import json, sys\n"
+              "from finetune.recipe import parse_recipe\n"
+              "recipes = sys.argv[1:]\n"
+              "methods = [parse_recipe(recipe).method.name for recipe in recipes]\n"
+              "print(json.dumps({'methods': methods, 'modules': sorted(sys.modules)}))\n")
+    recipes = sorted(str(path) for path in (PROJECT_ROOT / "recipes").glob("*.yaml"))
+    result = subprocess.run([sys.executable, "-c", script, *recipes], capture_output=True, text=True,
+                            cwd=PROJECT_ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {"sft", "dpo"} <= set(record["methods"])  # both kinds of recipe were parsed
+    assert "trl.trainer.dpo_config" in record["modules"]  # TRL's config class is what a DPO recipe builds
+    loaded = [name for name in record["modules"] if name == "transformers.trainer" or
+              any(name == layer or name.startswith(layer + ".") for layer in TRAINER_LAYER)]
+    trl_trainers = [name for name in record["modules"] if name.startswith("trl.trainer.") and name.endswith("_trainer")]
+    assert not loaded and not trl_trainers, f"parsing a recipe loaded {loaded + trl_trainers}"
 
 
 if __name__ == "__main__":

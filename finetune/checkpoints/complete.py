@@ -53,14 +53,13 @@ def recipe_values(recipe) -> dict[str, str]:
 
 def checkpoint_layout(trainer) -> dict:
     """How the state in a checkpoint is laid out: ranks, strategy (ddp for one process too: both hold the whole state),
-    ZeRO stage (None without DeepSpeed), FSDP sharding, sequences a step. Read
+    ZeRO stage (None without DeepSpeed), FSDP sharding, sequences a step (the trainer's global batch). Read
     from what Accelerate prepares (valid before the model is wrapped, when a resume is checked; the strategy check
     stops a run whose engine differs)."""
     args = trainer.args
     running = prepared_strategy(trainer.accelerator.state, args.world_size)
-    sequences = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
     layout = {"world_size": args.world_size, "strategy": "ddp" if running.kind == "single" else running.kind,
-              "zero_stage": running.zero_stage, "sequences_per_step": sequences}
+              "zero_stage": running.zero_stage, "sequences_per_step": trainer.global_batch_size}
     if running.kind == "fsdp":
         layout["fsdp_sharding"] = running.fsdp_sharding
     if running.kind == "deepspeed":

@@ -64,9 +64,9 @@ def to_messages(example: dict, dataset_format: str) -> list[dict]:
     """The conversation of one example, as chat-template messages: `{role, content}`, plus `tool_calls` on an
     assistant turn that calls tools and `tool_call_id` on a tool result that names its call."""
     if dataset_format == "messages":
-        return _opens_with_a_prompt([_openai_message(message) for message in example["messages"]])
+        return _opens_with_a_prompt([openai_message(message) for message in example["messages"]])
     if dataset_format == "sharegpt":
-        messages = [_sharegpt_message(turn) for turn in example["conversations"]]
+        messages = [sharegpt_message(turn) for turn in example["conversations"]]
         if example.get("system") and (not messages or messages[0]["role"] != "system"):
             messages.insert(0, {"role": "system", "content": example["system"]})
         return _opens_with_a_prompt(messages)
@@ -102,7 +102,7 @@ def tool_name(tool: dict) -> str | None:
     return function.get("name") if isinstance(function, dict) else tool.get("name")
 
 
-def _sharegpt_message(turn: dict) -> dict:
+def sharegpt_message(turn: dict) -> dict:
     sender = turn.get("from")
     role = SHAREGPT_ROLES.get(sender)
     if role is None:
@@ -125,7 +125,7 @@ def _opens_with_a_prompt(messages: list[dict]) -> list[dict]:
     return messages
 
 
-def _openai_message(message: dict) -> dict:
+def openai_message(message: dict) -> dict:
     role = message.get("role")
     if role not in MESSAGE_ROLES:
         raise RecipeError(f"a message has `role: {role}`; expected one of {', '.join(MESSAGE_ROLES)}.")

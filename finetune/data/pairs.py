@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 from datasets import Dataset, concatenate_datasets, interleave_datasets
 from trl.data_utils import is_conversational
 
-from finetune.data.formats import _openai_message, _sharegpt_message
+from finetune.data.formats import openai_message, sharegpt_message
 from finetune.errors import RecipeError
 
 PAIR_FORMATS = {
@@ -58,15 +58,15 @@ def to_pair(example: dict, pair_format: str) -> dict:
                 "chosen": [{"role": "assistant", "content": example["chosen"]}],
                 "rejected": [{"role": "assistant", "content": example["rejected"]}]}
     if pair_format == "sharegpt_pairs":
-        prompt = [_sharegpt_message(turn) for turn in example["conversations"]]
+        prompt = [sharegpt_message(turn) for turn in example["conversations"]]
         if example.get("system") and (not prompt or prompt[0]["role"] != "system"):
             prompt.insert(0, {"role": "system", "content": example["system"]})
-        return {"prompt": prompt, "chosen": [_sharegpt_message(example["chosen"])],
-                "rejected": [_sharegpt_message(example["rejected"])]}
+        return {"prompt": prompt, "chosen": [sharegpt_message(example["chosen"])],
+                "rejected": [sharegpt_message(example["rejected"])]}
     row = {key: example.get(key) for key in ("prompt", "chosen", "rejected")}
     for key, value in row.items():
         if isinstance(value, list):
-            row[key] = [_openai_message(message) for message in value]
+            row[key] = [openai_message(message) for message in value]
     if row["prompt"] is None:
         if not isinstance(row["chosen"], list):
             raise RecipeError("preference rows without a `prompt` column must give `chosen` and `rejected` as whole "

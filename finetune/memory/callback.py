@@ -18,7 +18,7 @@ from transformers.utils import logging
 
 from finetune.errors import RecipeError
 from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, prepared_strategy
-from finetune.memory.estimate import MethodTerms, Setup, estimate
+from finetune.memory.estimate import MethodTerms, Setup, estimate, precision_of
 from finetune.memory.ledger import (
     GradientProbe,
     PhasePeaks,
@@ -62,7 +62,7 @@ def running_setup(args, model, sequence_length: int | None,
         sub_group_size = config.get("zero_optimization", {}).get("sub_group_size")
         zero3_init = bool(plugin.zero3_init_flag)
     else:
-        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        precision = precision_of(args.mixed_precision)
     config = model.config
     trainable_parameters = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in trainable_parameters)

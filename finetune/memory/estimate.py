@@ -45,6 +45,12 @@ from finetune.memory.shapes import ModelShape
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+def precision_of(mixed_precision: str) -> str:
+    """The estimator's name for Accelerate's and Transformers' mixed precision (`args.mixed_precision`: no, bf16,
+    fp16)."""
+    return "fp32" if mixed_precision == "no" else mixed_precision
+
+
 @dataclass(frozen=True)
 class MethodTerms:
     """What a training method adds to the memory of plain supervised fine-tuning (its method file declares them)."""

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from finetune.errors import RecipeError
 from finetune.launch.devices import Gpu, default_precision
+from finetune.memory.estimate import precision_of
 from finetune.plan.decision_tree import PlanRequest
-
-
-def recipe_precision(training: dict) -> str:
-    return "bf16" if training.get("bf16") else "fp16" if training.get("fp16") else "fp32"
+from finetune.recipe.batch_plan import BatchPlan
+from finetune.recipe.preflight import training_precision
 
 
 def your_strategy(training: dict, config: str | None):
@@ -48,14 +47,17 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
     strategy, strategy_source = your_strategy(training, config)
     given = {key: value for key, value in (batch_options or {}).items() if value is not None}
     micro, accumulation = training["per_device_train_batch_size"], training["gradient_accumulation_steps"]
-    global_batch = given.get("global_batch_size") or training.get("global_batch_size") or micro * gpus * accumulation
+    global_batch = given.get("global_batch_size") or training.get("global_batch_size") or BatchPlan(
+        world_size=gpus, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+        learning_rate=training["learning_rate"]).global_batch_size
     launch_keys = [f"--{key} {given[key]}" for key in ("lr_scaling", "base_batch_size") if key in given]
     if "learning_rate" in given:  # the recipe's reference point: base_learning_rate wins over learning_rate
         launch_keys.append(f"--base_learning_rate {given['learning_rate']:g}")
     use_lora = lora.use_lora or lora.use_qlora
     request = PlanRequest(
         model=sections.model.model_name_or_path, gpus=gpus, gpu_memory_gib=gpu_memory_gib, gpu=gpu,
-        precision=recipe_precision(training), optimizer=optimizer_kind(training.get("optim", "adamw")) or "adamw",
+        precision=precision_of(training_precision(training, launcher=False)),
+        optimizer=optimizer_kind(training.get("optim", "adamw")) or "adamw",
         lora_rank=lora.lora_r if use_lora else 0, qlora=lora.use_qlora,
         lora_target_modules=tuple(lora.lora_target_modules) if use_lora and lora.lora_target_modules else None,
         dora=use_lora and lora.use_dora,

@@ -44,6 +44,13 @@ class BatchPlan:
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.world_size * self.gradient_accumulation_steps
 
+    @classmethod
+    def running(cls, args) -> BatchPlan:
+        """The batch a Trainer's arguments run with (after any plan was applied to them): what callbacks and
+        checkpoint markers read, given only `TrainingArguments`."""
+        return cls(micro_batch_size=args.per_device_train_batch_size, world_size=args.world_size,
+                   gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate)
+
     def to_dict(self) -> dict:
         return {**asdict(self), "global_batch_size": self.global_batch_size}
 

@@ -150,13 +150,15 @@ def check_eval_split(args, has_eval: bool) -> None:
                       "`eval_split_ratio`, or set `eval_strategy: no`.")
 
 
-def training_precision(training_inputs: dict[str, Any]) -> str:
-    """The mixed precision Trainer will run: `bf16`/`fp16` from the recipe, else what `accelerate launch` set."""
+def training_precision(training_inputs: dict[str, Any], launcher: bool = True) -> str:
+    """The mixed precision Trainer will run (no, bf16, fp16), read from the training keys before `TrainingArguments`
+    exists, as its `__post_init__` resolves `mixed_precision` afterwards: `fp16`, then `bf16`, else what `accelerate
+    launch` set (`launcher`: False for a plan made for another machine)."""
     if is_true(training_inputs.get("fp16")):  # in TrainingArguments' order
         return "fp16"
     if is_true(training_inputs.get("bf16")):
         return "bf16"
-    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no") if launcher else "no"
 
 
 def check_qlora(torch_dtype: str, training_inputs: dict[str, Any], strategy: Strategy) -> None:

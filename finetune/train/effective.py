@@ -25,6 +25,7 @@ from finetune.launch.strategies import Strategy, running_strategy
 from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
 from finetune.models.loading import trainable_dtype
 from finetune.recipe.aliases import GIVEN_AS
+from finetune.recipe.batch_plan import BatchPlan
 from finetune.recipe.preflight import warmup_warning
 
 # Trainer argument → the DeepSpeed key Trainer fills from it when the config says "auto".
@@ -71,7 +72,7 @@ def describe_effective_config(trainer, recipe) -> dict:
             add(key, getattr(requested, key), requested.source)
     if requested.kind == "fsdp":
         add("fsdp_sharding", requested.fsdp_sharding, launcher)
-    precision_key = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+    precision_key = args.mixed_precision if args.mixed_precision in ("bf16", "fp16") else None  # Transformers' resolver
     precision_source = sources.get(precision_key, "default") if precision_key else sources.get("bf16", "default")
     if (deepspeed.get("bf16") or {}).get("enabled") == "auto":
         precision_source += " → DeepSpeed \"auto\""
@@ -91,8 +92,7 @@ def describe_effective_config(trainer, recipe) -> dict:
     for key, source in sources.items():  # keys given under another name: the source says which (recipe.aliases)
         if GIVEN_AS in source and key not in values:
             add(key, next(getattr(section, key) for section in recipe.sections if hasattr(section, key)), source)
-    global_batch = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
-    add("global_batch_size", global_batch, "micro-batch × processes × accumulation")
+    add("global_batch_size", BatchPlan.running(args).global_batch_size, "micro-batch × processes × accumulation")
 
     warnings = []
     default_config = unnamed_accelerate_config()

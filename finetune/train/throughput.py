@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from finetune import outputs
 from finetune.launch.devices import known_gpu
+from finetune.recipe.batch_plan import BatchPlan
 
 
 def device_name() -> str:
@@ -96,7 +97,7 @@ class ThroughputCallback(TrainerCallback):
         self.flops = FlopsModel.of(model)
         self.device = device_name()
         self.peak = self.peak_tflops or peak_tflops_of(self.device)
-        self.sequences_per_step = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+        self.sequences_per_step = BatchPlan.running(args).global_batch_size
         self.first_step = state.global_step
         self.tokens_seen = state.num_input_tokens_seen
         self.clock = time.perf_counter()

@@ -37,6 +37,7 @@ from finetune.checkpoints.complete import (
     rotate_complete_checkpoints,
 )
 from finetune.checkpoints.disk import needed_checkpoint_bytes, saving_within_free_space, trainable_parameter_bytes
+from finetune.recipe.batch_plan import BatchPlan
 
 
 def log_metrics_first(trainer: Trainer) -> None:
@@ -65,6 +66,11 @@ class FinetuneTrainerMixin:
         self.save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
         if self.args.ddp_comm_hook != "no":  # Trainer builds the DDP kwargs handler; the hook goes on at wrapping
             self.accelerator.ddp_handler.comm_hook = DDPCommunicationHookType(self.args.ddp_comm_hook)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences a step: micro-batch × processes × accumulation, as the arguments run it (recipe.batch_plan)."""
+        return BatchPlan.running(self.args).global_batch_size
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

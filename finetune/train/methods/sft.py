@@ -40,12 +40,21 @@ class SupervisedFineTuning(Method):
 
         return [ExactMatchCallback(tokenizer, data.generation_examples, recipe.data.generation_max_new_tokens)]
 
+    def trainer_class(self) -> type:
+        """The trainer: the toolkit's `FinetuneTrainer` (a method built on SFT may give a subclass)."""
+        from finetune.train.trainer import FinetuneTrainer
+
+        return FinetuneTrainer
+
+    def trainer_options(self) -> dict:
+        """Keyword arguments of its own that `trainer_class` takes."""
+        return {}
+
     def build_trainer(self, recipe, model, tokenizer, data, callbacks):
         from finetune.checkpoints.complete import recipe_values
         from finetune.data.collate import data_collator
-        from finetune.train.trainer import FinetuneTrainer
 
-        return FinetuneTrainer(
+        return self.trainer_class()(
             model=model,
             args=recipe.training,
             train_dataset=data.train,
@@ -55,6 +64,7 @@ class SupervisedFineTuning(Method):
             callbacks=callbacks,
             recipe_values=recipe_values(recipe),
             train_data=data.summary["train_fingerprint"],
+            **self.trainer_options(),
         )
 
     def print_data_summary(self, summary: dict) -> None:
