@@ -5,6 +5,7 @@ with and without offload, in fp32 and in bf16 mixed precision; the report files 
 import json
 
 import pytest
+from support import ALIGNMENT, NO_DECAY_FP32, slack
 
 from finetune.memory import model_shape
 
@@ -12,24 +13,6 @@ pytestmark = pytest.mark.distributed
 
 STATES = ("params_bytes", "grads_bytes", "optimizer_bytes")
 RUNS = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero2_bf16", "zero3_bf16"]
-ALIGNMENT = 1024  # bytes: DeepSpeed pads each flat partition to an alignment boundary
-# Trainer's second parameter group (no weight decay: the tiny model's 2·3 + 1 RMSNorm weights of 128) is stepped after
-# the first group's fp32 gradients are freed, so the step holds the larger group's fp32 copy, not both; the estimator
-# counts the whole partition (the norms are a negligible share of any real model). Its fp32 shard per rank:
-NO_DECAY_FP32 = 4 * (2 * model_shape("tiny").num_layers + 1) * model_shape("tiny").hidden_size // 2
-
-
-def slack(key: str, run: str) -> int:
-    """Allowed difference: alignment padding; for gradients the no-decay group's fp32 shard, and for ZeRO-1/2 one
-    whole parameter tensor: DeepSpeed sizes a rank's gradient buffer by the whole tensors its partition touches
-    (stage_1_and_2.py `grads_in_partition`), so the rank whose boundary cuts the embedding holds up to that tensor
-    more."""
-    if key != "grads_bytes":
-        return ALIGNMENT
-    if run[:5] in ("zero1", "zero2") and "offload" not in run:
-        element = 2 if run.endswith("bf16") else 4
-        return ALIGNMENT + NO_DECAY_FP32 + model_shape("tiny").largest_layer_parameters * element
-    return ALIGNMENT + NO_DECAY_FP32
 
 
 def memory_report(output_dir) -> list[dict]:

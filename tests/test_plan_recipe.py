@@ -5,7 +5,7 @@ GPU report."""
 import json
 
 import pytest
-from test_memory_distributed import slack  # the ledger's documented slack: alignment, ZeRO-1/2 gradient buffers
+from support import slack  # the ledger's documented slack: alignment, ZeRO-1/2 gradient buffers
 
 from finetune import outputs
 from finetune.cli import main
