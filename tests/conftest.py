@@ -1,6 +1,9 @@
+import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,6 +12,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DeepSpeed compiles its CPU ops (the shared-memory collective, CPU Adam) on first use, about a minute each, into
+# torch's extension folder, and compiles them again whenever the folder holds a build against another environment's
+# torch: one folder per environment keeps two checkouts on one machine from rebuilding each other's ops at every launch.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    / f"env-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"))
 
 
 class LaunchedOnRead(Mapping):
@@ -93,6 +102,23 @@ def lora_runs(tmp_path_factory):
             result = launch_demo(CPU_LAUNCHES[name], output_dir, *LORA_DEMO_RUN, env={"HF_TOKEN": PLANTED_TOKEN})
             assert_succeeded(result)
             assert PLANTED_TOKEN not in result.output
+            return output_dir
+        return launch
+
+    return LaunchedOnRead({name: launcher(name) for name in CPU_LAUNCHES})
+
+
+@pytest.fixture(scope="session")
+def checkpointed_runs(tmp_path_factory):
+    """`checkpointed_runs[name]`: the output_dir of a 2-process run of the demo recipe under CPU_LAUNCHES[name] with
+    complete checkpoints at steps 3 and 6 (support.CHECKPOINTED_RUN), shared by the resume and untrusted-checkpoint
+    tests: read it, copy it before changing anything in it."""
+    from support import CHECKPOINTED_RUN, CPU_LAUNCHES, assert_succeeded, launch_demo
+
+    def launcher(name: str):
+        def launch():
+            output_dir = tmp_path_factory.mktemp(f"checkpointed_{name}")
+            assert_succeeded(launch_demo(CPU_LAUNCHES[name], output_dir, *CHECKPOINTED_RUN))
             return output_dir
         return launch
 

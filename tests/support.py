@@ -25,6 +25,10 @@ CPU_LAUNCHES = {name: SHIPPED_BY_NAME[name].launch(cpu=True) for name in ("ddp",
 # CPU; with `-m finetune` Trainer falls back to DDP, which the strategy check stops.
 FSDP_ON_CPU = SHIPPED_BY_NAME["fsdp_full_shard"].launch(cpu=True)
 FSDP_SHARD_GRAD_OP_ON_CPU = SHIPPED_BY_NAME["fsdp_shard_grad_op"].launch(cpu=True)
+# A 2-process run of the demo recipe with complete checkpoints at steps 3 and 6 (conftest's `checkpointed_runs`, one per
+# CPU launch); a resume of it takes the same arguments.
+CHECKPOINTED_RUN = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",
+                    "--warmup_steps", "2"]
 # Short LoRA runs of the demo recipe under each of CPU_LAUNCHES; a planted HF_TOKEN must land nowhere.
 LORA_DEMO_RUN = ["--use_lora", "true", "--lora_r", "8", "--learning_rate", "1e-2", "--max_steps", "30",
                  "--logging_steps", "10"]

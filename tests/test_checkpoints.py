@@ -7,14 +7,13 @@ import json
 import shutil
 
 import pytest
-from support import CPU_LAUNCHES, assert_succeeded, launch_demo
+from support import CHECKPOINTED_RUN, CPU_LAUNCHES, assert_succeeded, launch_demo
 
 from finetune.checkpoints.complete import COMPLETE_MARKER
 from finetune.errors import RecipeError
 from finetune.recipe.parse import parse_recipe
 
-RUN = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",
-       "--warmup_steps", "2"]
+RUN = CHECKPOINTED_RUN  # the arguments of conftest's `checkpointed_runs`, which a resume of one repeats
 
 
 def losses(output_dir) -> dict[int, float]:
@@ -24,10 +23,9 @@ def losses(output_dir) -> dict[int, float]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(CPU_LAUNCHES))
-def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
+def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(checkpointed_runs, tmp_path, name):
     launch = CPU_LAUNCHES[name]
-    whole = tmp_path / "whole"
-    assert_succeeded(launch_demo(launch, whole, *RUN))
+    whole = checkpointed_runs[name]  # the uninterrupted run: launch_demo(launch, whole, *RUN), shared, read only
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     assert (whole / "checkpoint-3" / COMPLETE_MARKER).is_file() and (whole / "checkpoint-6" / COMPLETE_MARKER).is_file()
@@ -50,7 +48,7 @@ def test_resumed_run_logs_the_losses_of_the_uninterrupted_run(tmp_path, name):
     for step in (4, 5, 6):  # same model, optimizer, schedule, RNG and data position
         assert got[step] == pytest.approx(expected[step], abs=1e-4), (step, expected, got)
     if name == "ddp":
-        refuses_a_planted_payload(launch, whole, tmp_path)
+        refuses_a_planted_payload(launch, shutil.copytree(whole, tmp_path / "planted"), tmp_path)
 
 
 def refuses_a_planted_payload(launch, run_dir, tmp_path):

@@ -3,9 +3,10 @@ step (as the logged rates show), changed training data is refused unless `ignore
 is always the evaluation of the final weights."""
 
 import json
+import shutil
 
 import pytest
-from support import CPU_LAUNCHES, assert_succeeded, finetune_command, launch_demo, run
+from support import CHECKPOINTED_RUN, CPU_LAUNCHES, assert_succeeded, finetune_command, launch_demo, run
 from transformers.optimization import _get_linear_schedule_with_warmup_lr_lambda
 
 from finetune.checkpoints.complete import read_marker
@@ -95,16 +96,18 @@ def test_changed_training_data_is_refused_or_restarted_explicitly_and_after_is_o
 
 
 @pytest.mark.distributed
-def test_a_changed_learning_rate_reaches_deepspeeds_optimizer_on_resume(tmp_path):
+def test_a_changed_learning_rate_reaches_deepspeeds_optimizer_on_resume(checkpointed_runs, tmp_path):
     """Under ZeRO-2 the optimizer and scheduler come back through DeepSpeed's engine: the new rate must reach them."""
-    output_dir = tmp_path / "out"
-    common = ["--max_steps", "4", "--warmup_steps", "0", "--save_strategy", "steps", "--save_steps", "2",
-              "--logging_steps", "1"]
-    assert_succeeded(launch_demo(CPU_LAUNCHES["zero2"], output_dir, *common, "--learning_rate", "0.002"))
-    (output_dir / "checkpoint-4").rename(output_dir / "set-aside")
-    resumed = launch_demo(CPU_LAUNCHES["zero2"], output_dir, *common, "--learning_rate", "0.001",
+    # The shared ZeRO-2 run (6 steps at the recipe's 0.002, 2 warmup steps, checkpoints at 3 and 6), copied.
+    output_dir = shutil.copytree(checkpointed_runs["zero2"], tmp_path / "out")
+    (output_dir / "checkpoint-6").rename(output_dir / "set-aside")
+    resumed = launch_demo(CPU_LAUNCHES["zero2"], output_dir, *CHECKPOINTED_RUN, "--learning_rate", "0.001",
                           "--resume_from_checkpoint", "auto")
     assert_succeeded(resumed)
+    assert f"resuming from {output_dir / 'checkpoint-3'}" in resumed.output
     rates = logged_rates(output_dir)
-    assert [rates[step] for step in (1, 2)] == pytest.approx([linear_schedule(0.002, step, 0, 4) for step in (1, 2)])
-    assert [rates[step] for step in (3, 4)] == pytest.approx([linear_schedule(0.001, step, 0, 4) for step in (3, 4)])
+    # Steps 2 and 3 (past step 1's zero rate) tell the two rates apart, as do steps 4 to 6.
+    assert [rates[step] for step in (1, 2, 3)] == pytest.approx([linear_schedule(0.002, step, 2, 6)
+                                                                 for step in (1, 2, 3)])
+    assert [rates[step] for step in (4, 5, 6)] == pytest.approx([linear_schedule(0.001, step, 2, 6)
+                                                                 for step in (4, 5, 6)])

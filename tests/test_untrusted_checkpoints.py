@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from support import CPU_LAUNCHES, PROJECT_ROOT, assert_succeeded, finetune_command, launch_demo, run
+from support import CHECKPOINTED_RUN, CPU_LAUNCHES, PROJECT_ROOT, assert_succeeded, finetune_command, launch_demo, run
 
 from finetune import presets
 from finetune.checkpoints.complete import (
@@ -25,8 +25,7 @@ from finetune.cli import main
 from finetune.errors import RecipeError
 from finetune.recipe.parse import parse_recipe
 
-ZERO2_RUN = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",
-             "--warmup_steps", "2"]
+ZERO2_RUN = CHECKPOINTED_RUN  # the arguments of conftest's `checkpointed_runs`, which a resume of one repeats
 INPUT = torch.tensor([[10, 20, 30, 40, 50, 60, 70]])
 
 
@@ -58,10 +57,9 @@ def logits(model):
 
 
 @pytest.fixture(scope="module")
-def zero2_run(tmp_path_factory):
-    """A 2-process ZeRO-2 run of the demo recipe with checkpoints at steps 3 and 6."""
-    output_dir = tmp_path_factory.mktemp("zero2")
-    assert_succeeded(launch_demo(CPU_LAUNCHES["zero2"], output_dir, *ZERO2_RUN))
+def zero2_run(checkpointed_runs):
+    """A 2-process ZeRO-2 run of the demo recipe with checkpoints at steps 3 and 6 (shared: copied before changed)."""
+    output_dir = checkpointed_runs["zero2"]
     assert all((output_dir / f"checkpoint-{step}" / COMPLETE_MARKER).is_file() for step in (3, 6))
     return output_dir
 
