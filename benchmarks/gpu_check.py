@@ -2,14 +2,14 @@
 
     python benchmarks/gpu_check.py            # every visible GPU; QLoRA rows need `pip install 'finetune-kit[qlora]'`
 
-- FSDP2 full shard in bf16 over NCCL: trains, ledger = prediction per rank (tests/test_fsdp.py runs it over gloo);
+- FSDP2 full shard in bf16 over NCCL: trains, ledger = prediction per rank (tests/launch/test_fsdp.py: over gloo);
 - QLoRA on one GPU in bf16, and in fp16 as on a T4 (`torch_dtype: float16`, `fp16: true`);
-- QLoRA under FSDP2 full shard and under ZeRO-3: the 4-bit weights stored in bf16 and sharded (tests/test_qlora.py
-  checks the loading options and refusals without CUDA);
+- QLoRA under FSDP2 full shard and under ZeRO-3: the 4-bit weights stored in bf16 and sharded
+  (tests/models/test_qlora.py checks the loading options and refusals without CUDA);
 - a checkpoint stored in bf16 (as hub models are) trained under bf16 mixed precision on one GPU and under DDP over
-  NCCL: trainable weights held in fp32 (tests/test_precision.py runs both on CPU);
+  NCCL: trainable weights held in fp32 (tests/models/test_precision.py runs both on CPU);
 - packing under flash attention 2 with 4 packed rows per micro-batch, flattened into one row (needs `flash-attn`;
-  tests/test_attention_packing.py checks Transformers' own varlen detection without CUDA).
+  tests/data/test_attention_packing.py checks Transformers' own varlen detection without CUDA).
 
 Each row: the exit status, first and last logged loss, and the largest gap between measured and predicted model-state
 bytes on any rank. Results go to benchmarks/results/gpu-check-<device>.json.

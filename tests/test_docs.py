@@ -32,13 +32,13 @@ INLINE = re.compile(r"`([^`\n]+)`")
 ENVIRONMENT = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)+")
 # Slow or GPU-only commands run elsewhere: the test that exercises them for real, or their CPU twin, is named here.
 RUN_ELSEWHERE = {
-    ("make", "demo"): "tests/test_train.py::test_demo_recipe_learns_on_two_processes_under_deepspeed_zero2",
+    ("make", "demo"): "tests/train/test_train.py::test_demo_recipe_learns_on_two_processes_under_deepspeed_zero2",
     ("make", "test"): ".ci/run",
     ("make", "install"): "Makefile (a prerequisite of make test)",
-    ("finetune", "bench"): "tests/test_bench.py",
-    ("finetune", "rendezvous"): "tests/test_multinode.py",
+    ("finetune", "bench"): "tests/commands/test_bench.py",
+    ("finetune", "rendezvous"): "tests/launch/test_multinode.py",
     ("sbatch", "scripts/slurm/finetune.sbatch"):
-        "tests/test_multinode.py::test_slurm_template_starts_one_launcher_per_node_with_its_rank",
+        "tests/launch/test_multinode.py::test_slurm_template_starts_one_launcher_per_node_with_its_rank",
 }
 # docs/troubleshooting.md forces a NaN on purpose: that command must stop with exit status 2.
 FORCED_DIVERGENCE = "--learning_rate 1e30"
@@ -136,7 +136,7 @@ def test_documented_command_is_exercised(document, command, places, monkeypatch,
             assert "make test" in (PROJECT_ROOT / ".ci/run").read_text()
         if target == "demo":
             assert "test_demo_recipe_learns_on_two_processes_under_deepspeed_zero2" in (
-                PROJECT_ROOT / "tests/test_train.py").read_text()
+                PROJECT_ROOT / "tests/train/test_train.py").read_text()
             assert "-m finetune train recipes/demo.yaml" in (PROJECT_ROOT / "scripts/demo.sh").read_text()
     elif program == "sbatch":  # SLURM's options, then the template, then what it passes to the launch script
         position = next(index for index, word in enumerate(rest) if word.startswith("scripts/"))
@@ -179,7 +179,7 @@ def check_script(argv: list[str], places: dict) -> None:
     script = PROJECT_ROOT / argv[0]
     assert script.is_file() and os.access(script, os.X_OK), f"{argv[0]} is missing or not executable"
     if argv[0].endswith(".sbatch"):
-        return  # rendered for 2 nodes under a stand-in srun by tests/test_multinode.py
+        return  # rendered for 2 nodes under a stand-in srun by tests/launch/test_multinode.py
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "FINETUNE_DRY_RUN": "1"}
     arguments = argv[1:] or ["--help"]
     result = subprocess.run([str(script), *arguments], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,

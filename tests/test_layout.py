@@ -131,6 +131,15 @@ def test_the_architecture_guide_names_only_paths_that_exist():
         assert (PROJECT_ROOT / path).exists(), f"docs/architecture.md names {path}, which does not exist"
 
 
+def test_the_tests_mirror_the_package_folders():
+    tests = PROJECT_ROOT / "tests"
+    folders = {path.name for path in tests.iterdir() if path.is_dir() and any(path.glob("test_*.py"))}
+    extra = folders - package_folders()
+    assert folders and not extra, f"test folders with no package folder: {extra}"
+    top = {path.stem.removeprefix("test_") for path in tests.glob("test_*.py")}
+    assert top <= {"docs", "layout", "notebooks", "packaging"} | {p.stem for p in PACKAGE.glob("*.py")}, top
+
+
 # The DPO method's home and the registry that names it; nowhere else in the library is DPO named.
 DPO_HOME = ("finetune/train/methods/dpo/", "finetune/recipe/methods.py")
 

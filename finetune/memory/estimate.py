@@ -1,7 +1,7 @@
 """Predicted memory per GPU (and per host under offload) for a model shape and a training setup.
 
 Model states follow what DeepSpeed and Trainer really allocate, measured on real runs by
-`MemoryReportCallback` (tests/test_memory_distributed.py), which is not always the ZeRO paper's count:
+`MemoryReportCallback` (tests/memory/test_memory_distributed.py), which is not always the ZeRO paper's count:
 
 - DeepSpeed casts the model to the half dtype and keeps an fp32 master copy; at the optimizer step a rank
   holds its gradient partition in the model dtype and an fp32 copy of it (`stage_1_and_2.py::step`,
@@ -12,7 +12,7 @@ Model states follow what DeepSpeed and Trainer really allocate, measured on real
   the fp32 copy one `sub_group_size` group at a time, so it holds 4·min(sub_group_size, Ψ/N).
 - The step is not always the peak: under gradient accumulation ZeRO-1 keeps the full gradients in the model dtype
   between micro-steps (it reduces only at the boundary), ZeRO-2/3 only their partition
-  (`grads_between_micro_steps_bytes`; measured in tests/test_memory_peaks.py).
+  (`grads_between_micro_steps_bytes`; measured in tests/memory/test_memory_peaks.py).
 - Loading comes before sharding: without `zero3_init_flag` every local rank materialises the whole model in host
   RAM (`host_load_bytes_per_node`).
 - In fp32, DeepSpeed still clones the fp32 partition for the optimizer (4Ψ/N more than the paper's 16Ψ).

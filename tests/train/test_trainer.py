@@ -1,5 +1,5 @@
 """FinetuneTrainer, in one process: the loss normalisation in compute_loss, rotation taken over from Trainer, the DDP
-comm hook. The 2-process equivalence of the normalisation is tests/test_scaling.py's."""
+comm hook. The 2-process equivalence of the normalisation is tests/recipe/test_scaling.py's."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """`finetune preprocess` and the cache `finetune train` reads (finetune.data.cache): the same rows as tokenizing, never
 served stale (data, template, length settings), refused where it would overwrite something else. The 2-process read
-is in tests/test_adapters_distributed.py, shared with other assertions."""
+is in tests/models/test_adapters_distributed.py, shared with other assertions."""
 
 import json
 

@@ -266,7 +266,8 @@ def test_save_on_each_node_is_refused_under_zero3_before_any_process_group(monke
 
 
 def test_save_on_each_node_is_refused_under_fsdp1_before_any_process_group(monkeypatch):
-    """FSDP1 gathers the full state dict on global rank 0 only (FSDP2 is gathered on every node: tests/test_fsdp.py)."""
+    """FSDP1 gathers the full state dict on global rank 0 only (FSDP2 is gathered on every node:
+    tests/launch/test_fsdp.py)."""
     from finetune.recipe.parse import parse_recipe
 
     monkeypatch.chdir(PROJECT_ROOT)

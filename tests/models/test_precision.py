@@ -154,7 +154,7 @@ def test_zero3_on_a_bf16_checkpoint_keeps_deepspeeds_fp32_masters_equal_to_the_p
     weights = load_file(hub_model_dir / "model.safetensors")
     parameters = sum(tensor.numel() for tensor in weights.values())
     # Trainer's no-weight-decay group (norms and biases) is stepped after the first group's fp32 gradients are freed:
-    # the step holds the larger group's copy (tests/test_memory_distributed.py: NO_DECAY_FP32).
+    # the step holds the larger group's copy (tests/memory/test_memory_distributed.py: NO_DECAY_FP32).
     no_decay_fp32_shard = 4 * sum(tensor.numel() for name, tensor in weights.items()
                                   if "norm" in name or "bias" in name) // 2
     effective = json.loads((output_dir / "effective_config.json").read_text())["values"]

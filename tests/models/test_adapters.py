@@ -1,7 +1,7 @@
 """Adapter keys (finetune.models.lora.lora_config): DoRA, rsLoRA, `modules_to_save` and the target presets reach
 peft as
 asked, the estimator counts what peft trains, and a name that matches nothing stops while the recipe is read. The
-2-process runs under DDP and ZeRO-3 are in tests/test_adapters_distributed.py."""
+2-process runs under DDP and ZeRO-3 are in tests/models/test_adapters_distributed.py."""
 
 import math
 
