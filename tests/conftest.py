@@ -12,12 +12,60 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`make test`: one worker a core) a worker's in-process training and every run it starts take one
+# thread a process: two workers' OpenMP pools on two cores would spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # DeepSpeed compiles its CPU ops (the shared-memory collective, CPU Adam) on first use, about a minute each, into
 # torch's extension folder, and compiles them again whenever the folder holds a build against another environment's
 # torch: one folder per environment keeps two checkouts on one machine from rebuilding each other's ops at every launch.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
     Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
     / f"env-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"))
+
+
+# The session fixtures that launch training runs: the tests reading one share its runs, so under pytest-xdist
+# (`make test` runs two workers, one per core: a launch leaves a core idle while its launcher and ranks start and stop)
+# the test files reading the same one go to the same worker, and each file stays whole on one worker for its
+# module-scoped runs.
+LAUNCHING_SESSION_FIXTURES = ("deepspeed_runs", "ddp_run", "lora_runs", "checkpointed_runs", "trained_demo")
+
+
+def worker_groups(items) -> dict[str, str]:
+    """Test file -> its worker group: files joined while they read a launching session fixture in common."""
+    group = {item.path: item.path for item in items}
+
+    def root(path):
+        while group[path] != path:
+            path = group[path]
+        return path
+
+    first_reader: dict[str, Any] = {}
+    for item in items:
+        for name in LAUNCHING_SESSION_FIXTURES:
+            if name in item.fixturenames:
+                other = first_reader.setdefault(name, item.path)
+                group[root(item.path)] = root(other)
+    return {path: root(path).relative_to(Path(__file__).parent).as_posix() for path in group}
+
+
+def launch_weight(item) -> float:
+    """What a test costs, roughly: a launch for each distributed test or reader of a launching fixture."""
+    launches = item.get_closest_marker("distributed") is not None or any(
+        name in item.fixturenames for name in LAUNCHING_SESSION_FIXTURES)
+    return 1.0 if launches else 0.05
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks each test with its worker group (pytest-xdist's `--dist loadgroup`) and puts the costliest groups first,
+    so the last group to start is a short one and both workers end together."""
+    groups = worker_groups(items)
+    weight: dict[str, float] = {}
+    for item in items:
+        weight[groups[item.path]] = weight.get(groups[item.path], 0.0) + launch_weight(item)
+        item.add_marker(pytest.mark.xdist_group(groups[item.path]))
+    items.sort(key=lambda item: -weight[groups[item.path]])  # stable: a group's tests keep their order
 
 
 class LaunchedOnRead(Mapping):

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from finetune.configs.lint import lint_file
-from finetune.generated_files import check_configs, write_configs
 
 
 def configs_command_parser(subparsers) -> None:
@@ -29,6 +28,9 @@ def configs_command_parser(subparsers) -> None:
 
 
 def configs_command(args) -> int:
+    # the generated docs come from the recipe's dataclasses (Transformers' TrainingArguments): loaded for write/check
+    from finetune.generated_files import check_configs, write_configs
+
     if args.action == "write":
         written = write_configs(args.out, force=args.force)
         for path in written:

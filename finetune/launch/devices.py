@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 # bf16 arithmetic arrived with Ampere (compute capability 8.0): the test `torch.cuda.is_bf16_supported(
 # including_emulation=False)` makes (`get_device_properties(device).major >= 8`, torch/cuda/__init__.py). Older GPUs
 # (Turing T4 7.5, Volta V100 7.0) have fp16 tensor cores only; Transformers' and Accelerate's own checks count
@@ -64,6 +62,8 @@ def known_gpu(device_name: str) -> Gpu | None:
 
 def visible_gpu() -> Gpu | None:
     """The first GPU this process sees (device 0: what Trainer trains on), or None without CUDA."""
+    import torch  # only where a GPU is asked about: planning loads no torch
+
     if not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability(0)
