@@ -37,27 +37,42 @@ class Gpu:
 
 
 # For `finetune plan --gpu NAME` and MFU: compute capabilities from NVIDIA's CUDA GPUs table, memory as the GPU
-# reports it, dense peaks from the vendors' datasheets (shared/REFERENCE.md; None where none is recorded).
+# reports it, dense (no sparsity) bf16 peaks from NVIDIA's datasheets, fp16 where the GPU has no bf16 (T4, V100), with
+# fp32 accumulation on a GeForce card (shared/REFERENCE.md). None where NVIDIA publishes no figure (the A10G, AWS's
+# variant of the A10): MFU then needs `peak_tflops`, and the run says so.
 KNOWN_GPUS = {
     "t4": Gpu("Tesla T4", (7, 5), 15.0, 65.0),
-    "v100": Gpu("Tesla V100", (7, 0), 32.0),
+    "v100": Gpu("Tesla V100-SXM2-32GB", (7, 0), 32.0, 125.0),
+    "a10": Gpu("NVIDIA A10", (8, 6), 22.5, 125.0),
     "a10g": Gpu("NVIDIA A10G", (8, 6), 22.0),
-    "l4": Gpu("NVIDIA L4", (8, 9), 22.0),
-    "rtx4090": Gpu("NVIDIA GeForce RTX 4090", (8, 9), 24.0),
+    "l4": Gpu("NVIDIA L4", (8, 9), 22.0, 121.0),
+    "l40": Gpu("NVIDIA L40", (8, 9), 45.0, 181.0),
+    "l40s": Gpu("NVIDIA L40S", (8, 9), 45.0, 362.0),
+    "rtx4090": Gpu("NVIDIA GeForce RTX 4090", (8, 9), 24.0, 165.0),
     "a100": Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 80.0, 312.0),
     "a100-40gb": Gpu("NVIDIA A100-SXM4-40GB", (8, 0), 40.0, 312.0),
     "h100-pcie": Gpu("NVIDIA H100 PCIe", (9, 0), 80.0, 756.0),
+    "h100-nvl": Gpu("NVIDIA H100 NVL", (9, 0), 93.6, 835.0),
     "h100": Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80.0, 989.0),
     "h200": Gpu("NVIDIA H200", (9, 0), 141.0, 989.0),
 }
-# How a device name (`torch.cuda.get_device_name`) is recognised, most specific first.
-_NAME_MARKERS = (("H100 PCIe", "h100-pcie"), ("H100", "h100"), ("H200", "h200"), ("A100", "a100"), ("T4", "t4"),
-                 ("V100", "v100"), ("A10G", "a10g"), ("L4", "l4"), ("4090", "rtx4090"))
+# The other names CUDA gives the same parts (`torch.cuda.get_device_name`), each with its own datasheet peak.
+_OTHER_NAMES = {
+    "Tesla V100-SXM2-16GB": KNOWN_GPUS["v100"],
+    "Tesla V100-PCIE-16GB": Gpu("Tesla V100-PCIE-16GB", (7, 0), 16.0, 112.0),
+    "Tesla V100-PCIE-32GB": Gpu("Tesla V100-PCIE-32GB", (7, 0), 32.0, 112.0),
+    "Tesla V100S-PCIE-32GB": Gpu("Tesla V100S-PCIE-32GB", (7, 0), 32.0, 130.0),
+    "NVIDIA A100-PCIE-40GB": KNOWN_GPUS["a100-40gb"],
+    "NVIDIA A100 80GB PCIe": KNOWN_GPUS["a100"],
+}
+# Exact names only: a part whose name merely contains a known one ("NVIDIA L40S" holds "L4", "NVIDIA H100 NVL" holds
+# "H100") is another part with another peak.
+_BY_DEVICE_NAME = {gpu.name: gpu for gpu in KNOWN_GPUS.values()} | _OTHER_NAMES
 
 
 def known_gpu(device_name: str) -> Gpu | None:
-    """The table's entry for a device name as CUDA reports it, or None (a CPU, an unknown GPU)."""
-    return next((KNOWN_GPUS[key] for marker, key in _NAME_MARKERS if marker in device_name), None)
+    """The table's entry for a device name exactly as CUDA reports it, or None (a CPU, a GPU not in the table)."""
+    return _BY_DEVICE_NAME.get(device_name.strip())
 
 
 def visible_gpu() -> Gpu | None:

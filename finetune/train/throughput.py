@@ -3,11 +3,14 @@ and MFU, added to Trainer's logs and summarised in `output_dir/throughput.json`.
 
 Tokens are Trainer's own count (`include_num_input_tokens_seen: non_padding`, gathered over ranks). FLOPs per token
 follow nanoGPT's `estimate_mfu` (PaLM appendix B): 6 per matmul parameter, 4 for a frozen one (no weight gradient),
-plus 12·L·H·Q·T for attention; recomputation under gradient checkpointing is not counted (that is HFU, not MFU).
+plus 12·L·H·Q·T for attention, T the context a token attends over: the training examples' token-weighted mean length,
+each packed example apart (`attention_span`). A 4-bit QLoRA weight counts the elements it stands for. Recomputation
+under gradient checkpointing is not counted (that is HFU, not MFU).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -24,11 +27,20 @@ def device_name() -> str:
 
 
 def peak_tflops_of(name: str) -> float | None:
-    """The dense bf16 peak of a known accelerator (`finetune.launch.devices.KNOWN_GPUS`), or None (a CPU, an unknown
-    GPU:
-    pass `peak_tflops`)."""
+    """The dense bf16 peak of a known accelerator, its name matched exactly (`finetune.launch.devices.KNOWN_GPUS`),
+    or None (a CPU, a GPU without a published figure or not in the table: pass `peak_tflops`)."""
     gpu = known_gpu(name)
     return gpu.peak_tflops if gpu is not None else None
+
+
+def stored_numel(parameter) -> int:
+    """Elements of the weight a parameter stands for: a ZeRO-3 partition by its full size (`ds_numel`), a 4-bit
+    QLoRA weight (bitsandbytes' `Params4bit`, whose storage packs two or four values a byte) by the shape its
+    `quant_state` records."""
+    if hasattr(parameter, "ds_numel"):
+        return parameter.ds_numel
+    shape = getattr(getattr(parameter, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else parameter.numel()
 
 
 @dataclass(frozen=True)
@@ -43,8 +55,8 @@ class FlopsModel:
 
     @classmethod
     def of(cls, model) -> FlopsModel:
-        """Counts the model's parameters (ZeRO-3 partitions by their full size); the input embedding is a lookup,
-        not a matmul, unless the output head shares it."""
+        """Counts the model's parameters by the weights they stand for (`stored_numel`); the input embedding is a
+        lookup, not a matmul, unless the output head shares it."""
         config = model.config
         embedding = model.get_input_embeddings().weight
         tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embedding
@@ -52,7 +64,7 @@ class FlopsModel:
         for parameter in model.parameters():  # parameters() yields a tied weight once
             if parameter is embedding and not tied:
                 continue
-            size = getattr(parameter, "ds_numel", parameter.numel())
+            size = stored_numel(parameter)
             if parameter.requires_grad:
                 trainable += size
             else:
@@ -64,6 +76,28 @@ class FlopsModel:
     def per_token(self, sequence_length: float) -> float:
         matmuls = 6 * self.trainable_matmul_parameters + 4 * self.frozen_matmul_parameters
         return matmuls + 12 * self.layers * self.heads * self.head_dim * sequence_length
+
+
+# Rows read to find the attention span of the training data: enough for a stable mean, cheap on millions of rows.
+ATTENTION_SAMPLE_ROWS = 10_000
+
+
+def attention_span(dataset, rows: int = ATTENTION_SAMPLE_ROWS) -> float | None:
+    """The token-weighted mean example length ΣL²/ΣL of (the first `rows` rows of) a tokenized training set: the
+    context a token's attention FLOPs grow with. A packed row holds several examples, each attending only to itself
+    (its `position_ids` restart at 0), so a row's length would overcount them. None for data it cannot read."""
+    columns = getattr(dataset, "column_names", None) or []
+    if "position_ids" in columns:
+        lengths = []
+        for positions in dataset.select(range(min(rows, len(dataset))))["position_ids"]:
+            starts = [index for index, position in enumerate(positions) if position == 0] + [len(positions)]
+            lengths += [end - start for start, end in zip(starts, starts[1:])]
+    elif "input_ids" in columns:
+        lengths = [len(ids) for ids in dataset.select(range(min(rows, len(dataset))))["input_ids"]]
+    else:
+        return None
+    tokens = sum(lengths)
+    return sum(length * length for length in lengths) / tokens if tokens else None
 
 
 @dataclass
@@ -91,12 +125,17 @@ class ThroughputCallback(TrainerCallback):
         self.peak_tflops = peak_tflops
         self.warmup_steps = warmup_steps
         self.flops: FlopsModel | None = None
+        self.attention_span: float | None = None  # ΣL²/ΣL of the training examples; None: the window's mean row
         self.window, self.total = Window(), Window()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.flops = FlopsModel.of(model)
+        self.attention_span = attention_span(getattr(kwargs.get("train_dataloader"), "dataset", None))
         self.device = device_name()
         self.peak = self.peak_tflops or peak_tflops_of(self.device)
+        if self.peak is None and self.device != "cpu" and state.is_world_process_zero:
+            print(f"warning: no dense bf16 peak is known for `{self.device}`: MFU is left out; set `peak_tflops` "
+                  "(TFLOP/s of one device, from its datasheet) to have it.")
         self.sequences_per_step = BatchPlan.running(args).global_batch_size
         self.first_step = state.global_step
         self.tokens_seen = state.num_input_tokens_seen
@@ -140,9 +179,9 @@ class ThroughputCallback(TrainerCallback):
                   "tokens": window.tokens if counted else None, "tokens_per_second": None,
                   "tflops_per_device": None, "mfu": None, "peak_tflops": self.peak}
         if counted and window.seconds:
-            mean_row = window.tokens / window.sequences  # attention spans a row's real tokens
+            span = self.attention_span or window.tokens / window.sequences  # examples' lengths, not packed rows'
             result["tokens_per_second"] = window.tokens / window.seconds
-            result["flops_per_token"] = self.flops.per_token(mean_row)
+            result["flops_per_token"] = self.flops.per_token(span)
             flops_per_second = result["tokens_per_second"] * result["flops_per_token"]
             result["tflops_per_device"] = flops_per_second / args.world_size / 1e12
             if self.peak:

@@ -2,11 +2,13 @@
 writes (throughput.json and throughput/* in the logs)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from finetune import presets
-from finetune.train.throughput import FlopsModel, peak_tflops_of
+from finetune.train.throughput import FlopsModel, ThroughputCallback, peak_tflops_of
 
 
 def test_flops_per_token_of_the_tiny_model_match_a_hand_calculation():
@@ -33,11 +35,36 @@ def test_an_untied_embedding_is_a_lookup_not_a_matmul():
     assert FlopsModel.of(model).per_token(0) == 6 * (total - 100 * 16)
 
 
-@pytest.mark.parametrize(("name", "peak"), [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
-                                            ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
-                                            ("Tesla T4", 65.0), ("cpu", None), ("NVIDIA GeForce RTX 3090", None)])
-def test_peaks_come_from_the_accelerator_table(name, peak):
+@pytest.mark.parametrize(("name", "peak"), [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA A100-PCIE-40GB", 312.0),
+    ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA A10", 125.0),
+    ("NVIDIA GeForce RTX 4090", 165.0), ("Tesla V100-SXM2-16GB", 125.0), ("Tesla V100-PCIE-32GB", 112.0),
+    ("Tesla V100S-PCIE-32GB", 130.0), ("Tesla T4", 65.0),
+    # no published figure, not in the table, or a name that only contains a known one: no peak rather than a wrong one
+    ("NVIDIA A10G", None), ("cpu", None), ("NVIDIA GeForce RTX 3090", None), ("NVIDIA H200 NVL", None),
+    ("NVIDIA L40S-PCIE", None)])
+def test_peaks_come_from_the_accelerator_table_by_exact_name(name, peak):
     assert peak_tflops_of(name) == peak
+
+
+def test_a_4bit_weight_counts_the_elements_it_stands_for_not_its_packed_storage():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    full = FlopsModel.of(model).per_token(0)
+    for module in model.modules():  # bitsandbytes' Params4bit: two 4-bit values a byte, the shape in its quant_state
+        if isinstance(module, torch.nn.Linear) and module is not model.lm_head:
+            packed = torch.nn.Parameter(torch.zeros(module.weight.numel() // 2, 1, dtype=torch.uint8),
+                                        requires_grad=False)
+            packed.quant_state = SimpleNamespace(shape=module.weight.shape)
+            module.weight = packed
+    frozen = sum(module.weight.quant_state.shape.numel() for module in model.modules()
+                 if isinstance(module, torch.nn.Linear) and module is not model.lm_head)
+    # the same weights, now frozen: 4 FLOPs an element instead of 6, none of them halved by the packing
+    assert FlopsModel.of(model).per_token(0) == full - 2 * frozen
 
 
 @pytest.mark.distributed
@@ -53,3 +80,45 @@ def test_a_two_process_run_writes_throughput_json_and_logs_it(ddp_run):
     assert record["flops_per_token"] == 6 * 525_824 + 12 * 3 * 4 * 32 * mean_row
     logged = [entry for entry in history if "throughput/tokens_per_second" in entry]
     assert [entry["step"] for entry in logged] == [2, 3]
+
+
+@pytest.mark.parametrize(("device", "peak_tflops", "warned"), [
+    ("NVIDIA A10G", None, True), ("NVIDIA A10G", 70.0, False), ("NVIDIA L40S", None, False), ("cpu", None, False)])
+def test_a_gpu_without_a_known_peak_says_mfu_is_left_out(monkeypatch, capsys, device, peak_tflops, warned):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.train import throughput
+
+    monkeypatch.setattr(throughput, "device_name", lambda: device)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    args = SimpleNamespace(per_device_train_batch_size=2, world_size=1, gradient_accumulation_steps=1,
+                           learning_rate=1e-3)
+    state = SimpleNamespace(global_step=0, num_input_tokens_seen=0, is_world_process_zero=True)
+    callback = throughput.ThroughputCallback(peak_tflops=peak_tflops)
+    callback.on_train_begin(args, state, None, model=model)
+    out = capsys.readouterr().out
+    assert ("MFU is left out; set `peak_tflops`" in out) is warned
+    assert callback.peak == (peak_tflops or throughput.peak_tflops_of(device))
+
+
+def test_attention_counts_each_packed_example_not_the_row_it_shares():
+    from datasets import Dataset
+
+    from finetune.data.collate import pack_examples
+    from finetune.train.throughput import Window, attention_span
+
+    lengths = [30, 10, 20, 40, 5, 15]
+    examples = Dataset.from_dict({"input_ids": [[1] * n for n in lengths], "labels": [[1] * n for n in lengths]})
+    packed = pack_examples(examples, max_length=64)
+    span = sum(n * n for n in lengths) / sum(lengths)  # ΣL²/ΣL = 22.5
+    assert attention_span(examples) == attention_span(packed) == pytest.approx(span)
+    assert len(packed) < len(lengths)  # several examples a row: the mean row would be longer
+
+    callback = ThroughputCallback(peak_tflops=100.0)
+    callback.flops, callback.attention_span, callback.peak = FlopsModel(1000, 0, 2, 4, 8), attention_span(packed), 100.0
+    window = Window(steps=1, seconds=1.0, tokens=sum(lengths), sequences=len(packed))
+    args = SimpleNamespace(include_num_input_tokens_seen="non_padding", world_size=1)
+    result = callback.summary(window, args)
+    assert result["flops_per_token"] == 6 * 1000 + 12 * 2 * 4 * 8 * span
+    assert result["mfu"] == pytest.approx(result["flops_per_token"] * sum(lengths) / 1e12 / 100.0)
