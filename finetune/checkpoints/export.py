@@ -187,6 +187,8 @@ def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dt
         raise RecipeError(f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)}.")
     model, is_adapter = load_for_export(source, merge_lora, base_model, seed)
     check_destination(source, out_dir, force)
+    if dtype is None and not is_adapter:  # a checkpoint holds the training precision: export as the run saves
+        dtype = read_marker(source).get("final_weights_dtype")
     if dtype is not None:
         model = model.to(EXPORT_DTYPES[dtype])
     forget_earlier_export(out_dir)

@@ -13,7 +13,8 @@ def export_command_parser(subparsers) -> None:
     parser.add_argument("checkpoint", help="a run's output_dir or one of its checkpoint-N folders")
     parser.add_argument("out_dir", help="directory to write the model to")
     parser.add_argument("--merge-lora", action="store_true", help="merge the LoRA adapter into its base model")
-    parser.add_argument("--dtype", help="cast the weights: bf16, fp16 or fp32")
+    parser.add_argument("--dtype", help="cast the weights: bf16, fp16 or fp32 (default: a checkpoint is exported in "
+                        "the dtype its run saves its final weights in, `save_dtype`: bf16 in, bf16 out)")
     parser.add_argument("--base-model", help="the adapter's base model (default: the one the adapter names)")
     parser.add_argument("--seed", type=int, help="seed that built the `tiny` base (default: the seed the run "
                         "recorded in its effective_config.json)")

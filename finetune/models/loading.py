@@ -53,12 +53,41 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strate
     if qlora:
         return _load_4bit(model_args, tokenizer, seed, strategy or Strategy("single"))
     with loading_refusals(model_args):
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path,
             dtype=DTYPES[model_args.torch_dtype],
             attn_implementation=model_args.attn_implementation,
             trust_remote_code=model_args.trust_remote_code,
         )
+    model.checkpoint_dtype = stored_dtype(model_args.model_name_or_path) or model.dtype
+    return model
+
+
+def stored_dtype(name: str) -> torch.dtype | None:
+    """The dtype a checkpoint's weights are stored in, as its config.json records it (`dtype`, or `torch_dtype`
+    before Transformers 5); None where it records none."""
+    from transformers import AutoConfig
+
+    try:
+        recorded = AutoConfig.from_pretrained(name).dtype
+    except (OSError, ValueError):
+        return None
+    if isinstance(recorded, str):
+        recorded = DTYPES.get(recorded)
+    return recorded if isinstance(recorded, torch.dtype) else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for torch.bfloat16: the name config.json and the recipe use."""
+    return str(dtype).removeprefix("torch.")
+
+
+def saved_dtype(model, save_dtype: str) -> torch.dtype | None:
+    """The dtype a final save writes a full fine-tune's weights in (`save_dtype`): `auto` is the checkpoint's own
+    (recorded at load; fp32 for a model built in code), None where nothing is to change."""
+    if save_dtype != "auto":
+        return DTYPES[save_dtype]
+    return getattr(model, "checkpoint_dtype", None)
 
 
 @contextmanager

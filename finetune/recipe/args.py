@@ -272,6 +272,13 @@ class FinetuneTrainingArguments(TrainingArguments):
                           "less memory, but updates smaller than half a bf16 step are rounded away. Off: trainable "
                           "weights are fp32 masters whatever the checkpoint's dtype (single process and DDP only)."},
     )
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto",
+        metadata={"help": "dtype of the final model's weights (a full fine-tune; checkpoints keep the training "
+                          "precision for an exact resume): auto saves them in the checkpoint's own dtype, bf16 in, "
+                          "bf16 out (fp32 for the tiny model built in code); float32 keeps the fp32 masters' every "
+                          "digit at twice the size."},
+    )
     loss_normalization: Literal["tokens", "micro_batch_mean"] = field(
         default="tokens",
         metadata={"help": "tokens: every answer token weighs the same across accumulation steps and ranks "

@@ -24,7 +24,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from accelerate.utils import DDPCommunicationHookType
-from transformers import Trainer
+from transformers import PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune import outputs
@@ -37,6 +37,7 @@ from finetune.checkpoints.complete import (
     rotate_complete_checkpoints,
 )
 from finetune.checkpoints.disk import needed_checkpoint_bytes, saving_within_free_space, trainable_parameter_bytes
+from finetune.models.loading import dtype_name, saved_dtype
 from finetune.recipe.batch_plan import BatchPlan
 
 
@@ -100,18 +101,38 @@ class FinetuneTrainerMixin:
                 peft_config.save_pretrained(folder)
             if self.is_deepspeed_enabled and self.args.save_on_each_node:
                 name_deepspeed_tag_on_this_node(folder)
-            mark_complete(folder, self.state.global_step, checkpoint_layout(self), self.recipe_values, self.train_data)
+            # the dtype the run's final weights are written in, for `finetune export` of this checkpoint
+            final_dtype = saved_dtype(self.accelerator.unwrap_model(self.model), self.args.save_dtype)
+            layout = {**checkpoint_layout(self), "final_weights_dtype": final_dtype and dtype_name(final_dtype)}
+            mark_complete(folder, self.state.global_step, layout, self.recipe_values, self.train_data)
             rotate_complete_checkpoints(folder.parent, self.save_total_limit, self.state.best_model_checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        # A checkpoint's weights (`_internal_call`) are checked with the whole checkpoint in _save_checkpoint.
+        # A checkpoint's weights (`_internal_call`) are checked with the whole checkpoint in _save_checkpoint, and
+        # keep the training precision: resuming reads them. The final model is written in `save_dtype` (_save).
         final_save = nullcontext() if _internal_call else saving_within_free_space(
             Path(output_dir or self.args.output_dir), trainable_parameter_bytes(self.model), what="the model")
-        with final_save:
-            super().save_model(output_dir, _internal_call)
-        if _internal_call:  # a checkpoint: its shards are what resuming reads
-            return
-        output_dir = output_dir or self.args.output_dir
+        self.final_weights_dtype = None if _internal_call else saved_dtype(
+            self.accelerator.unwrap_model(self.model), self.args.save_dtype)
+        try:
+            with final_save:
+                super().save_model(output_dir, _internal_call)
+            if not _internal_call:
+                self._save_final_weights_elsewhere(output_dir or self.args.output_dir)
+        finally:
+            self.final_weights_dtype = None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's save, the final weights of a full fine-tune cast to `final_weights_dtype` (a bf16 checkpoint
+        comes out bf16, not in its fp32 masters at twice the size); adapters are saved as peft saves them."""
+        dtype, model = getattr(self, "final_weights_dtype", None), self.accelerator.unwrap_model(self.model)
+        if dtype is None or not isinstance(model, PreTrainedModel):
+            return super()._save(output_dir, state_dict)
+        super()._save(output_dir, cast_state_dict(model.state_dict() if state_dict is None else state_dict, dtype))
+        if self.args.should_save:
+            record_config_dtype(Path(output_dir or self.args.output_dir), dtype)
+
+    def _save_final_weights_elsewhere(self, output_dir: str) -> None:
         other_node = self.args.save_on_each_node and self.args.should_save and self.args.process_index != 0
         state_dict = None
         if self.is_fsdp_enabled and self.args.save_on_each_node:
@@ -149,12 +170,17 @@ class FinetuneTrainerMixin:
         model = self.accelerator.unwrap_model(self.model)
         if state_dict is None and self.is_deepspeed_enabled:  # what Trainer.save_model gives save_pretrained on rank 0
             state_dict = self.accelerator.get_state_dict(self.deepspeed)
+        dtype = getattr(self, "final_weights_dtype", None)
+        if dtype is not None and isinstance(model, PreTrainedModel):  # the final weights, as on rank 0 (_save)
+            state_dict = cast_state_dict(model.state_dict() if state_dict is None else state_dict, dtype)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.should_save_on_this_rank = lambda is_main_process: is_main_process  # this instance, this call only
         try:
             model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
         finally:
             del base.should_save_on_this_rank
+        if dtype is not None and isinstance(model, PreTrainedModel):
+            record_config_dtype(Path(output_dir), dtype)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -202,3 +228,30 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
         if self.args.loss_normalization == "micro_batch_mean":
             num_items_in_batch = None
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+
+def cast_state_dict(state_dict: dict, dtype) -> dict:
+    """The floating tensors cast to `dtype`, tied ones (one storage under two names) still one tensor, so
+    save_pretrained still writes a tied weight once."""
+    cast, done = {}, {}
+    for name, tensor in state_dict.items():
+        if not tensor.is_floating_point() or tensor.dtype == dtype:
+            cast[name] = tensor
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in done:
+            done[key] = tensor.to(dtype)
+        cast[name] = done[key]
+    return cast
+
+
+def record_config_dtype(output_dir: Path, dtype) -> None:
+    """save_pretrained records the dtype of the model's first parameter (the fp32 masters); config.json must name
+    the dtype the weights were written in."""
+    import json
+
+    config_file = output_dir / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        config["dtype"] = dtype_name(dtype)
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -11,6 +11,7 @@ from hub_fixtures import save_hub_model
 from safetensors.torch import load_file
 from support import CPU_LAUNCHES, assert_succeeded, finetune_command, launch_demo, run
 
+from finetune.cli import main
 from finetune.errors import RecipeError
 from finetune.launch.strategies import Strategy
 from finetune.models.loading import hold_trainable_parameters, trainable_dtype
@@ -46,15 +47,30 @@ def ledger(output_dir) -> list[dict]:
     return json.loads((output_dir / "memory_report.json").read_text())["ranks"]
 
 
-def test_a_bf16_checkpoint_trains_with_fp32_master_weights_as_the_fp32_checkpoint_does(
+def test_a_bf16_checkpoint_trains_with_fp32_master_weights_as_the_fp32_checkpoint_does_and_saves_bf16(
         hub_model_dir, fp32_model_dir, tmp_path):
-    from_bf16 = train_single(hub_model_dir, tmp_path / "bf16")
+    from_bf16 = train_single(hub_model_dir, tmp_path / "bf16", "--save_strategy", "steps", "--save_steps", "5")
     from_fp32 = train_single(fp32_model_dir, tmp_path / "fp32")
-    moved_bf16, moved_fp32 = moved_fraction(hub_model_dir, from_bf16), moved_fraction(fp32_model_dir, from_fp32)
+    # the checkpoint keeps the fp32 masters (resuming reads them): every weight moved as from the fp32 checkpoint
+    masters = from_bf16 / "checkpoint-5"
+    moved_bf16, moved_fp32 = moved_fraction(hub_model_dir, masters), moved_fraction(fp32_model_dir, from_fp32)
     for name, fraction in moved_fp32.items():  # only embedding rows of unseen tokens keep still, in both
         assert moved_bf16[name] == pytest.approx(fraction, abs=1e-3), name
     assert sum(moved_bf16.values()) / len(moved_bf16) > 0.9
-    assert {tensor.dtype for tensor in load_file(from_bf16 / "model.safetensors").values()} == {torch.float32}
+    assert {tensor.dtype for tensor in load_file(masters / "model.safetensors").values()} == {torch.float32}
+    # the final model is written as the checkpoint came (bf16 in, bf16 out: the masters rounded), fp32 in stays fp32
+    final, rounded = load_file(from_bf16 / "model.safetensors"), load_file(masters / "model.safetensors")
+    assert {tensor.dtype for tensor in final.values()} == {torch.bfloat16}
+    assert all(torch.equal(final[name], rounded[name].to(torch.bfloat16)) for name in final)
+    assert json.loads((from_bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {tensor.dtype for tensor in load_file(from_fp32 / "model.safetensors").values()} == {torch.float32}
+    # `finetune export` of the checkpoint follows the run's save_dtype; `--dtype` or `save_dtype: float32` keep fp32
+    assert main(["export", str(masters), str(tmp_path / "exported")]) == 0
+    assert {tensor.dtype for tensor in load_file(tmp_path / "exported" / "model.safetensors").values()} == {
+        torch.bfloat16}
+    assert main(["export", str(masters), str(tmp_path / "exported_fp32"), "--dtype", "fp32"]) == 0
+    assert {tensor.dtype for tensor in load_file(tmp_path / "exported_fp32" / "model.safetensors").values()} == {
+        torch.float32}
 
     effective = json.loads((from_bf16 / "effective_config.json").read_text())["values"]
     assert effective["precision"]["value"] == "bf16" and effective["trainable_weights"]["value"] == "float32"
@@ -83,7 +99,8 @@ def test_pure_bf16_is_asked_for_by_name_holds_8_bytes_per_parameter_and_rounds_s
 def test_ddp_on_a_bf16_checkpoint_holds_fp32_states_equal_to_the_prediction_on_every_rank(hub_model_dir, tmp_path):
     output_dir = tmp_path / "ddp"
     assert_succeeded(launch_demo(CPU_LAUNCHES["ddp"], output_dir, "--model_name_or_path", str(hub_model_dir),
-                                 *FIVE_SMALL_STEPS, "--per_device_train_batch_size", "2"))
+                                 *FIVE_SMALL_STEPS, "--per_device_train_batch_size", "2",
+                                 "--save_dtype", "float32"))  # the masters themselves: bf16 would round them back
     parameters = sum(tensor.numel() for tensor in load_file(hub_model_dir / "model.safetensors").values())
     records = ledger(output_dir)
     assert [record["rank"] for record in records] == [0, 1]

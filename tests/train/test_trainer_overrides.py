@@ -17,11 +17,11 @@ from finetune.train.trainer import FinetuneTrainer, FinetuneTrainerMixin
 # guarantees: complete checkpoints (_save_checkpoint), resume (_load_optimizer_and_scheduler), the data policies on
 # TRL's tokenized pairs (_prepare_dataset), no telemetry (_send_telemetry), ddp_timeout on gloo (_setup_devices).
 OVERRIDES = [
-    (FinetuneTrainerMixin, Trainer, ("create_accelerator_and_postprocess", "_save_checkpoint", "save_model",
+    (FinetuneTrainerMixin, Trainer, ("create_accelerator_and_postprocess", "_save_checkpoint", "save_model", "_save",
                                      "_load_optimizer_and_scheduler", "train")),
     (FinetuneTrainer, Trainer, ("compute_loss",)),
     (FinetuneTrainerMixin, DPOTrainer, ("create_accelerator_and_postprocess", "_save_checkpoint", "save_model",
-                                        "_load_optimizer_and_scheduler", "train")),
+                                        "_save", "_load_optimizer_and_scheduler", "train")),
     (FinetuneDPOTrainer, DPOTrainer, ("_prepare_dataset", "_send_telemetry", "create_model_card")),
     (FinetuneTrainingArguments, TrainingArguments, ("_setup_devices",)),
 ]
