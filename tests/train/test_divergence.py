@@ -6,7 +6,7 @@ import pytest
 
 from finetune.cli import main
 from finetune.errors import TrainingDiverged
-from finetune.train.divergence import FP16_PATIENCE, NonFiniteLossCallback
+from finetune.train.divergence import FP16_PATIENCE, FP16_SKIPPED_STEPS, NonFiniteLossCallback
 
 ARGS = SimpleNamespace(output_dir="outputs/x", save_strategy="steps")
 
@@ -32,6 +32,19 @@ def test_fp16_tolerates_skipped_overflow_steps_but_not_a_run_of_them():
         log(callback, step, loss=float("inf"))
     with pytest.raises(TrainingDiverged, match=f"step {2 * FP16_PATIENCE}: loss inf"):
         log(callback, 2 * FP16_PATIENCE, loss=float("inf"))
+
+
+def test_fp16_start_up_overflows_with_a_finite_loss_do_not_stop_a_run_logging_every_step():
+    """GradScaler starts at 2**16 and halves on each overflowing step: with `logging_steps: 1` a T4 run logs a dozen
+    infinite grad norms in a row while its loss stays finite. Those steps were skipped, not applied."""
+    callback = NonFiniteLossCallback(fp16=True)
+    for step in range(1, 17):
+        log(callback, step, loss=5.0, grad_norm=float("inf"))
+    log(callback, 17, loss=4.9, grad_norm=3.0)
+    for step in range(18, 18 + FP16_SKIPPED_STEPS - 1):  # the gradients overflow at every scale: a real problem
+        log(callback, step, loss=4.9, grad_norm=float("inf"))
+    with pytest.raises(TrainingDiverged, match=f"skipped {FP16_SKIPPED_STEPS} logged steps in a row"):
+        log(callback, 18 + FP16_SKIPPED_STEPS - 1, loss=4.9, grad_norm=float("inf"))
 
 
 def test_a_diverging_run_stops_with_the_step_and_exit_status_2(tmp_path, capsys):
