@@ -275,6 +275,10 @@ def print_plan(plan: dict) -> None:
         console.print("Launch:", plan["launch_command"], soft_wrap=True, highlight=False)
         if plan["launch_note"]:
             console.print(f"Note: {plan['launch_note']}.")
+        buffer = plan["strategies"][_index(plan, plan["recommended"])].get("nvme_param_buffer_size")
+        if buffer is not None:
+            console.print(f"NVMe: `offload_param.buffer_size` must hold the largest parameter partition, {buffer:,} "
+                          "elements (`finetune train` sizes \"auto\" so; give other launchers this number).")
     three_d = plan["parallel_3d"]
     if three_d:
         console.print(

@@ -17,13 +17,48 @@ NVME_PATH_PLACEHOLDER = "/local_nvme"
 BUCKET_SIZE = 200_000_000  # ZeRO-1/2 reduce and all-gather buckets, elements
 
 
-def _offload(device: str, nvme_path: str | None) -> dict[str, Any]:
+# ZeRO-3's NVMe parameter swapper moves one parameter partition through one buffer of `buffer_size` elements
+# (deepspeed/runtime/swap_tensor/partitioned_param_swapper.py `get_buffer`: "More elements ... than buffer size"), so a
+# buffer must hold the largest partition: ceil(numel / world size) of the largest weight. DeepSpeed's default (1e8)
+# is too small for Llama-3-8B's embedding on 2 GPUs (262.7M). "auto" is filled by `finetune train` from the model it
+# loaded and the world size it runs (`fill_nvme_param_buffer`); `finetune plan` prints the number for other launchers.
+DEEPSPEED_DEFAULT_PARAM_BUFFER = 100_000_000
+
+
+def _offload(device: str, nvme_path: str | None, parameters: bool = False) -> dict[str, Any]:
     if device not in OFFLOAD_DEVICES:
         raise ValueError(f"offload device must be one of {OFFLOAD_DEVICES}, got {device!r}")
     section: dict[str, Any] = {"device": device, "pin_memory": True}
     if device == "nvme":
         section["nvme_path"] = nvme_path
+        if parameters:
+            section["buffer_size"] = "auto"
     return section
+
+
+def nvme_param_buffer(config: dict[str, Any]) -> Any:
+    """`zero_optimization.offload_param.buffer_size` of a config offloading parameters to NVMe (a number, "auto"
+    or DeepSpeed's default when unset); None when parameters are not offloaded to NVMe."""
+    offload = (config.get("zero_optimization") or {}).get("offload_param") or {}
+    if offload.get("device") != "nvme":
+        return None
+    return offload.get("buffer_size", DEEPSPEED_DEFAULT_PARAM_BUFFER)
+
+
+def nvme_buffer_problem(config: dict[str, Any], largest_partition: int, source: str = "DeepSpeed config") -> str | None:
+    """Why the NVMe parameter buffer cannot hold a partition of `largest_partition` elements, or None."""
+    size = nvme_param_buffer(config)
+    if size is None or size == "auto" or int(size) >= largest_partition:
+        return None
+    return (f"{source}: `zero_optimization.offload_param.buffer_size` {int(size):,} is smaller than the largest "
+            f"parameter partition, {largest_partition:,} elements (DeepSpeed would stop with \"More elements ... than "
+            f"buffer size\"): set it to {largest_partition} or \"auto\" (finetune train sizes it from the model).")
+
+
+def fill_nvme_param_buffer(config: dict[str, Any], largest_partition: int) -> None:
+    """Replaces an "auto" NVMe parameter buffer with the largest partition, in place."""
+    if nvme_param_buffer(config) == "auto":
+        config["zero_optimization"]["offload_param"]["buffer_size"] = largest_partition
 
 
 def deepspeed_config(
@@ -66,7 +101,7 @@ def deepspeed_config(
     if offload_optimizer:
         zero["offload_optimizer"] = _offload(offload_optimizer, nvme_path)
     if offload_param:
-        zero["offload_param"] = _offload(offload_param, nvme_path)
+        zero["offload_param"] = _offload(offload_param, nvme_path, parameters=True)
     return {
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from finetune.configs.accelerate import deepspeed_section_as_json
+from finetune.configs.deepspeed import DEEPSPEED_DEFAULT_PARAM_BUFFER, fill_nvme_param_buffer
 
 _EXTRA_TOP_LEVEL_KEYS = {
     "zero_optimization", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
@@ -51,6 +52,10 @@ def lint_deepspeed(config: dict[str, Any], world_size: int | None = None,
                         "remove offload_param or set stage 3.")
     if _enabled(config.get("fp16")) and _enabled(config.get("bf16")):
         problems.append(f"{source}: `fp16.enabled` and `bf16.enabled` are both true; enable one (or use \"auto\").")
+    buffer = (zero.get("offload_param") or {}).get("buffer_size")
+    if buffer is not None and buffer != "auto" and not isinstance(buffer, (int, float)):
+        problems.append(f"{source}: `zero_optimization.offload_param.buffer_size` is {buffer!r}: give a number of "
+                        "elements, or \"auto\" (finetune train sizes it from the model).")
     for section in ("offload_optimizer", "offload_param"):
         offload = zero.get(section) or {}
         if offload.get("device") == "nvme" and not offload.get("nvme_path"):
@@ -83,6 +88,9 @@ def _zero_section_problems(zero: dict[str, Any], source: str) -> list[str]:
     from pydantic import ValidationError
 
     resolved = {key: (int(5e8) if value == "auto" else value) for key, value in zero.items()}
+    if isinstance(resolved.get("offload_param"), dict):  # "auto": the buffer finetune train sizes from the model
+        resolved["offload_param"] = {key: (DEEPSPEED_DEFAULT_PARAM_BUFFER if value == "auto" else value)
+                                     for key, value in resolved["offload_param"].items()}
     try:
         DeepSpeedZeroConfig(**resolved)
     except ValidationError as error:
@@ -103,7 +111,9 @@ def parse_with_deepspeed(config: dict[str, Any], hidden_size: int = 4096):
 
     with tempfile.TemporaryDirectory() as output_dir:
         args = TrainingArguments(output_dir=output_dir, use_cpu=True, report_to="none")
-    filled = HfTrainerDeepSpeedConfig(copy.deepcopy(config))
+    config = copy.deepcopy(config)
+    fill_nvme_param_buffer(config, DEEPSPEED_DEFAULT_PARAM_BUFFER)  # filled from the model at launch; no model here
+    filled = HfTrainerDeepSpeedConfig(config)
     filled.trainer_config_process(args)
     filled.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=hidden_size)), 100)
     return DeepSpeedConfig(filled.config)

@@ -465,3 +465,9 @@ def parallel_3d(shape: ModelShape, setup: Setup, tensor_parallel: int, pipeline_
         "total_bytes": int(states + activations),
         "pipeline_bubble_fraction": pipeline_bubble_fraction(p, micro_batches),
     }
+
+
+def largest_partition(shape: ModelShape, world_size: int) -> int:
+    """Elements of the largest parameter partition ZeRO-3 gives a rank: ceil(numel / world size) of the biggest
+    module's weights (what an NVMe parameter buffer must hold, finetune.configs.deepspeed)."""
+    return -(-shape.largest_layer_parameters // world_size)

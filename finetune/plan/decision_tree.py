@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from finetune.errors import RecipeError
 from finetune.launch.devices import Gpu, default_precision
 from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy, Strategy
-from finetune.memory.estimate import GiB, MemoryEstimate, Setup, estimate, parallel_3d
+from finetune.memory.estimate import GiB, MemoryEstimate, Setup, estimate, largest_partition, parallel_3d
 from finetune.memory.shapes import ALIASES, model_shape
 from finetune.recipe.batch_plan import plan_batch, plan_from_recipe, reachable_global_batch
 from finetune.recipe.methods import DEFAULT_METHOD, method_class
@@ -152,7 +152,10 @@ def fits(request: PlanRequest, result: MemoryEstimate) -> bool:
 
 def _row(request: PlanRequest, name: str, config: str | None, result: MemoryEstimate) -> dict:
     reason = shortfall(request, result)
-    return {"name": name, "config": config, "fits": reason is None, "shortfall": reason, "estimate": result}
+    row = {"name": name, "config": config, "fits": reason is None, "shortfall": reason, "estimate": result}
+    if result.setup.offload_param == "nvme":  # what `offload_param.buffer_size` must hold (finetune train: "auto")
+        row["nvme_param_buffer_size"] = largest_partition(model_shape(request.model), request.gpus)
+    return row
 
 
 def resolve_global_batch(request: PlanRequest) -> tuple[int, str | None]:

@@ -196,6 +196,7 @@ class FinetuneTrainerMixin:
             outputs.write_record(self.args.output_dir, outputs.EFFECTIVE_CONFIG, effective)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        size_nvme_param_buffer(self)  # before DeepSpeed starts: it would assert on a partition the buffer cannot hold
         if isinstance(resume_from_checkpoint, str):
             prepare_resume(self, resume_from_checkpoint)  # stops, or converts a checkpoint saved with another layout
         return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -255,3 +256,23 @@ def record_config_dtype(output_dir: Path, dtype) -> None:
         config = json.loads(config_file.read_text())
         config["dtype"] = dtype_name(dtype)
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def size_nvme_param_buffer(trainer) -> None:
+    """ZeRO-3 with parameters offloaded to NVMe: a `buffer_size` of "auto" becomes this model's largest partition at
+    this world size (finetune.configs.deepspeed); a number too small stops here, naming both numbers."""
+    from finetune.configs.deepspeed import fill_nvme_param_buffer, nvme_buffer_problem, nvme_param_buffer
+    from finetune.errors import RecipeError
+    from finetune.train.throughput import stored_numel
+
+    if not trainer.is_deepspeed_enabled:
+        return
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    if nvme_param_buffer(config) is None:
+        return
+    world_size = trainer.args.world_size
+    largest = max(-(-stored_numel(parameter) // world_size) for parameter in trainer.model.parameters())
+    problem = nvme_buffer_problem(config, largest, source="the DeepSpeed config")
+    if problem is not None:
+        raise RecipeError(problem)
+    fill_nvme_param_buffer(config, largest)

@@ -161,3 +161,60 @@ def test_configs_write_leaves_identical_files_alone_and_writes_docs_only_into_th
     capsys.readouterr()
     assert main(["configs", "write", "--out", str(tmp_path)]) == 0
     assert "wrote" not in capsys.readouterr().out and ddp.stat().st_mtime_ns == before
+
+
+# Llama-3-8B's largest weight, the (untied) embedding and head: 128256 × 4096 = 525,336,576 elements, 262,668,288 a rank
+# on 2 GPUs: more than DeepSpeed's default NVMe parameter buffer (1e8).
+LLAMA_3_8B_PARTITION_ON_2 = 128256 * 4096 // 2
+
+
+def test_the_nvme_parameter_buffer_is_sized_from_the_largest_partition_and_a_small_one_is_refused(tmp_path, capsys):
+    from finetune.configs.deepspeed import fill_nvme_param_buffer, nvme_param_buffer
+    from finetune.memory import model_shape
+    from finetune.memory.estimate import largest_partition
+
+    shipped = json.loads((PROJECT_ROOT / "deepspeed_configs" / "zero3_nvme.json").read_text())
+    assert nvme_param_buffer(shipped) == "auto" and nvme_param_buffer(deepspeed_config(3)) is None
+    assert largest_partition(model_shape("llama-3-8b"), 2) == LLAMA_3_8B_PARTITION_ON_2
+    filled = json.loads(json.dumps(shipped))
+    fill_nvme_param_buffer(filled, LLAMA_3_8B_PARTITION_ON_2)
+    assert filled["zero_optimization"]["offload_param"]["buffer_size"] == LLAMA_3_8B_PARTITION_ON_2
+    parse_with_deepspeed(filled)  # DeepSpeed's own config model takes the filled value
+
+    # lint knows the model: "auto" and a large enough number pass, DeepSpeed's default does not (both numbers named)
+    assert main(["configs", "lint", "deepspeed_configs/zero3_nvme.json", "--model", "llama-3-8b",
+                 "--world-size", "2"]) == 0
+    small = json.loads(json.dumps(shipped))
+    small["zero_optimization"]["offload_param"]["buffer_size"] = 100_000_000
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    capsys.readouterr()
+    assert main(["configs", "lint", str(tmp_path / "small.json"), "--model", "llama-3-8b", "--world-size", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "buffer_size` 100,000,000 is smaller than the largest parameter partition, 262,668,288 elements" in out
+    assert main(["configs", "lint", str(tmp_path / "small.json"), "--model", "llama-3-8b", "--world-size", "8"]) == 0
+    small["zero_optimization"]["offload_param"]["buffer_size"] = "big"
+    assert any("give a number of elements" in problem for problem in lint_deepspeed(small))
+
+
+def test_a_run_sizes_an_auto_nvme_buffer_from_its_model_and_stops_on_a_small_one():
+    """`finetune train` fills "auto" from the model it loaded (a Llama-3-8B on the meta device: no memory) and the world
+    size it runs, before DeepSpeed starts; the estimator's partition is the real model's."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.memory.shapes import resolve_config
+    from finetune.train.trainer import size_nvme_param_buffer
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(resolve_config("llama-3-8b"))
+    config = deepspeed_config(3, offload_optimizer="nvme", offload_param="nvme", nvme_path="/local_nvme")
+    trainer = SimpleNamespace(is_deepspeed_enabled=True, model=model, args=SimpleNamespace(world_size=2),
+                              accelerator=SimpleNamespace(state=SimpleNamespace(
+                                  deepspeed_plugin=SimpleNamespace(deepspeed_config=config))))
+    size_nvme_param_buffer(trainer)
+    assert config["zero_optimization"]["offload_param"]["buffer_size"] == LLAMA_3_8B_PARTITION_ON_2
+    config["zero_optimization"]["offload_param"]["buffer_size"] = 100_000_000
+    with pytest.raises(RecipeError, match="100,000,000 is smaller than the largest parameter partition, 262,668,288"):
+        size_nvme_param_buffer(trainer)
