@@ -254,8 +254,9 @@ def record_config_dtype(output_dir: Path, dtype) -> None:
     config_file = output_dir / "config.json"
     if config_file.is_file():
         config = json.loads(config_file.read_text())
-        config["dtype"] = dtype_name(dtype)
-        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if config.get("dtype") != dtype_name(dtype):
+            config["dtype"] = dtype_name(dtype)
+            config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def size_nvme_param_buffer(trainer) -> None:
