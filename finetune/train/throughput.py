@@ -181,6 +181,7 @@ class ThroughputCallback(TrainerCallback):
         if counted and window.seconds:
             span = self.attention_span or window.tokens / window.sequences  # examples' lengths, not packed rows'
             result["tokens_per_second"] = window.tokens / window.seconds
+            result["attention_span"] = span
             result["flops_per_token"] = self.flops.per_token(span)
             flops_per_second = result["tokens_per_second"] * result["flops_per_token"]
             result["tflops_per_device"] = flops_per_second / args.world_size / 1e12

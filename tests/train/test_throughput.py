@@ -77,7 +77,10 @@ def test_a_two_process_run_writes_throughput_json_and_logs_it(ddp_run):
     assert record["tokens"] == seen[3] - seen[1] > 0  # non-pad tokens of both ranks, as Trainer counted them
     assert record["tokens_per_second"] == pytest.approx(record["tokens"] / record["seconds"], rel=1e-3)
     mean_row = record["tokens"] / (2 * 2 * 16)  # 2 steps × 2 ranks × 16 sequences
-    assert record["flops_per_token"] == 6 * 525_824 + 12 * 3 * 4 * 32 * mean_row
+    # attention spans the training examples' token-weighted mean length ΣL²/ΣL (the demo's examples are 18-23 tokens
+    # long: near their mean), never the 64-token cap
+    assert record["attention_span"] == pytest.approx(mean_row, rel=0.1) and record["attention_span"] < 64
+    assert record["flops_per_token"] == 6 * 525_824 + 12 * 3 * 4 * 32 * record["attention_span"]
     logged = [entry for entry in history if "throughput/tokens_per_second" in entry]
     assert [entry["step"] for entry in logged] == [2, 3]
 
