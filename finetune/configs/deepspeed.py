@@ -36,6 +36,12 @@ def _offload(device: str, nvme_path: str | None, parameters: bool = False) -> di
     return section
 
 
+def partition_elements(numel: int, world_size: int) -> int:
+    """Elements of one rank's ZeRO-3 partition of a weight: ceil(numel / world size) (partition_parameters.py pads
+    each weight to a multiple of the world size)."""
+    return -(-numel // world_size)
+
+
 def nvme_param_buffer(config: dict[str, Any]) -> Any:
     """`zero_optimization.offload_param.buffer_size` of a config offloading parameters to NVMe (a number, "auto"
     or DeepSpeed's default when unset); None when parameters are not offloaded to NVMe."""

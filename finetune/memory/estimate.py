@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from finetune.configs.deepspeed import BUCKET_SIZE
+from finetune.configs.deepspeed import BUCKET_SIZE, partition_elements
 from finetune.errors import RecipeError
 from finetune.launch.strategies import FSDP_SHARDING, KINDS, PURE_BF16_KINDS
 from finetune.memory.shapes import ModelShape
@@ -470,4 +470,4 @@ def parallel_3d(shape: ModelShape, setup: Setup, tensor_parallel: int, pipeline_
 def largest_partition(shape: ModelShape, world_size: int) -> int:
     """Elements of the largest parameter partition ZeRO-3 gives a rank: ceil(numel / world size) of the biggest
     module's weights (what an NVMe parameter buffer must hold, finetune.configs.deepspeed)."""
-    return -(-shape.largest_layer_parameters // world_size)
+    return partition_elements(shape.largest_layer_parameters, world_size)

@@ -125,12 +125,18 @@ class FinetuneTrainerMixin:
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Trainer's save, the final weights of a full fine-tune cast to `final_weights_dtype` (a bf16 checkpoint
         comes out bf16, not in its fp32 masters at twice the size); adapters are saved as peft saves them."""
+        dtype, state_dict = self._final_weights(state_dict)
+        super()._save(output_dir, state_dict)
+        if dtype is not None and self.args.should_save:
+            record_config_dtype(Path(output_dir or self.args.output_dir), dtype)
+
+    def _final_weights(self, state_dict: dict | None) -> tuple[object, dict | None]:
+        """`(dtype, state_dict)` a final save writes: a full fine-tune's weights cast to `final_weights_dtype`;
+        `(None, state_dict)` as given for a checkpoint, adapters (saved as peft saves them) or nothing to cast."""
         dtype, model = getattr(self, "final_weights_dtype", None), self.accelerator.unwrap_model(self.model)
         if dtype is None or not isinstance(model, PreTrainedModel):
-            return super()._save(output_dir, state_dict)
-        super()._save(output_dir, cast_state_dict(model.state_dict() if state_dict is None else state_dict, dtype))
-        if self.args.should_save:
-            record_config_dtype(Path(output_dir or self.args.output_dir), dtype)
+            return None, state_dict
+        return dtype, cast_state_dict(model.state_dict() if state_dict is None else state_dict, dtype)
 
     def _save_final_weights_elsewhere(self, output_dir: str) -> None:
         other_node = self.args.save_on_each_node and self.args.should_save and self.args.process_index != 0
@@ -170,16 +176,14 @@ class FinetuneTrainerMixin:
         model = self.accelerator.unwrap_model(self.model)
         if state_dict is None and self.is_deepspeed_enabled:  # what Trainer.save_model gives save_pretrained on rank 0
             state_dict = self.accelerator.get_state_dict(self.deepspeed)
-        dtype = getattr(self, "final_weights_dtype", None)
-        if dtype is not None and isinstance(model, PreTrainedModel):  # the final weights, as on rank 0 (_save)
-            state_dict = cast_state_dict(model.state_dict() if state_dict is None else state_dict, dtype)
+        dtype, state_dict = self._final_weights(state_dict)  # the final weights, as on rank 0 (_save)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.should_save_on_this_rank = lambda is_main_process: is_main_process  # this instance, this call only
         try:
             model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
         finally:
             del base.should_save_on_this_rank
-        if dtype is not None and isinstance(model, PreTrainedModel):
+        if dtype is not None:
             record_config_dtype(Path(output_dir), dtype)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -262,7 +266,12 @@ def record_config_dtype(output_dir: Path, dtype) -> None:
 def size_nvme_param_buffer(trainer) -> None:
     """ZeRO-3 with parameters offloaded to NVMe: a `buffer_size` of "auto" becomes this model's largest partition at
     this world size (finetune.configs.deepspeed); a number too small stops here, naming both numbers."""
-    from finetune.configs.deepspeed import fill_nvme_param_buffer, nvme_buffer_problem, nvme_param_buffer
+    from finetune.configs.deepspeed import (
+        fill_nvme_param_buffer,
+        nvme_buffer_problem,
+        nvme_param_buffer,
+        partition_elements,
+    )
     from finetune.errors import RecipeError
     from finetune.train.throughput import stored_numel
 
@@ -272,7 +281,7 @@ def size_nvme_param_buffer(trainer) -> None:
     if nvme_param_buffer(config) is None:
         return
     world_size = trainer.args.world_size
-    largest = max(-(-stored_numel(parameter) // world_size) for parameter in trainer.model.parameters())
+    largest = max(partition_elements(stored_numel(parameter), world_size) for parameter in trainer.model.parameters())
     problem = nvme_buffer_problem(config, largest, source="the DeepSpeed config")
     if problem is not None:
         raise RecipeError(problem)
