@@ -4,6 +4,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,13 +23,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
     Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
     / f"env-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"))
+# Every child finds this environment's tools first, as an activated environment would: the `ninja` those ops compile
+# with included. Two ninja versions (the environment's and the system's) hash a build command differently, so runs
+# alternating between them would recompile both ops at each switch.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 # The session fixtures that launch training runs: the tests reading one share its runs, so under pytest-xdist
 # (`make test` runs two workers, one per core: a launch leaves a core idle while its launcher and ranks start and stop)
 # the test files reading the same one go to the same worker, and each file stays whole on one worker for its
 # module-scoped runs.
-LAUNCHING_SESSION_FIXTURES = ("deepspeed_runs", "ddp_run", "lora_runs", "checkpointed_runs", "trained_demo")
+LAUNCHING_SESSION_FIXTURES = ("deepspeed_runs", "ddp_run", "lora_runs", "checkpointed_runs", "demo_run")
 
 
 def worker_groups(items) -> dict[str, str]:
@@ -183,16 +188,22 @@ def hub_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def trained_demo(tmp_path_factory):
-    """The demo recipe trained on one process at its global batch (2 processes x 16), cut from 1500 steps to 800:
-    reverse exact match 0.92 on the eval split. Chat answers with it (test_chat.py); DPO starts from it
-    (test_dpo.py), as a user's preference run starts from their SFT run."""
-    from support import PROJECT_ROOT, assert_succeeded, finetune_command, run
+def demo_run(tmp_path_factory):
+    """The main job exactly as `make demo` runs it on a machine without GPUs: the demo recipe, 1500 steps on 2
+    processes under DeepSpeed ZeRO-2. Returns its output_dir and the launcher's output."""
+    from support import accelerate_launch_command, run
 
-    output_dir = tmp_path_factory.mktemp("sft_demo")
-    assert_succeeded(run(finetune_command("train", "recipes/demo.yaml", "--output_dir", str(output_dir),
-                                          "--per_device_train_batch_size", "32", "--max_steps", "800",
-                                          "--eval_on_start", "false", "--generation_eval_samples", "0",
-                                          "--max_eval_samples", "10", "--logging_steps", "200", "--report_to", "none",
-                                          "--disable_tqdm", "true"), timeout=600, cwd=PROJECT_ROOT))
-    return output_dir
+    output_dir = tmp_path_factory.mktemp("demo")
+    command = accelerate_launch_command("accelerate_configs/cpu_deepspeed_zero2.yaml", "train", "recipes/demo.yaml",
+                                        "--output_dir", str(output_dir))
+    return SimpleNamespace(output_dir=output_dir, result=run(command, timeout=900))
+
+
+@pytest.fixture(scope="session")
+def trained_demo(demo_run):
+    """The demo's trained model (reverse exact match >= 0.9 on the eval split): chat answers with it (test_chat.py),
+    DPO starts from it (test_dpo.py), as a user's preference run starts from their SFT run."""
+    from support import assert_succeeded
+
+    assert_succeeded(demo_run.result)
+    return demo_run.output_dir

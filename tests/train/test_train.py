@@ -5,7 +5,7 @@ import json
 import math
 
 import pytest
-from support import accelerate_launch_command, assert_succeeded, finetune_command, run
+from support import assert_succeeded, finetune_command, run
 
 from finetune import presets
 
@@ -61,13 +61,9 @@ def test_packed_training_learns_and_reports_its_rows(tmp_path):
 
 
 @pytest.mark.distributed
-def test_demo_recipe_learns_on_two_processes_under_deepspeed_zero2(tmp_path):
-    """The main job exactly as `make demo` runs it on a machine without GPUs."""
-    output_dir = tmp_path / "demo"
-    command = accelerate_launch_command(
-        "accelerate_configs/cpu_deepspeed_zero2.yaml", "train", "recipes/demo.yaml", "--output_dir", str(output_dir)
-    )
-    result = run(command, timeout=600)
+def test_demo_recipe_learns_on_two_processes_under_deepspeed_zero2(demo_run):
+    """The main job exactly as `make demo` runs it on a machine without GPUs (conftest.demo_run)."""
+    output_dir, result = demo_run.output_dir, demo_run.result
     assert_succeeded(result)
 
     summary = json.loads((output_dir / "eval_results.json").read_text())
