@@ -116,3 +116,23 @@ def training_precision_here() -> str:
     """What a run on this machine should train in: bf16 or fp16 by the visible GPU, fp32 without one (notebooks)."""
     gpu = visible_gpu()
     return gpu.half_precision if gpu is not None else "fp32"
+
+
+def without_deepspeeds_cpu_inference_collective(uses_deepspeed: bool) -> bool:
+    """On a machine without GPUs, keeps a DeepSpeed run from compiling `deepspeed_shm_comm` (a shared-memory
+    all-reduce, about a CPU-minute of C++ in each new environment) when its communication backend starts
+    (deepspeed/comm/torch.py, `build_shm_op`). Only DeepSpeed's inference all-reduce reads it (`init_inference`,
+    AutoTP layers), which without it is the process group's own all-reduce; training calls neither. Returns whether it
+    was kept out."""
+    import importlib.util
+
+    if not uses_deepspeed or importlib.util.find_spec("deepspeed") is None:
+        return False
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return False
+    # `import deepspeed.comm.torch as x` would bind torch itself: deepspeed.comm's attribute `torch` is the module
+    backend = importlib.import_module("deepspeed.comm.torch")
+    backend.build_shm_op = lambda: None
+    return True

@@ -7,6 +7,7 @@ finetune.recipe.methods) and `TrainingArguments` keys side by side, every Traine
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -17,6 +18,8 @@ from transformers import TrainingArguments
 
 from finetune import presets
 from finetune.errors import RecipeError
+from finetune.launch.devices import without_deepspeeds_cpu_inference_collective
+from finetune.launch.strategies import is_true
 from finetune.launch.watchdog import start_process_group
 from finetune.recipe.methods import METHODS
 
@@ -307,7 +310,8 @@ class FinetuneTrainingArguments(TrainingArguments):
     )
     include_num_input_tokens_seen: Literal["all", "non_padding", "no"] = field(
         default="non_padding",
-        metadata={"help": "Trainer's count of input tokens (all, non_padding or no); the throughput report needs it."},
+        metadata={"help": "Trainer's count of input tokens (all, non_padding or no), summed over ranks when a log or "
+                          "a checkpoint reads it, not at every micro-step; the throughput report needs it."},
     )
     save_on_preemption: bool | None = field(
         default=None,
@@ -319,6 +323,8 @@ class FinetuneTrainingArguments(TrainingArguments):
 
     @cached_property
     def _setup_devices(self):
+        without_deepspeeds_cpu_inference_collective(bool(self.deepspeed) or is_true(os.environ.get(
+            "ACCELERATE_USE_DEEPSPEED")))  # before DeepSpeed's backend starts with the process group
         start_process_group(self)  # with ddp_timeout, which Transformers leaves out on CPU (finetune.launch.watchdog)
         return super()._setup_devices
 

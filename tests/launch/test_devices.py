@@ -24,3 +24,16 @@ def test_named_gpus_agree_with_their_compute_capability():
     assert [name for name, gpu in KNOWN_GPUS.items() if not gpu.supports_bf16] == ["t4", "v100"]
     assert gpu_named(compute_capability="7.5").half_precision == "fp16"
     assert gpu_named("H100").half_precision == "bf16"
+
+
+def test_a_deepspeed_run_on_cpu_does_not_compile_deepspeeds_inference_collective(monkeypatch):
+    import importlib
+
+    from finetune.launch.devices import without_deepspeeds_cpu_inference_collective
+
+    backend = importlib.import_module("deepspeed.comm.torch")
+    monkeypatch.setattr(backend, "build_shm_op", backend.build_shm_op)  # restored after the test
+    assert not without_deepspeeds_cpu_inference_collective(uses_deepspeed=False)
+    assert backend.build_shm_op.__name__ == "build_shm_op"  # a run without DeepSpeed leaves DeepSpeed alone
+    assert without_deepspeeds_cpu_inference_collective(uses_deepspeed=True)
+    assert backend.build_shm_op() is None  # nothing compiled; the backend's inference all-reduce uses gloo's
