@@ -1,7 +1,8 @@
 """Training throughput as it happens: useful (non-pad) tokens a second, sequences a second, step time, model FLOP/s
 and MFU, added to Trainer's logs and summarised in `output_dir/throughput.json`.
 
-Tokens are Trainer's own count (`include_num_input_tokens_seen: non_padding`, gathered over ranks). FLOPs per token
+Tokens are Trainer's own count (`include_num_input_tokens_seen: non_padding`), summed over ranks once a log reads it
+rather than at every micro-step: a window's tokens are those counted since the last log. FLOPs per token
 follow nanoGPT's `estimate_mfu` (PaLM appendix B): 6 per matmul parameter, 4 for a frozen one (no weight gradient),
 plus 12·L·H·Q·T for attention, T the context a token attends over: the training examples' token-weighted mean length,
 each packed example apart (`attention_span`). A 4-bit QLoRA weight counts the elements it stands for. Recomputation
@@ -14,6 +15,8 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
+import pyarrow.compute as pc
 import torch
 from transformers import TrainerCallback
 
@@ -85,19 +88,23 @@ ATTENTION_SAMPLE_ROWS = 10_000
 def attention_span(dataset, rows: int = ATTENTION_SAMPLE_ROWS) -> float | None:
     """The token-weighted mean example length ΣL²/ΣL of (the first `rows` rows of) a tokenized training set: the
     context a token's attention FLOPs grow with. A packed row holds several examples, each attending only to itself
-    (its `position_ids` restart at 0), so a row's length would overcount them. None for data it cannot read."""
+    (its `position_ids` restart at 0), so a row's length would overcount them. None for data it cannot read. Read
+    from the Arrow columns, not row by row: a rank's start-up pays milliseconds for it."""
     columns = getattr(dataset, "column_names", None) or []
-    if "position_ids" in columns:
-        lengths = []
-        for positions in dataset.select(range(min(rows, len(dataset))))["position_ids"]:
-            starts = [index for index, position in enumerate(positions) if position == 0] + [len(positions)]
-            lengths += [end - start for start, end in zip(starts, starts[1:])]
-    elif "input_ids" in columns:
-        lengths = [len(ids) for ids in dataset.select(range(min(rows, len(dataset))))["input_ids"]]
-    else:
+    column = "position_ids" if "position_ids" in columns else "input_ids" if "input_ids" in columns else None
+    if column is None or not hasattr(dataset, "with_format"):
         return None
-    tokens = sum(lengths)
-    return sum(length * length for length in lengths) / tokens if tokens else None
+    values = dataset.with_format("arrow")[:rows][column].combine_chunks()
+    row_lengths = pc.list_value_length(values).fill_null(0).to_numpy().astype(np.int64)
+    if column == "position_ids":  # an example starts where its positions restart at 0, and at each row's start
+        starts = pc.equal(values.flatten(), 0).fill_null(False).to_numpy(zero_copy_only=False)
+        row_starts = np.cumsum(row_lengths) - row_lengths
+        starts[row_starts[row_lengths > 0]] = True
+        lengths = np.diff(np.append(np.flatnonzero(starts), len(starts)))
+    else:
+        lengths = row_lengths
+    tokens = int(lengths.sum())
+    return float((lengths * lengths).sum()) / tokens if tokens else None
 
 
 @dataclass
@@ -138,16 +145,30 @@ class ThroughputCallback(TrainerCallback):
                   "(TFLOP/s of one device, from its datasheet) to have it.")
         self.sequences_per_step = BatchPlan.running(args).global_batch_size
         self.first_step = state.global_step
-        self.tokens_seen = state.num_input_tokens_seen
+        self.mark(state)
         self.clock = time.perf_counter()
+
+    def mark(self, state) -> None:
+        """Where the token count stood when tokens were last given to a window: the count is summed over ranks when
+        a log reads it, not at every step (finetune.train.trainer.FinetuneTrainerMixin._track_num_input_tokens)."""
+        self.tokens_seen, self.step_seen = state.num_input_tokens_seen, state.global_step
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
         seconds, self.clock = now - self.clock, now
-        tokens, self.tokens_seen = state.num_input_tokens_seen - self.tokens_seen, state.num_input_tokens_seen
         if state.global_step - self.first_step > self.warmup_steps:
-            self.window.add(seconds, tokens, self.sequences_per_step)
-            self.total.add(seconds, tokens, self.sequences_per_step)
+            self.window.add(seconds, 0, self.sequences_per_step)
+            self.total.add(seconds, 0, self.sequences_per_step)
+
+    def count_tokens(self, state) -> None:
+        """Gives the window the tokens of its steps: the tokens counted since the mark, less the warm-up steps'
+        share among them (exact when a log falls at the warm-up's end, as with `logging_steps: 1`)."""
+        tokens, steps = state.num_input_tokens_seen - self.tokens_seen, state.global_step - self.step_seen
+        if steps and self.window.steps:
+            share = round(tokens * min(self.window.steps, steps) / steps)
+            self.window.tokens += share
+            self.total.tokens += share
+        self.mark(state)
 
     def restart_clock(self, *args, **kwargs):
         self.clock = time.perf_counter()
@@ -155,7 +176,10 @@ class ThroughputCallback(TrainerCallback):
     on_evaluate = on_save = on_predict = restart_clock
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "loss" not in logs or not self.window.steps:
+        if logs is None or "loss" not in logs:
+            return
+        self.count_tokens(state)
+        if not self.window.steps:
             return
         measured = {f"throughput/{key}": value for key, value in self.summary(self.window, args).items()
                     if key in ("tokens_per_second", "step_seconds", "tflops_per_device", "mfu") and value is not None}
@@ -165,6 +189,7 @@ class ThroughputCallback(TrainerCallback):
         self.window = Window()
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.count_tokens(state)  # the steps after the last training log
         if state.is_world_process_zero and self.flops is not None:
             record = {**self.summary(self.total, args), "device": self.device, "world_size": args.world_size,
                       "warmup_steps_skipped": self.warmup_steps, "flops_model": asdict(self.flops)}

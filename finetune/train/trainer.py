@@ -86,6 +86,7 @@ class FinetuneTrainerMixin:
             plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
     def _save_checkpoint(self, model, trial):
+        self._sum_tokens_seen()  # the checkpoint's trainer_state.json holds the count a resume continues from
         folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         # A full disk stops in one line, before the save where it can be foreseen (finetune.checkpoints.disk).
         with saving_within_free_space(folder, needed_checkpoint_bytes(folder.parent, trainable_parameter_bytes(model))):
@@ -185,6 +186,37 @@ class FinetuneTrainerMixin:
             del base.should_save_on_this_rank
         if dtype is not None:
             record_config_dtype(Path(output_dir), dtype)
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """Trainer's count of input tokens (`include_num_input_tokens_seen`), without its gather and `.item()` on
+        every micro-step (a collective and a host sync each, across the network on a multi-node run): each rank adds
+        its own count on its device, and the ranks' counts are summed into the state once a log or a save reads it
+        (`_sum_tokens_seen`). The cases Trainer only warns about (no input ids, no way to tell padding) stay its."""
+        mode, name = self.args.include_num_input_tokens_seen, getattr(self.model, "main_input_name", "input_ids")
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        if mode == "no" or name not in inputs or (mode == "non_padding" and "attention_mask" not in inputs
+                                                  and pad is None):
+            return super()._track_num_input_tokens(inputs)
+        if mode == "all":
+            tokens = inputs[name].numel()
+        else:
+            tokens = inputs["attention_mask"].sum() if "attention_mask" in inputs else (inputs[name] != pad).sum()
+        self._tokens_not_summed = getattr(self, "_tokens_not_summed", 0) + tokens
+
+    def _sum_tokens_seen(self) -> None:
+        """Adds every rank's tokens counted since the last sum to `state.num_input_tokens_seen`: one all-reduce. Called
+        where Trainer reads the count (a log, a checkpoint's state), which every rank reaches at the same step."""
+        if self.args.include_num_input_tokens_seen == "no":
+            return
+        import torch
+
+        tokens, self._tokens_not_summed = getattr(self, "_tokens_not_summed", 0), 0
+        tokens = torch.as_tensor(tokens, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        self._sum_tokens_seen()
+        super().log(logs, *args, **kwargs)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)

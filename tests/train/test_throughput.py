@@ -125,3 +125,30 @@ def test_attention_counts_each_packed_example_not_the_row_it_shares():
     result = callback.summary(window, args)
     assert result["flops_per_token"] == 6 * 1000 + 12 * 2 * 4 * 8 * span
     assert result["mfu"] == pytest.approx(result["flops_per_token"] * sum(lengths) / 1e12 / 100.0)
+
+
+def test_a_window_gets_its_steps_tokens_when_the_count_is_summed_only_at_logs():
+    """The token count moves at logs only (summed over ranks then); the warm-up step's share of the first window's
+    count is left out with its time."""
+    callback = ThroughputCallback(warmup_steps=1)
+    args = SimpleNamespace(per_device_train_batch_size=2, world_size=1, gradient_accumulation_steps=1,
+                           learning_rate=1e-3, include_num_input_tokens_seen="non_padding")
+    state = SimpleNamespace(global_step=0, num_input_tokens_seen=0, is_world_process_zero=False, log_history=[])
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    callback.on_train_begin(args, state, None, model=model)
+    windows = []
+    for step in range(1, 7):  # 100 tokens a step, logs every 2 steps
+        state.global_step = step
+        callback.on_step_end(args, state, None)
+        if step % 2 == 0:
+            state.num_input_tokens_seen = 100 * step
+            windows.append(callback.window.steps)
+            callback.on_log(args, state, None, logs={"loss": 1.0})
+            assert callback.window.steps == 0 and callback.total.tokens == 100 * sum(windows)
+    callback.on_log(args, state, None, logs={"train_runtime": 1.0})  # no training loss: no window
+    callback.on_train_end(args, state, None)
+    assert windows == [1, 2, 2]  # steps a window timed: the first step is the warm-up
+    assert (callback.total.steps, callback.total.tokens) == (5, 500)
