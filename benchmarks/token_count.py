@@ -51,14 +51,24 @@ def train(trainer_type: type, steps: int, accumulation: int) -> tuple[float, int
                                          include_num_input_tokens_seen="non_padding",
                                          use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True)
         trainer = trainer_type(model=model, args=args, train_dataset=data)
-        collectives = {"count": 0}
-        for name in ("gather", "reduce"):
+        collectives, counting = {"count": 0}, {"now": False}
+        for name in ("gather", "reduce"):  # the collectives made while the token count runs, and only those
             original = getattr(trainer.accelerator, name)
 
             def counted(*arguments, original=original, **kwargs):
-                collectives["count"] += 1
+                collectives["count"] += counting["now"]
                 return original(*arguments, **kwargs)
             setattr(trainer.accelerator, name, counted)
+        for name in ("_track_num_input_tokens", "_sum_tokens_seen"):
+            method = getattr(trainer, name)
+
+            def flagged(*arguments, method=method, **kwargs):
+                counting["now"] = True
+                try:
+                    return method(*arguments, **kwargs)
+                finally:
+                    counting["now"] = False
+            setattr(trainer, name, flagged)
         runtime = trainer.train().metrics["train_runtime"]
         return runtime / steps, trainer.state.num_input_tokens_seen, collectives["count"]
 
@@ -82,7 +92,7 @@ def worker(args) -> None:
             tokens, collectives = runs[0][1], runs[0][2]
             print(f"{label:>28}: {medians[label] * 1e3:7.2f} ms/step (runs: "
                   f"{', '.join(f'{seconds * 1e3:.2f}' for seconds, _, _ in runs)}); "
-                  f"{collectives} collectives for {micro_steps} micro-steps; {tokens:,} tokens counted")
+                  f"the count's collectives: {collectives} for {micro_steps} micro-steps; {tokens:,} tokens counted")
         slow, fast = medians.values()
         print(f"ratio finetune's / Trainer's step time: {fast / slow:.3f}")
     dist.destroy_process_group()

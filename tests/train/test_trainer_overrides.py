@@ -15,13 +15,15 @@ from finetune.train.trainer import FinetuneTrainer, FinetuneTrainerMixin
 
 # Each toolkit class, the library class it extends, and the library methods it overrides. The private ones carry the
 # guarantees: complete checkpoints (_save_checkpoint), resume (_load_optimizer_and_scheduler), the data policies on
-# TRL's tokenized pairs (_prepare_dataset), no telemetry (_send_telemetry), ddp_timeout on gloo (_setup_devices).
+# TRL's tokenized pairs (_prepare_dataset), no telemetry (_send_telemetry), ddp_timeout on gloo (_setup_devices), the
+# token count summed when read rather than at every micro-step (_track_num_input_tokens, log).
 OVERRIDES = [
     (FinetuneTrainerMixin, Trainer, ("create_accelerator_and_postprocess", "_save_checkpoint", "save_model", "_save",
-                                     "_load_optimizer_and_scheduler", "train")),
+                                     "_load_optimizer_and_scheduler", "train", "_track_num_input_tokens", "log")),
     (FinetuneTrainer, Trainer, ("compute_loss",)),
     (FinetuneTrainerMixin, DPOTrainer, ("create_accelerator_and_postprocess", "_save_checkpoint", "save_model",
-                                        "_save", "_load_optimizer_and_scheduler", "train")),
+                                        "_save", "_load_optimizer_and_scheduler", "train", "_track_num_input_tokens",
+                                        "log")),
     (FinetuneDPOTrainer, DPOTrainer, ("_prepare_dataset", "_send_telemetry", "create_model_card")),
     (FinetuneTrainingArguments, TrainingArguments, ("_setup_devices",)),
 ]
