@@ -80,7 +80,7 @@ DEEPSPEED_CONFIGS = [
     _ds("zero3_nvme", "everything; optimizer and parameters on NVMe",
         f"CPU RAM is short too; set `nvme_path` (now `{NVME_PATH_PLACEHOLDER}`) to a local NVMe directory"),
     _ds("zero3_zeropp", "ZeRO-3 with quantized weights/gradients and a per-node weight copy (ZeRO++)",
-        "ZeRO-3 across nodes on a slow inter-node network (hpZ = GPUs per node = 2)"),
+        "ZeRO-3 across nodes on a slow inter-node network (hpZ \"auto\": the GPUs of one node, from the launch)"),
 ]
 
 ACCELERATE_CONFIGS = [

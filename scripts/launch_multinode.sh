@@ -8,7 +8,10 @@
 # The nodes first meet (`finetune rendezvous`): a node that never starts is named after --rendezvous-timeout seconds
 # instead of the launcher waiting in silence. Then `accelerate launch` starts one process per GPU on this node, with
 # the network settings of accelerate_configs/multinode.env and Trainer's collective timeout (--ddp-timeout).
-# FINETUNE_DRY_RUN=1 prints the two commands instead of running them.
+# Sizes a config writes for one cluster shape come from this launch: FSDP hybrid shard's replicate × shard are
+# --nnodes × --gpus-per-node (ZeRO++'s "auto" hpZ is filled from the GPUs per node by `finetune train`).
+# FINETUNE_DRY_RUN=1 prints the two commands instead of running them; FINETUNE_MODULE names the module each process
+# runs (default finetune; the tests' CPU twin of FSDP runs finetune.testing.fsdp_on_cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +25,7 @@ interface=
 rendezvous_timeout=300
 ddp_timeout=1800
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --config) config=$2; shift 2 ;;
@@ -71,10 +74,14 @@ set +a
 
 rendezvous=(finetune rendezvous --nnodes "$nnodes" --node-rank "$node_rank" --main-addr "$main_addr"
             --main-port "$main_port" --timeout "$rendezvous_timeout")
+sizes=()
+if grep -q "parallelism_config_dp_replicate_size" "$config"; then
+    sizes=(--parallelism_config_dp_replicate_size "$nnodes" --parallelism_config_dp_shard_size "$gpus_per_node")
+fi
 launch=(accelerate launch --config_file "$config" --num_machines "$nnodes" --machine_rank "$node_rank"
         --main_process_ip "$main_addr" --main_process_port "$main_port"
-        --num_processes $(( nnodes * gpus_per_node )) --rdzv_conf "timeout=$rendezvous_timeout"
-        -m finetune train "$recipe" --ddp_timeout "$ddp_timeout" "$@")
+        --num_processes $(( nnodes * gpus_per_node )) ${sizes[@]+"${sizes[@]}"} --rdzv_conf "timeout=$rendezvous_timeout"
+        -m "${FINETUNE_MODULE:-finetune}" train "$recipe" --ddp_timeout "$ddp_timeout" "$@")
 if [ "${FINETUNE_DRY_RUN:-0}" = 1 ]; then
     echo "env NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}"
     echo "${rendezvous[*]}"

@@ -67,19 +67,27 @@ def fill_nvme_param_buffer(config: dict[str, Any], largest_partition: int) -> No
         config["zero_optimization"]["offload_param"]["buffer_size"] = largest_partition
 
 
+def fill_hpz_partition_size(config: dict[str, Any], processes_per_node: int) -> None:
+    """Replaces an "auto" ZeRO++ hpZ group with the processes of one node (the launch's LOCAL_WORLD_SIZE), in place."""
+    zero = config.get("zero_optimization") or {}
+    if zero.get("zero_hpz_partition_size") == "auto":
+        zero["zero_hpz_partition_size"] = processes_per_node
+
+
 def deepspeed_config(
     stage: int = 2,
     offload_optimizer: str | None = None,
     offload_param: str | None = None,
     nvme_path: str | None = None,
     overlap_comm: bool = True,
-    zeropp_hpz_partition_size: int | None = None,
+    zeropp_hpz_partition_size: int | str | None = None,
 ) -> dict[str, Any]:
     """A ZeRO config for `stage` 0-3, optional offload to `cpu`/`nvme`, optional ZeRO++ (stage 3).
 
     `zeropp_hpz_partition_size` turns on ZeRO++: quantized weight all-gather (qwZ), quantized gradient
-    reduce-scatter (qgZ) and a secondary weight partition of that many ranks, usually the GPUs of one
-    node (hpZ), so the forward all-gather stays inside the node (arXiv 2306.10209).
+    reduce-scatter (qgZ) and a secondary weight partition of that many ranks, the GPUs of one node (hpZ), so the
+    backward all-gather stays inside the node (arXiv 2306.10209); "auto" is filled from the launch by `finetune train`
+    (`fill_hpz_partition_size`), so one file serves nodes of any size.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")

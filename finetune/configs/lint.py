@@ -52,6 +52,10 @@ def lint_deepspeed(config: dict[str, Any], world_size: int | None = None,
                         "remove offload_param or set stage 3.")
     if _enabled(config.get("fp16")) and _enabled(config.get("bf16")):
         problems.append(f"{source}: `fp16.enabled` and `bf16.enabled` are both true; enable one (or use \"auto\").")
+    hpz = zero.get("zero_hpz_partition_size")
+    if hpz is not None and hpz != "auto" and not (isinstance(hpz, int) and not isinstance(hpz, bool) and hpz >= 1):
+        problems.append(f"{source}: `zero_optimization.zero_hpz_partition_size` is {hpz!r}: give the GPUs of one "
+                        "node, or \"auto\" (finetune train fills it from the launch).")
     buffer = (zero.get("offload_param") or {}).get("buffer_size")
     if buffer is not None and buffer != "auto" and not isinstance(buffer, (int, float)):
         problems.append(f"{source}: `zero_optimization.offload_param.buffer_size` is {buffer!r}: give a number of "

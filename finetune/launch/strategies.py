@@ -47,6 +47,8 @@ class Strategy:
     # DeepSpeed's bucket settings the estimator counts: elements, or None for "auto" (Trainer fills hidden²).
     reduce_bucket_size: int | None = field(default=None, compare=False)
     overlap_comm: bool = field(default=False, compare=False)
+    # ZeRO++ hpZ: ranks a secondary copy of the weights is split over (the GPUs of a node); "auto": the launch's
+    hpz_partition_size: int | str | None = field(default=None, compare=False)
     source: str | None = field(default=None, compare=False)  # where it was read: a file, inline keys, the engine
 
     @classmethod
@@ -57,7 +59,8 @@ class Strategy:
                    offload_optimizer=_offload_device(zero.get("offload_optimizer")),
                    offload_param=_offload_device(zero.get("offload_param")), nodes=nodes,
                    reduce_bucket_size=int(bucket) if isinstance(bucket, (int, float)) else None,
-                   overlap_comm=bool(zero.get("overlap_comm", False)), source=source)
+                   overlap_comm=bool(zero.get("overlap_comm", False)),
+                   hpz_partition_size=_hpz(zero.get("zero_hpz_partition_size")), source=source)
 
     @classmethod
     def from_accelerate(cls, config: dict[str, Any], source: str = "Accelerate config") -> Strategy:
@@ -111,7 +114,7 @@ class Strategy:
         if self.kind == "deepspeed":
             options.update(zero_stage=self.zero_stage, offload_optimizer=self.offload_optimizer,
                            offload_param=self.offload_param, reduce_bucket_size=self.reduce_bucket_size,
-                           overlap_comm=self.overlap_comm)
+                           overlap_comm=self.overlap_comm, hpz_partition_size=self.hpz_partition_size)
         if self.kind == "fsdp":
             options["fsdp_sharding"] = self.fsdp_sharding
         return options
@@ -120,6 +123,13 @@ class Strategy:
 # DeepSpeed's own default when a config sets no reduce_bucket_size (deepspeed/runtime/zero/config.py,
 # `DeepSpeedZeroConfig.reduce_bucket_size`; a test reads it there).
 DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
+
+
+def _hpz(value) -> int | str | None:
+    """ZeRO++'s hpZ group size as a config gives it: a number of ranks (1: no secondary copy), or "auto"."""
+    if value == "auto":
+        return "auto"
+    return int(value) if isinstance(value, (int, float)) and value > 1 else None
 
 
 def _offload_device(section) -> str | None:
@@ -265,7 +275,12 @@ def prepared_strategy(state, world_size: int, nodes: int = 1) -> Strategy:
         section = {"fsdp_version": getattr(plugin, "fsdp_version", 1),
                    "fsdp_reshard_after_forward": reshard if reshard is not None
                    else getattr(plugin, "sharding_strategy", "full_shard")}
-        return _fsdp_strategy(section, {}, nodes, "Accelerate's FSDP plugin")
+        # FSDP2 hybrid sharding is Accelerate's device mesh: replicate across (dp_replicate) × shard within (dp_shard)
+        # (a mesh without a shard dimension is Accelerate's plain data parallelism, not hybrid sharding)
+        mesh = getattr(state, "parallelism_config", None)
+        hybrid = mesh is not None and (mesh.dp_shard_size or 1) > 1 and (mesh.dp_replicate_size or 1) > 1
+        parallelism = {"parallelism_config_dp_replicate_size": mesh.dp_replicate_size if hybrid else 1}
+        return _fsdp_strategy(section, parallelism, nodes, "Accelerate's FSDP plugin")
     return Strategy("ddp", nodes=nodes).for_world_size(world_size)
 
 
@@ -392,9 +407,10 @@ SHIPPED = (
                     deepspeed=dict(stage=3, offload_optimizer="nvme", offload_param="nvme",
                                    nvme_path=NVME_PATH_PLACEHOLDER),
                     decision_tree=True),
-    # ZeRO++ with a per-node weight copy of 2 GPUs (hpZ); its quantization kernels need CUDA.
+    # ZeRO++ with a per-node weight copy (hpZ over the GPUs of a node, "auto": filled from the launch by `finetune
+    # train`); its quantization kernels need CUDA.
     ShippedStrategy("zero3_zeropp", "ZeRO-3 + ZeRO++", "deepspeed",
-                    deepspeed=dict(stage=3, zeropp_hpz_partition_size=2),
+                    deepspeed=dict(stage=3, zeropp_hpz_partition_size="auto"),
                     cross_node=(0.5, 0.25), multinode_file="accelerate_configs/multinode_deepspeed_zero3_zeropp.yaml"),
     ShippedStrategy("fsdp_hybrid_shard", "FSDP hybrid-shard", "fsdp", fsdp_sharding="hybrid_shard",
                     cross_node=_ALL_REDUCE, multinode_file="accelerate_configs/multinode_fsdp_hybrid_shard.yaml"),

@@ -104,6 +104,8 @@ class Setup:
     gradient_accumulation_steps: int = 1      # micro-batches per optimizer step (Trainer's name)
     sub_group_size: int | None = None         # DeepSpeed ZeRO-3, elements; None: DeepSpeed's default (1e9)
     zero3_init: bool = False                  # ZeRO-3 partitions while loading (Accelerate's `zero3_init_flag`)
+    hpz_partition_size: int | str | None = None  # ZeRO++ hpZ: a secondary weight copy split over this many GPUs;
+                                              # "auto": the GPUs of one node, as `finetune train` fills it
     method: MethodTerms = field(default_factory=MethodTerms)  # what the training method adds (reference, pairs)
     peft: bool = False                        # a live model with peft adapters (its lora_rank need not be known):
                                               # a reference model is then the policy with its adapters disabled
@@ -111,6 +113,15 @@ class Setup:
     @property
     def nodes(self) -> int:
         return max(1, self.num_gpus // (self.gpus_per_node or self.num_gpus))
+
+    @property
+    def hpz_group(self) -> int:
+        """GPUs ZeRO++'s secondary weight copy is split over (1: no copy)."""
+        if self.strategy != "deepspeed" or self.zero_stage != 3 or self.hpz_partition_size in (None, 1):
+            return 1
+        if self.hpz_partition_size == "auto":
+            return self.gpus_per_node or self.num_gpus
+        return int(self.hpz_partition_size)
 
     @property
     def shard_degree(self) -> int:
@@ -302,7 +313,9 @@ def _deepspeed_states(trainable: int, frozen_bytes: float, setup: Setup, largest
         return w * trainable + frozen_bytes, (w + fp32_copy) * trainable, (k + fp32_copy) * trainable, offloaded
     params = w * trainable + frozen_bytes
     if setup.zero_stage == 3:
-        params /= n
+        # ZeRO++ hpZ (arXiv 2306.10209): beside its primary partition each rank holds a secondary one of the weights
+        # in the model dtype over its hpZ group, which the backward all-gather reads inside the node.
+        params = params / n + (params / setup.hpz_group if setup.hpz_group > 1 else 0)
     # The partition in the model dtype + its fp32 copy at the step. ZeRO-3 builds the fp32 copy one sub-group at a
     # time and frees it before the next (stage3.py::step: `_prepare_sub_group` → `_prepare_fp32_grad_for_sub_group`,
     # then `_release_sub_group` sets `.grad = None`); sub-groups close once they reach `sub_group_size` elements

@@ -51,9 +51,41 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
         raise RecipeError(f"{local_processes} processes per machine but {torch.cuda.device_count()} visible GPU(s); "
                           "launch with --num_processes equal to the GPU count or fix CUDA_VISIBLE_DEVICES.")
     check_output_dir(training_inputs.get("output_dir"))
+    check_per_node_sizes(deepspeed)
     check_one_process_per_gpu(training_inputs)
     check_precision_on_gpu(training_inputs)
     return strategy, deepspeed
+
+
+PARALLELISM_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # Accelerate's ParallelismConfig.total_size
+
+
+def check_per_node_sizes(deepspeed: dict | None, environ=None) -> None:
+    """Sizes written for one cluster shape must fit the launch's: Accelerate's parallelism sizes (FSDP hybrid shard's
+    replicate × shard) multiply to the processes launched, and ZeRO++'s hpZ group is the processes of one node (its
+    secondary weight copy is meant to stay inside the node). `scripts/launch_multinode.sh` passes the sizes from the
+    nodes and GPUs per node; `"auto"` hpZ is filled from the node's processes when DeepSpeed starts."""
+    environ = os.environ if environ is None else environ
+    world_size, per_node = int(environ.get("WORLD_SIZE", "1")), int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    if is_true(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG")):
+        sizes = {name: int(environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")) for name in PARALLELISM_SIZES}
+        product = math.prod(sizes.values())
+        if product != world_size and not (sizes["sp"] > 1 and environ.get("PARALLELISM_CONFIG_SP_BACKEND",
+                                                                          "deepspeed") == "deepspeed"):
+            shown = " × ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "all 1"
+            nodes = world_size // per_node if per_node and world_size % per_node == 0 else "?"
+            raise RecipeError(
+                f"the Accelerate config's parallelism sizes multiply to {product} ({shown}) but this launch runs "
+                f"{world_size} processes ({nodes} node(s) × {per_node}): give sizes for this cluster "
+                f"(`--parallelism_config_dp_replicate_size NODES --parallelism_config_dp_shard_size GPUS_PER_NODE`), "
+                "as scripts/launch_multinode.sh does from --nnodes and --gpus-per-node.")
+    hpz = ((deepspeed or {}).get("zero_optimization") or {}).get("zero_hpz_partition_size")
+    if isinstance(hpz, (int, float)) and hpz > 1 and int(hpz) != per_node:  # lint names any other value
+        raise RecipeError(
+            f"`zero_hpz_partition_size: {hpz}` (ZeRO++'s secondary weight copy, over that many GPUs) but this node "
+            f"runs {per_node} process(es): hpZ is meant to be the GPUs of one node, so that the backward all-gather "
+            f"stays inside it; set it to {per_node}, or \"auto\" (the shipped zero3_zeropp.json), which `finetune "
+            "train` fills from the launch.")
 
 
 def check_one_process_per_gpu(training_inputs: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -233,6 +234,11 @@ class FinetuneTrainerMixin:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         size_nvme_param_buffer(self)  # before DeepSpeed starts: it would assert on a partition the buffer cannot hold
+        if self.is_deepspeed_enabled:  # ZeRO++'s "auto" hpZ group: the processes of one node, as launched
+            from finetune.configs.deepspeed import fill_hpz_partition_size
+
+            fill_hpz_partition_size(self.accelerator.state.deepspeed_plugin.deepspeed_config,
+                                    int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if isinstance(resume_from_checkpoint, str):
             prepare_resume(self, resume_from_checkpoint)  # stops, or converts a checkpoint saved with another layout
         return super().train(resume_from_checkpoint, *args, **kwargs)

@@ -277,3 +277,44 @@ def test_save_on_each_node_is_refused_under_fsdp1_before_any_process_group(monke
         parse_recipe("recipes/demo.yaml", ["--save_on_each_node", "true"])
     monkeypatch.setenv("FSDP_VERSION", "2")
     assert parse_recipe("recipes/demo.yaml", ["--save_on_each_node", "true"]).training.save_on_each_node is True
+
+
+def test_hybrid_shard_takes_its_sizes_from_the_launch_not_from_the_file():
+    """The shipped file is written for 2 nodes × 2 GPUs; on 2 nodes × 8 the script passes replicate 2 × shard 8."""
+    hybrid = dry_run(SCRIPTS / "launch_multinode.sh", "--config", "accelerate_configs/multinode_fsdp_hybrid_shard.yaml",
+                     "--nnodes", "2", "--node-rank", "1", "--main-addr", "10.0.0.1", "--gpus-per-node", "8",
+                     "recipes/demo.yaml")[-1]
+    assert "parallelism_config_dp_replicate_size: 2" in (PROJECT_ROOT / "accelerate_configs" /
+                                                          "multinode_fsdp_hybrid_shard.yaml").read_text()
+    assert ("--num_processes 16 --parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 8 "
+            "--rdzv_conf timeout=300 -m finetune train recipes/demo.yaml") in hybrid
+    zero2 = dry_run(SCRIPTS / "launch_multinode.sh", "--nnodes", "2", "--node-rank", "0", "--main-addr", "10.0.0.1",
+                    "--gpus-per-node", "8", "recipes/demo.yaml")[-1]
+    assert "--num_processes 16 --rdzv_conf" in zero2 and "parallelism_config" not in zero2
+
+
+@pytest.mark.distributed
+def test_two_nodes_of_two_train_under_hybrid_shard_with_the_launchs_sizes(tmp_path):
+    """4 processes as 2 nodes × 2 on loopback, through the script, under the shipped hybrid-shard file: each rank holds
+    the half of the weights its node shards (shard 2 inside the node, replicate 2 across), not a quarter."""
+    from finetune import outputs, presets
+
+    config, port = "accelerate_configs/multinode_fsdp_hybrid_shard.yaml", free_port()
+    commands = [[str(SCRIPTS / "launch_multinode.sh"), "--config", config, "--nnodes", "2", "--node-rank", str(rank),
+                 "--main-addr", "127.0.0.1", "--main-port", str(port), "--gpus-per-node", "2",
+                 "--rendezvous-timeout", "120", "recipes/demo.yaml", *DEMO_SHORT_RUN, "--save_strategy", "no",
+                 "--save_on_each_node", "true", "--output_dir", str(tmp_path / f"node{rank}")] for rank in (0, 1)]
+    nodes = [subprocess.Popen(command, cwd=PROJECT_ROOT, env={**ENV, "FINETUNE_MODULE": "finetune.testing.fsdp_on_cpu"},
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for command in commands]
+    logs = [node.communicate(timeout=400)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs[0][-4000:] + logs[1][-4000:]
+    effective = outputs.read_record(tmp_path / "node0", outputs.EFFECTIVE_CONFIG)
+    assert effective["values"]["world_size"]["value"] == 4
+    assert effective["strategy"]["running"]["fsdp_sharding"] == "hybrid_shard"
+    full = 4 * presets.build_model(presets.build_tokenizer(), seed=0).num_parameters()
+    ranks = outputs.read_record(tmp_path / "node0", outputs.MEMORY_REPORT)["ranks"]
+    assert [record["rank"] for record in ranks] == [0, 1, 2, 3]
+    for record in ranks:  # half the fp32 weights a rank (up to FSDP2's padding), as planned
+        assert abs(record["measured"]["params_bytes"] - full / 2) <= 0.01 * full, record
+        assert abs(record["measured"]["params_bytes"] - record["predicted"]["params_bytes"]) <= 0.01 * full, record
+    assert (tmp_path / "node1" / "model.safetensors").is_file()  # node 1 saved its own copy of the trained model

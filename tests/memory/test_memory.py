@@ -359,3 +359,20 @@ def test_host_ram_at_load_is_one_model_per_local_rank_without_zero3_init():
     assert estimate(shape, Setup("deepspeed", 16, gpus_per_node=8, zero_stage=3)).to_dict()[
         "host_load_bytes_per_node"] == 8 * 2 * psi
     assert estimate(model_shape("tiny"), Setup("ddp", 2)).host_load_bytes_per_node == 2 * 4 * 525_824
+
+
+def test_zeropp_counts_its_secondary_weight_copy_over_the_gpus_of_a_node():
+    """ZeRO++'s hpZ: beside its ZeRO-3 partition each GPU holds a bf16 slice of the weights over its hpZ group. On
+    2 nodes × 8 GPUs a file written for hpZ 2 would hold 2Ψ/2 (70 GB for a 70B) where the node's 8 hold 2Ψ/8."""
+    from finetune.launch.strategies import SHIPPED_BY_NAME
+
+    shape = model_shape("llama-3-8b")
+    psi = shape.num_parameters
+    zero3 = estimate(shape, Setup("deepspeed", 16, gpus_per_node=8, zero_stage=3))
+    shipped = SHIPPED_BY_NAME["zero3_zeropp"].strategy.estimator_options()  # read back from the shipped JSON
+    assert shipped["hpz_partition_size"] == "auto"
+    per_node = estimate(shape, Setup(**shipped, num_gpus=16, gpus_per_node=8))
+    assert per_node.params_bytes - zero3.params_bytes == pytest.approx(2 * psi / 8, abs=1)
+    written_for_2 = estimate(shape, Setup(**{**shipped, "hpz_partition_size": 2}, num_gpus=16, gpus_per_node=8))
+    assert written_for_2.params_bytes - zero3.params_bytes == pytest.approx(2 * psi / 2, abs=1)
+    assert per_node.grads_bytes == zero3.grads_bytes and per_node.optimizer_bytes == zero3.optimizer_bytes

@@ -1,6 +1,8 @@
 """Launch checks that depend on the machine's GPUs, on simulated GPUs: bf16 on a GPU without it, and several GPUs
 seen by one process. Both stop while the recipe is parsed, before `TrainingArguments` exists."""
 
+import json
+
 import pytest
 from gpu_simulation import A100, T4, simulate_gpus
 from support import PROJECT_ROOT
@@ -106,3 +108,49 @@ def test_bf16_auto_in_a_recipe_file_trains_without_mixed_precision_on_cpu(tmp_pa
     recipe = parse_recipe(recipe_file, [])
     assert not recipe.training.bf16 and not recipe.training.fp16
     assert recipe.sources["fp16"].endswith("auto → fp32 (no GPU visible)")
+
+
+# --- sizes written for one cluster shape, checked against the launch's ------------------------------------------
+
+HYBRID_2_BY_2 = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+                 "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "1",
+                 "PARALLELISM_CONFIG_CP_SIZE": "1", "PARALLELISM_CONFIG_SP_SIZE": "1"}
+
+
+def test_parallelism_sizes_written_for_2_by_2_are_refused_on_2_nodes_of_8_naming_both():
+    from finetune.recipe.preflight import check_per_node_sizes
+
+    launch = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    with pytest.raises(RecipeError, match=r"parallelism sizes multiply to 4 \(dp_replicate 2 × dp_shard 2\) but this "
+                                          r"launch runs 16 processes \(2 node\(s\) × 8\).*--parallelism_config_dp_"):
+        check_per_node_sizes(None, {**HYBRID_2_BY_2, **launch})
+    # the sizes scripts/launch_multinode.sh passes for 2 nodes × 8 GPUs
+    check_per_node_sizes(None, {**HYBRID_2_BY_2, **launch, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8"})
+    check_per_node_sizes(None, launch)  # no parallelism config: nothing to check
+
+
+def test_a_recipe_launched_with_mismatched_sizes_stops_before_the_process_group(monkeypatch,
+                                                                                reaches_training_arguments):
+    for name, value in {**HYBRID_2_BY_2, "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RecipeError, match="multiply to 4 .* runs 16 processes"):
+        reaches_training_arguments("--use_cpu", "true")
+
+
+def test_zeropp_hpz_must_be_the_gpus_of_one_node():
+    from finetune.configs.deepspeed import deepspeed_config, fill_hpz_partition_size
+    from finetune.recipe.preflight import check_per_node_sizes
+
+    launch = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    written_for_2 = deepspeed_config(stage=3, zeropp_hpz_partition_size=2)
+    with pytest.raises(RecipeError, match=r"`zero_hpz_partition_size: 2` .* but this node runs 8 process\(es\).*set "
+                                          r"it to 8, or \"auto\""):
+        check_per_node_sizes(written_for_2, launch)
+    check_per_node_sizes(deepspeed_config(stage=3, zeropp_hpz_partition_size=8), launch)
+    shipped = json.loads((PROJECT_ROOT / "deepspeed_configs/zero3_zeropp.json").read_text())
+    assert shipped["zero_optimization"]["zero_hpz_partition_size"] == "auto"
+    check_per_node_sizes(shipped, launch)
+    fill_hpz_partition_size(shipped, 8)  # what `finetune train` does before DeepSpeed starts
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert DeepSpeedZeroConfig(**shipped["zero_optimization"]).zero_hpz_partition_size == 8
