@@ -12,7 +12,8 @@
   tests/data/test_attention_packing.py checks Transformers' own varlen detection without CUDA).
 
 Each row: the exit status, first and last logged loss, and the largest gap between measured and predicted model-state
-bytes on any rank. Results go to benchmarks/results/gpu-check-<device>.json.
+bytes on any rank. On one GPU the FSDP and ZeRO-3 rows run one process and say "not sharded: one process". Results
+go to benchmarks/results/gpu-check-<device>.json.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def save_bf16_checkpoint(directory: Path) -> str:
     return str(directory)
 
 
+def sharding_note(strategy: str, gpus: int) -> str | None:
+    """What a row cannot prove: on one GPU a sharding strategy runs one process, so nothing is split."""
+    if gpus == 1 and SHIPPED_BY_NAME[strategy].kind in ("ddp", "deepspeed", "fsdp"):
+        return "not sharded: one process (one GPU visible); the row shows the path runs, not that it shards"
+    return None
+
+
 def check(name: str, strategy: str, extra: list[str], scratch: Path) -> dict:
     gpus = 1 if strategy == "single" else torch.cuda.device_count()
     output_dir = scratch / name
@@ -66,6 +74,8 @@ def check(name: str, strategy: str, extra: list[str], scratch: Path) -> dict:
         "train", "recipes/demo.yaml", "--output_dir", str(output_dir), *SHORT, *extra, num_processes=gpus)
     result = run(command, timeout=1800, cwd=ROOT)
     row: dict = {"strategy": strategy, "gpus": gpus, "returncode": result.returncode}
+    if sharding_note(strategy, gpus):
+        row["note"] = sharding_note(strategy, gpus)
     if result.returncode != 0:
         errors = [line for line in result.output.splitlines() if re.search("error|Error", line)]
         return {**row, "error": (errors or result.output.splitlines() or ["no output"])[-1][:400]}
@@ -107,6 +117,9 @@ def main() -> int:
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")
     failed = [name for name, row in rows.items() if row["returncode"] != 0 or row["last_loss"] >= row["first_loss"]]
+    for name, row in rows.items():
+        if "note" in row:
+            print(f"{name}: {row['note']}")
     print("all checks passed" if not failed else f"failed: {', '.join(failed)}")
     return 1 if failed else 0
 

@@ -4,10 +4,13 @@
                                      [--accumulation 2]
 
 Each configuration runs as its own `torchrun` job (a few bf16 steps of Trainer on fixed-length random tokens,
-with MemoryReportCallback); the table prints measured / predicted for model states and for the peak
-(`torch.cuda.max_memory_allocated`), and whether the peak is within the 15% target. The table and every rank's
-record go to benchmarks/results/memory-peak-<device>.json, the device named. Needs CUDA for the peak; on CPU the
-model-state columns still compare (the peak is the process's RSS there, not comparable).
+with MemoryReportCallback): one process, DDP, FSDP2 full shard and shard-grad-op, and every CPU-runnable shipped
+DeepSpeed config. The table prints measured / predicted for model states and for the peak
+(`torch.cuda.max_memory_allocated`), the peak the caching allocator reserved (`max_memory_reserved`, what
+`nvidia-smi` and an out-of-memory error see), and whether the peak is within the 15% target. The table and every
+rank's record go to benchmarks/results/memory-peak-<device>.json, the device named. Needs CUDA for the peak; on CPU
+the model-state columns still compare (the peak is the process's RSS there, not comparable; FSDP runs through
+finetune.testing.fsdp_on_cpu).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from pathlib import Path
 
 from finetune.launch.strategies import SHIPPED
 
-# One process without DeepSpeed, and every shipped DeepSpeed config that runs without NVMe or CUDA-only kernels.
-STRATEGIES = ["single", *(row.name for row in SHIPPED if row.kind == "deepspeed" and row.cpu)]
+# One process, DDP, FSDP2, and every shipped DeepSpeed config that runs without NVMe or CUDA-only kernels.
+STRATEGIES = ["single", "ddp", "fsdp_full_shard", "fsdp_shard_grad_op",
+              *(row.name for row in SHIPPED if row.kind == "deepspeed" and row.cpu)]
 
 
 def worker(args) -> None:
@@ -35,7 +39,12 @@ def worker(args) -> None:
     from finetune.memory.shapes import resolve_config
 
     cuda = torch.cuda.is_available()
-    deepspeed = SHIPPED_BY_NAME[args.strategy].deepspeed_json()
+    row = SHIPPED_BY_NAME[args.strategy]
+    deepspeed, fsdp = row.deepspeed_json(), {}
+    if row.kind == "fsdp":  # FSDP2, sharded as the shipped config says (Trainer turns these into Accelerate's plugin)
+        if not cuda:
+            import finetune.testing.fsdp_on_cpu  # noqa: F401  (Accelerate prepares FSDP for GPUs only)
+        fsdp = {"fsdp": row.fsdp_sharding, "fsdp_config": {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}
     config = resolve_config(args.model)
     model = AutoModelForCausalLM.from_config(config)
     tokens = torch.randint(0, min(config.vocab_size, 30000), (args.steps * args.micro_batch * 4, args.seq_len),
@@ -44,7 +53,7 @@ def worker(args) -> None:
     training = TrainingArguments(args.output_dir, per_device_train_batch_size=args.micro_batch, max_steps=args.steps,
                                  gradient_accumulation_steps=args.accumulation, bf16=cuda, deepspeed=deepspeed,
                                  report_to=[], save_strategy="no", logging_steps=1,
-                                 disable_tqdm=True, use_cpu=not cuda)
+                                 disable_tqdm=True, use_cpu=not cuda, **fsdp)
     Trainer(model=model, args=training, train_dataset=data,
             callbacks=[MemoryReportCallback(sequence_length=args.seq_len)]).train()
 
@@ -76,12 +85,12 @@ def main() -> None:
     rows = []
     print(f"{device}, {date.today().isoformat()}")
     print("| model | strategy | GPUs | states predicted MiB | states measured / predicted | peak predicted MiB "
-          "| peak measured MiB | peak measured / predicted | within 15% |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+          "| peak measured MiB | peak measured / predicted | reserved MiB | within 15% |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for gpus in (count for count in args.gpus if count <= visible):
         for model in args.models:
             for strategy in args.strategies:
-                if strategy == "single" and gpus > 1:
+                if (strategy == "single") != (gpus == 1):  # one process is `single`; the others need several
                     continue
                 row = run_one(args, model, strategy, gpus)
                 rows.append(row)
@@ -120,9 +129,10 @@ def format_row(row: dict, cuda: bool) -> str:
     ratio = measured["peak_bytes"] / predicted["peak_bytes"]
     mib = 1024**2
     within = ("yes" if abs(ratio - 1) <= 0.15 else "no") if cuda else "– (CPU RSS)"
+    reserved = measured.get("peak_reserved_bytes")
     return (f"{head} {states_predicted / mib:,.1f} | {sum(measured[k] for k in keys) / states_predicted:.3f} | "
             f"{predicted['peak_bytes'] / mib:,.1f} | {measured['peak_bytes'] / mib:,.1f} ({measured['peak_kind']}) | "
-            f"{ratio:.3f} | {within} |")
+            f"{ratio:.3f} | {'–' if reserved is None else f'{reserved / mib:,.1f}'} | {within} |")
 
 
 if __name__ == "__main__":

@@ -99,3 +99,14 @@ def test_qlora_asked_to_compute_in_bf16_on_a_t4_is_refused_while_parsing(qlora_p
     with pytest.raises(RecipeError, match=r"`torch_dtype: bfloat16` computes in bf16, which Tesla T4 \(compute "
                                           r"capability 7.5\) does not have: set `torch_dtype: float16` or `auto`"):
         parse_recipe("recipes/demo.yaml", ["--use_qlora", "true", "--torch_dtype", "bfloat16"])
+
+
+def test_the_gpu_checks_sharded_rows_on_one_gpu_say_they_shard_nothing():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", PROJECT_ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.sharding_note("fsdp_full_shard", 1).startswith("not sharded: one process")
+    assert gpu_check.sharding_note("zero3", 1).startswith("not sharded: one process")
+    assert gpu_check.sharding_note("zero3", 2) is None and gpu_check.sharding_note("single", 1) is None
