@@ -302,9 +302,11 @@ def resume_needs_universal(checkpoint: Path, now: dict) -> bool:
     return True
 
 
-def convert_to_universal(checkpoint: Path) -> Path:
+def convert_to_universal(checkpoint: Path, workers: int = 1) -> Path:
     """DeepSpeed's `ds_to_universal`: per-parameter fp32 weights and optimizer states that the same ZeRO stage loads
-    on any world size. Written beside the original as `<tag>_universal` and named in `latest_universal`, last."""
+    on any world size, with `workers` processes extracting the ranks' shards and merging them. Written beside the
+    original as `<tag>_universal` and named in `latest_universal`, last: a conversion already made (`finetune
+    universal` before a relaunch) is used as it is."""
     from deepspeed.checkpoint import ds_to_universal
 
     tag = (checkpoint / "latest").read_text().strip()
@@ -313,10 +315,27 @@ def convert_to_universal(checkpoint: Path) -> Path:
         return universal
     shutil.rmtree(universal, ignore_errors=True)  # left by an interrupted conversion
     ds_to_universal.main(argparse.Namespace(
-        input_folder=str(checkpoint / tag), output_folder=str(universal), num_extract_workers=1,
-        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+        input_folder=str(checkpoint / tag), output_folder=str(universal), num_extract_workers=workers,
+        num_merge_workers=workers, keep_temp_folder=False, strict=True, inject_missing_state=True))
     (checkpoint / "latest_universal").write_text(universal.name)
     return universal
+
+
+def convertible_to_universal(checkpoint: Path) -> None:
+    """Refuses, saying why, a folder DeepSpeed's universal conversion cannot take: not a complete checkpoint, not a
+    ZeRO-1/2/3 one, or one saved with round-robin gradients."""
+    if not is_complete(checkpoint):
+        raise RecipeError(f"{checkpoint} is not a complete checkpoint: {why_incomplete(checkpoint)}")
+    saved = read_marker(checkpoint)
+    if layout_strategy(saved).kind != "deepspeed" or not (checkpoint / "latest").is_file():
+        raise RecipeError(f"{checkpoint} was saved by {describe_layout(saved)}: only DeepSpeed ZeRO checkpoints need "
+                          "the universal format (DDP's hold the whole state; FSDP's reshard to any world size).")
+    if saved.get("zero_stage") == 0:
+        raise RecipeError(f"{checkpoint} was saved by {describe_layout(saved)}: DeepSpeed's universal checkpoints "
+                          "cover ZeRO-1/2/3 only.")
+    if saved.get("round_robin_gradients"):
+        raise RecipeError(f"{checkpoint} was saved with `round_robin_gradients: true`, whose partitions DeepSpeed's "
+                          "universal conversion maps to the wrong parameters.")
 
 
 class SeparateOptimizerStepsCallback(TrainerCallback):
@@ -346,14 +365,50 @@ def prepare_resume(trainer, checkpoint: str) -> None:
             print(f"{checkpoint} was saved by {describe_layout(saved)}; continuing on {describe_layout(now)} through "
                   "PyTorch's distributed checkpoint resharding")
         return
-    with accelerator.main_process_first():
-        if accelerator.is_main_process:
-            convert_to_universal(Path(checkpoint))
+    already = (Path(checkpoint) / "latest_universal").is_file()
+    if not already:
+        converted_outside_the_process_group(Path(checkpoint), accelerator.is_main_process)
     accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     trainer.add_callback(SeparateOptimizerStepsCallback())
     if accelerator.is_main_process:
+        made = "converted before this launch (finetune universal)" if already else "converted now"
         print(f"{checkpoint} was saved by {describe_layout(saved)}; continuing on {describe_layout(now)} through "
-              "DeepSpeed's universal checkpoint format")
+              f"DeepSpeed's universal checkpoint format ({made})")
+
+
+# How often the other ranks look for the main process's conversion, and how often they say they are waiting.
+CONVERSION_POLL_SECONDS, CONVERSION_NOTE_SECONDS = 2.0, 60.0
+
+
+def converted_outside_the_process_group(checkpoint: Path, is_main: bool) -> None:
+    """The main process converts `checkpoint` in a child process (`finetune universal`, several workers: none forked
+    from a rank holding a CUDA context) while the other ranks wait for its `latest_universal`, written last, outside
+    any collective: a conversion longer than `ddp_timeout` (hours for a 70B) times nothing out. If the main process
+    fails, its launcher stops the others."""
+    import subprocess
+    import sys
+    import time
+
+    if is_main:
+        command = [sys.executable, "-m", "finetune", "universal", str(checkpoint), "--workers",
+                   str(conversion_workers())]
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if result.returncode != 0:
+            raise RecipeError(f"converting {checkpoint} to DeepSpeed's universal format failed:\n"
+                              f"{result.stdout[-3000:]}")
+        return
+    started = noted = time.monotonic()
+    while not (checkpoint / "latest_universal").is_file():
+        time.sleep(CONVERSION_POLL_SECONDS)
+        if time.monotonic() - noted >= CONVERSION_NOTE_SECONDS and PartialState().is_local_main_process:
+            noted = time.monotonic()
+            print(f"waiting for the main process to convert {checkpoint} to the universal format "
+                  f"({noted - started:.0f} s)", flush=True)
+
+
+def conversion_workers() -> int:
+    """Processes converting a checkpoint: the machine's cores, up to 8 (each holds shards in host memory)."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def rank_files(pattern: str, ranks: list[int]) -> list[str]:

@@ -4,6 +4,7 @@ and names it, and warns about recipe keys that changed; an explicit path to a mi
 checkpoint stops with the recipe."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -166,3 +167,40 @@ def test_a_checkpoint_without_a_recorded_layout_is_resumed_as_saved(tmp_path):
 
     make_checkpoints(tmp_path, [2])
     assert resume_needs_universal(tmp_path / "checkpoint-2", ZERO2_ON_2) is False
+
+
+@pytest.mark.parametrize(("saved", "refusal"), [
+    ({**ZERO2_ON_2, "zero_stage": None, "strategy": "ddp"}, "saved by DDP or one process on 2 rank.s.: only DeepSpeed "
+                                                             "ZeRO checkpoints need the universal format"),
+    (FSDP_ON_2, "saved by FSDP full_shard on 2 rank.s.: only DeepSpeed"),
+    ({**ZERO2_ON_2, "zero_stage": 0}, "cover ZeRO-1/2/3 only"),
+    ({**ZERO2_ON_2, "round_robin_gradients": True}, "round_robin_gradients: true"),
+])
+def test_finetune_universal_refuses_what_the_conversion_cannot_take_saying_why(tmp_path, capsys, saved, refusal):
+    from finetune.cli import main
+
+    make_checkpoints(tmp_path, [2], layout=saved)
+    (tmp_path / "checkpoint-2" / "latest").write_text("global_step2")
+    assert main(["universal", str(tmp_path / "checkpoint-2")]) == 2
+    assert re.search(refusal, capsys.readouterr().err)
+    assert not (tmp_path / "checkpoint-2" / "latest_universal").exists()
+    assert main(["universal", str(tmp_path / "nothing-here")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_resume_converts_outside_any_collective_the_other_ranks_waiting_for_its_file(tmp_path, monkeypatch):
+    """The main process converts in a child process; the others wait for `latest_universal` (written last) without a
+    collective, so no `ddp_timeout` bounds a long conversion; a failed conversion stops the main process, naming it."""
+    import threading
+
+    from finetune.checkpoints import complete
+
+    make_checkpoints(tmp_path, [2], layout={**ZERO2_ON_2, "zero_stage": None, "strategy": "ddp"})
+    checkpoint = tmp_path / "checkpoint-2"
+    monkeypatch.setattr(complete, "CONVERSION_POLL_SECONDS", 0.05)
+    threading.Timer(0.5, (checkpoint / "latest_universal").write_text, ["global_step2_universal"]).start()
+    complete.converted_outside_the_process_group(checkpoint, is_main=False)  # returns once the file is there
+    (checkpoint / "latest_universal").unlink()
+    with pytest.raises(RecipeError, match=r"converting .*checkpoint-2 to DeepSpeed's universal format failed:\n.*"
+                                          r"only DeepSpeed ZeRO checkpoints need the universal format"):
+        complete.converted_outside_the_process_group(checkpoint, is_main=True)

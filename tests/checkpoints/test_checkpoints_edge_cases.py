@@ -83,14 +83,14 @@ def test_a_rank_killed_mid_save_and_mid_run_then_auto_continues_and_finishes(cra
     assert [losses[step] for step in (1, 2, 3, 4)] == pytest.approx(printed_losses(mid_save.output), rel=1e-3)
 
 
-def assert_continues_on_one_rank(name: str, two_ranks, one_rank) -> None:
+def assert_continues_on_one_rank(name: str, two_ranks, one_rank, made: str = "converted now") -> None:
     """Resumes the complete checkpoint-2 copied into `one_rank` on one process; losses as on 2 ranks."""
     launch = CPU_LAUNCHES[name]
     result = launch_demo(launch, one_rank, *SAVE_EVERY_2, "--resume_from_checkpoint", "auto", num_processes=1)
     assert_succeeded(result)
     stage = {"zero2": 2, "zero3": 3}[name]
     assert (f"{one_rank / 'checkpoint-2'} was saved by DeepSpeed ZeRO-{stage} on 2 rank(s); continuing on DeepSpeed "
-            f"ZeRO-{stage} on 1 rank(s) through DeepSpeed's universal checkpoint format") in result.output
+            f"ZeRO-{stage} on 1 rank(s) through DeepSpeed's universal checkpoint format ({made})") in result.output
     assert checkpoints(one_rank) == {"checkpoint-6": True}  # the converted checkpoint-2 rotated out as usual
     assert json.loads((one_rank / "checkpoint-6" / COMPLETE_MARKER).read_text())["world_size"] == 1
     expected, got = logged_losses(two_ranks), logged_losses(one_rank)
@@ -99,9 +99,21 @@ def assert_continues_on_one_rank(name: str, two_ranks, one_rank) -> None:
 
 
 @pytest.mark.distributed
-def test_a_zero2_checkpoint_continues_on_one_rank_through_the_universal_format(crashed_zero2):
+def test_a_zero2_checkpoint_converted_before_the_relaunch_continues_on_one_rank(crashed_zero2, capsys):
+    """`finetune universal` converts with several processes before the launch; the run then loads that conversion
+    (the ZeRO-3 test below converts inside the run)."""
+    from finetune.cli import main
+
     root, out, _ = crashed_zero2
-    assert_continues_on_one_rank("zero2", out, root / "kept")
+    kept = root / "kept"
+    assert main(["universal", str(kept), "--workers", "2"]) == 0  # an output_dir: its newest complete checkpoint
+    said = capsys.readouterr().out
+    assert f"converted {kept / 'checkpoint-2'} to DeepSpeed's universal format (global_step2_universal, 2 worker(s)" \
+        in said
+    assert (kept / "checkpoint-2" / "latest_universal").read_text() == "global_step2_universal"
+    assert main(["universal", str(kept / "checkpoint-2")]) == 0 and "already in the universal format" in \
+        capsys.readouterr().out
+    assert_continues_on_one_rank("zero2", out, kept, made="converted before this launch (finetune universal)")
 
 
 @pytest.mark.distributed
