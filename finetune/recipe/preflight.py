@@ -79,8 +79,9 @@ def check_per_node_sizes(deepspeed: dict | None, environ=None) -> None:
                 f"{world_size} processes ({nodes} node(s) × {per_node}): give sizes for this cluster "
                 f"(`--parallelism_config_dp_replicate_size NODES --parallelism_config_dp_shard_size GPUS_PER_NODE`), "
                 "as scripts/launch_multinode.sh does from --nnodes and --gpus-per-node.")
-    hpz = ((deepspeed or {}).get("zero_optimization") or {}).get("zero_hpz_partition_size")
-    if isinstance(hpz, (int, float)) and hpz > 1 and int(hpz) != per_node:  # lint names any other value
+    # read as the estimator reads it (Strategy.from_deepspeed): a number of ranks above 1, "auto", or None
+    hpz = Strategy.from_deepspeed(deepspeed).hpz_partition_size if deepspeed else None
+    if isinstance(hpz, int) and hpz != per_node:  # lint names a value that is neither
         raise RecipeError(
             f"`zero_hpz_partition_size: {hpz}` (ZeRO++'s secondary weight copy, over that many GPUs) but this node "
             f"runs {per_node} process(es): hpZ is meant to be the GPUs of one node, so that the backward all-gather "
