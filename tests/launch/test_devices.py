@@ -31,9 +31,12 @@ def test_a_deepspeed_run_on_cpu_does_not_compile_deepspeeds_inference_collective
 
     from finetune.launch.devices import without_deepspeeds_cpu_inference_collective
 
+    def build_shm_op():  # stands in for DeepSpeed's: a run in this process may already have replaced it
+        return "compiled"
+
     backend = importlib.import_module("deepspeed.comm.torch")
-    monkeypatch.setattr(backend, "build_shm_op", backend.build_shm_op)  # restored after the test
+    monkeypatch.setattr(backend, "build_shm_op", build_shm_op)  # restored after the test
     assert not without_deepspeeds_cpu_inference_collective(uses_deepspeed=False)
-    assert backend.build_shm_op.__name__ == "build_shm_op"  # a run without DeepSpeed leaves DeepSpeed alone
+    assert backend.build_shm_op is build_shm_op  # a run without DeepSpeed leaves DeepSpeed alone
     assert without_deepspeeds_cpu_inference_collective(uses_deepspeed=True)
     assert backend.build_shm_op() is None  # nothing compiled; the backend's inference all-reduce uses gloo's
