@@ -1,4 +1,3 @@
-import hashlib
 import json
 import os
 import sys
@@ -19,10 +18,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 # DeepSpeed compiles its CPU ops (the shared-memory collective, CPU Adam) on first use, about a minute each, into
 # torch's extension folder, and compiles them again whenever the folder holds a build against another environment's
-# torch: one folder per environment keeps two checkouts on one machine from rebuilding each other's ops at every launch.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
-    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
-    / f"env-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"))
+# torch: a folder inside the environment keeps two checkouts on one machine from rebuilding each other's ops at every
+# launch, and is where `make install` builds CPU Adam beforehand on a machine without a GPU (scripts/install.sh).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 # Every child finds this environment's tools first, as an activated environment would: the `ninja` those ops compile
 # with included. Two ninja versions (the environment's and the system's) hash a build command differently, so runs
 # alternating between them would recompile both ops at each switch.
