@@ -11,7 +11,7 @@ from finetune import outputs
 from finetune.errors import RecipeError
 from finetune.memory.estimate import GiB
 from finetune.memory.report import load_memory_report
-from finetune.plan.decision_tree import HEADROOM
+from finetune.plan.decision_tree import HEADROOM, usable_bytes
 
 # The parts of a prediction stacked in a memory bar, bottom to top.
 PLAN_PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"),
@@ -86,8 +86,8 @@ def _stacked_bars(axis, estimates: dict, gpu_memory_gib: float, bold: str | None
         heights = [getattr(estimates[name], key) / GiB for name in names]
         axis.bar(range(len(names)), heights, bottom=bottom, color=color, label=label, edgecolor="white")
         bottom = [b + h for b, h in zip(bottom, heights)]
-    axis.axhline(HEADROOM * gpu_memory_gib, color="black", linestyle="--", linewidth=1,
-                 label=f"{HEADROOM:.0%} of {gpu_memory_gib:g} GiB")
+    axis.axhline(usable_bytes(gpu_memory_gib) / GiB, color="black", linestyle="--", linewidth=1,
+                 label=f"{HEADROOM:.0%} of {gpu_memory_gib:g} GiB less the CUDA context")
     axis.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
     for tick, name in zip(axis.get_xticklabels(), names):
         if name == bold:

@@ -8,13 +8,14 @@ import json
 
 from finetune.launch.devices import KNOWN_GPUS
 from finetune.memory.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, GiB
-from finetune.plan.decision_tree import DEFAULT_GLOBAL_BATCH_SIZE
+from finetune.plan.decision_tree import CUDA_CONTEXT_BYTES, DEFAULT_GLOBAL_BATCH_SIZE, HEADROOM
 from finetune.recipe.batch_plan import DEFAULT_LR_SCALING, LR_SCALING_RULES
 from finetune.recipe.methods import DEFAULT_METHOD, METHODS
 
 # Options that describe the model and run: a recipe gives them itself (`--recipe`), so they are refused beside it.
 RECIPE_GIVES = {"model": "model_name_or_path", "precision": "bf16/fp16", "optimizer": "optim", "lora_rank": "lora_r",
-                "qlora": "use_qlora", "seq_len": "max_seq_length", "gradient_checkpointing": "gradient_checkpointing"}
+                "lora_dropout": "lora_dropout", "qlora": "use_qlora", "seq_len": "max_seq_length",
+                "gradient_checkpointing": "gradient_checkpointing"}
 BATCH_OPTIONS = ("global_batch_size", "max_micro_batch_size", "learning_rate", "base_batch_size", "lr_scaling")
 
 
@@ -25,9 +26,9 @@ def plan_command_parser(subparsers) -> None:
         "(DDP → ZeRO-1 → ZeRO-2 → ZeRO-3/FSDP → offload), and print the batch plan and launch command.",
     )
     parser.add_argument("--model",
-                        help="(without --recipe) tiny, a known shape (llama-3-8b, llama-3-70b, qwen2.5-0.5b, "
-                             "qwen2.5-7b, mistral-7b), a local model directory or config.json, or a hub id (fetches "
-                             "config.json only)")
+                        help="(without --recipe) tiny, a known shape (llama-2-7b, llama-3-8b, llama-3-70b, "
+                             "qwen2.5-0.5b, qwen2.5-7b, mistral-7b), a local model directory or config.json, or a hub "
+                             "id (fetches config.json only)")
     parser.add_argument("--gpus", type=int, help="GPUs (processes) in all")
     parser.add_argument("--gpu-memory", type=float,
                         help="memory per GPU in GiB (e.g. 24, 80); default: that of --gpu or of the visible GPU")
@@ -44,6 +45,9 @@ def plan_command_parser(subparsers) -> None:
                        help="fp32, or bf16/fp16 mixed; auto (default): bf16 where the GPU has it, else fp16")
     model.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), help="default adamw")
     model.add_argument("--lora-rank", type=int, help="LoRA rank on every linear layer (default 0: full)")
+    model.add_argument("--lora-dropout", type=float,
+                       help="dropout on the adapters' input (default 0.05, as in a recipe): each adapter then keeps "
+                            "its own copy of its input and a mask for the backward")
     model.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
     model.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048)")
     model.add_argument("--gradient-checkpointing", action="store_true")
@@ -134,6 +138,7 @@ def make_plan_for(args, gpu, gpu_memory: float) -> dict:
     request = PlanRequest(
         model=args.model, gpus=args.gpus, gpu_memory_gib=gpu_memory, gpu=gpu, precision=args.precision or "auto",
         optimizer=args.optimizer or "adamw", lora_rank=args.lora_rank or 0, qlora=args.qlora,
+        lora_dropout=0.05 if args.lora_dropout is None else args.lora_dropout,
         sequence_length=args.seq_len or 2048, gradient_checkpointing=args.gradient_checkpointing,
         global_batch_size=batch["global_batch_size"], max_micro_batch_size=batch["max_micro_batch_size"] or 64,
         learning_rate=batch["learning_rate"], base_batch_size=batch["base_batch_size"],
@@ -248,6 +253,9 @@ def print_plan(plan: dict) -> None:
     if plan["gpu_overhead_bytes"]:
         console.print(f"Calibrated: {_gib(plan['gpu_overhead_bytes'])} GiB per GPU measured beyond the prediction on "
                       "this GPU (finetune plan --calibrate) is added to every total.")
+    console.print(f"Fits: a total within {HEADROOM:.0%} of the GPU less {_gib(CUDA_CONTEXT_BYTES)} GiB for the CUDA "
+                  "context, which no term predicts; the rest covers fragmentation and what the model leaves out "
+                  "(docs/memory.md).")
     if yours:
         micro = yours["micro_batch_size"]
         console.print(f"Yours ({yours['config']}) at micro-batch {micro}: "

@@ -86,7 +86,15 @@ def running_setup(args, model, sequence_length: int | None,
         zero3_init=zero3_init,
         method=method,
         peft=hasattr(model, "peft_config"),
+        lora_dropout=_lora_dropout(model),
     )
+
+
+def _lora_dropout(model) -> float:
+    """The active LoRA adapter's dropout (0 without one)."""
+    configs = getattr(model, "peft_config", None) or {}
+    config = configs.get(getattr(model, "active_adapter", "default")) or next(iter(configs.values()), None)
+    return float(getattr(config, "lora_dropout", 0.0) or 0.0)
 
 
 def predicted_ledger(model, args, sequence_length: int | None,

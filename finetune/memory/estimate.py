@@ -35,7 +35,7 @@ no dropout), plus the logits, which the loss upcasts to fp32.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from finetune.configs.deepspeed import BUCKET_SIZE, partition_elements
 from finetune.errors import RecipeError
@@ -93,10 +93,12 @@ class Setup:
     dora: bool = False                        # DoRA: a trained magnitude per output feature of each adapted layer
     lora_modules_to_save: tuple[str, ...] | None = None  # modules trained in full beside the adapters (a copy each)
     qlora: bool = False                       # 4-bit NF4 base weights (needs lora_rank)
+    lora_dropout: float = 0.0                 # dropout on the adapters' input: each keeps a copy and a mask
     micro_batch_size: int = 1
     sequence_length: int = 2048
     gradient_checkpointing: bool = False
     attention: str = "sdpa"                   # "sdpa"/"flash_attention_2" (no s² scores) or "eager"
+    packed: bool = False                      # rows of several examples told apart by restarting position ids
     reduce_bucket_size: int | None = None     # DeepSpeed, elements; None: the shipped configs' (BUCKET_SIZE; ZeRO-3
                                               # "auto", which Trainer fills with hidden²)
     overlap_comm: bool = True
@@ -229,7 +231,9 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         trainable = setup.trainable_parameters or shape.num_parameters
         frozen = shape.num_parameters - trainable
     quantized = shape.block_linear_parameters if setup.qlora else 0
-    frozen_bytes = (frozen - quantized) * _half_or_fp32(setup) + quantized * NF4_BYTES_PER_PARAMETER
+    # QLoRA: what is not quantized (embeddings, norms, head) is fp32 where peft's k-bit preparation upcasts it
+    unquantized = 4 if setup.qlora and held_precisions(setup).residual == 4 else _half_or_fp32(setup)
+    frozen_bytes = (frozen - quantized) * unquantized + quantized * NF4_BYTES_PER_PARAMETER
 
     if setup.strategy == "deepspeed":
         params, grads, optimizer, offloaded = _deepspeed_states(trainable, frozen_bytes, setup,
@@ -396,30 +400,169 @@ def host_load_bytes_per_node(trainable: int, frozen_bytes: float, setup: Setup) 
     return ranks * model
 
 
-def activation_bytes(shape: ModelShape, setup: Setup) -> float:
-    """Activations saved for backward in one micro-batch, plus the logits the loss keeps.
+@dataclass(frozen=True)
+class HeldPrecisions:
+    """Bytes per element of what a forward computes with, as `finetune train` holds the model under a strategy."""
 
-    Per layer, in elements (Korthikanti et al. 2022, §4, recounted for RMSNorm + gated MLP + GQA, no
-    dropout): two norm inputs and two normed outputs (4sbh), q and attention output (2sbh), k and v
-    (2·s·b·h_kv), gate, up, activation and product (4·s·b·i); eager attention adds the scores and the
-    softmax (2·a·s²·b). Full checkpointing keeps only each layer's input (s·b·h) and recomputes one layer.
+    compute: int     # the mixed-precision (autocast) dtype, or fp32
+    residual: int    # the hidden states between layers: the embedding's dtype
+    weights: int     # trainable base weights during the forward (full fine-tuning)
+    adapters: int    # LoRA adapters during the forward
+
+    @property
+    def autocast(self) -> bool:
+        """Some tensor is held wider than the compute dtype, so autocast casts it (a copy) for each matmul."""
+        return self.compute == 2 and 4 in (self.residual, self.weights, self.adapters)
+
+
+def held_precisions(setup: Setup) -> HeldPrecisions:
+    """DeepSpeed casts the whole module (adapters too) to the half dtype; FSDP2 computes on parameters gathered in it
+    (Accelerate's `MixedPrecisionPolicy(param_dtype=...)`); `pure_bf16` holds them so. On one GPU and under DDP
+    trainable weights are fp32 masters (finetune.models.loading.hold_trainable_parameters) and Trainer's autocast
+    casts them per matmul. A LoRA base is frozen in the half dtype; QLoRA's unquantized weights (embeddings, norms,
+    head) are upcast to fp32 where peft's k-bit preparation runs (`finetune.models.lora.qlora_load`: not where
+    parameters are sharded)."""
+    if _half_or_fp32(setup) == 4:
+        return HeldPrecisions(4, 4, 4, 4)
+    half_module = setup.strategy in ("deepspeed", "fsdp") or setup.pure_bf16
+    if setup.lora_rank or setup.peft:
+        kbit_upcast = setup.qlora and not half_module
+        return HeldPrecisions(2, 4 if kbit_upcast else 2, 2, 2 if half_module else 4)
+    weights = 2 if half_module else 4
+    return HeldPrecisions(2, weights, weights, weights)
+
+
+# Linear layers reading the attention's output (already kept by the attention kernel for its backward).
+ATTENTION_OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+
+
+def _block_linears(shape: ModelShape) -> list:
+    """One decoder block's linear layers (by their last name), in order."""
+    block: dict[str, object] = {}
+    for linear in shape.linears:
+        if linear.in_layers:
+            block.setdefault(linear.name.rsplit(".", 1)[-1], linear)
+    return list(block.items())
+
+
+def saved_per_layer_bytes(shape: ModelShape, setup: Setup) -> float:
+    """Bytes one decoder block saves for backward in one micro-batch, counted per tensor as autograd keeps them (and
+    measured so at real widths by `finetune.memory.saved`; docs/memory.md has the table). T tokens, width h, MLP
+    width i, key/value width h_kv, a heads, c bytes of the compute dtype, r of the hidden states:
+
+    - each RMSNorm keeps its input upcast to fp32 (4Th) and, when its weight trains, the normalised input (rTh);
+    - attention keeps q, k, v, the output (c·T·(2h + 2h_kv)) and the fp32 log-sum-exp (4aT) under SDPA or flash;
+      eager attention keeps k and v repeated to every head, the fp32 softmax and its cast (a·s²·b·(4 + c)) instead of
+      the log-sum-exp, and a contiguous copy of the output; SDPA on packed rows gets a block-diagonal mask, which
+      it converts to the compute dtype and keeps (c·b·s²), and repeats k and v to every head (Transformers' GQA
+      path needs no mask: integrations/sdpa_attention.py `use_gqa_in_sdpa`); flash attention's varlen kernel needs
+      neither;
+    - the gated MLP keeps gate, activation and up outputs (3cTi);
+    - each linear layer whose weight trains keeps its input: one tensor for the layers reading the same input (q, k,
+      v) when it is already in the compute dtype, else a cast copy each (fp32 hidden states under autocast); none for
+      the projection reading the attention's output, which the attention kept; a frozen base keeps none;
+    - each LoRA adapter keeps its own copy of the input (c) where peft casts it to the adapters' dtype or dropout
+      draws on it, plus dropout's bool mask (1 byte) and the rank-r product (c·T·r);
+    - fp32 weights under autocast keep their half-precision cast for the backward: c bytes per weight.
     """
-    s, b, h = setup.sequence_length, setup.micro_batch_size, shape.hidden_size
-    b *= setup.method.sequences_per_example  # a pair: chosen and rejected in one forward (TRL concatenates them)
-    c = _half_or_fp32(setup)  # activations are in the autocast dtype
-    kv = h * shape.num_key_value_heads // shape.num_attention_heads
-    per_layer = s * b * (6 * h + 2 * kv + 4 * shape.intermediate_size)
-    if setup.attention == "eager":
-        per_layer += 2 * shape.num_attention_heads * s * s * b
+    precision = held_precisions(setup)
+    c, r = precision.compute, precision.residual
+    b = setup.micro_batch_size * setup.method.sequences_per_example  # a pair: chosen and rejected (TRL concatenates)
+    s = setup.sequence_length
+    tokens = b * s
+    h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
+    kv = h * shape.num_key_value_heads // heads
+    lora = bool(setup.lora_rank or setup.peft)
     if setup.gradient_checkpointing:
-        layers = shape.num_layers * s * b * h + per_layer
+        return r * tokens * h  # each block keeps only its input; one block is recomputed at a time (a transient)
+
+    norms = 2 * (4 + (0 if lora else r)) * tokens * h
+    if setup.attention == "eager":
+        attention = c * tokens * (4 * h) + heads * s * s * b * (4 + c)
+    elif setup.packed and setup.attention == "sdpa":  # a block-diagonal mask: no GQA kernel, k and v repeated
+        attention = c * tokens * (4 * h) + 4 * heads * tokens + c * b * s * s
     else:
-        layers = shape.num_layers * per_layer
-    # Logits in the compute dtype, their fp32 upcast for the loss, and its saved log-softmax; none for a method whose
-    # log-probabilities come from TRL's fused head, which projects the answer positions in tiles (trl/trainer/utils.py
-    # add_fused_lm_head): no (2b, s, vocab) logits are held.
-    logits = s * b * shape.vocab_size * (c + 4 + (4 if c != 4 else 0)) if setup.method.logits_held else 0
-    return layers * c + logits
+        attention = c * tokens * (2 * h + 2 * kv) + 4 * heads * tokens
+    mlp = 3 * c * tokens * i
+
+    targets = lora_target_names(shape, setup.lora_target_modules) if lora else ()
+    inputs, shared_read = 0.0, set()
+    for name, linear in _block_linears(shape):
+        reads_attention = name in ATTENTION_OUTPUT_PROJECTIONS
+        reads_norm = not reads_attention and linear.in_features == h
+        source = r if reads_norm else c  # a norm's output is in the residual dtype
+        # linears reading one tensor: the attention's (q, k, v) or the MLP's (gate, up) norm output
+        read = ("attention" if name in shape.attention_projections else "mlp", linear.in_features)
+        width = linear.in_features
+        if not lora:
+            if source != c:
+                inputs += c * tokens * width  # autocast's copy for this matmul
+            elif not reads_attention and read not in shared_read:
+                shared_read.add(read)
+                inputs += c * tokens * width
+            if precision.weights != c:
+                inputs += c * width * linear.out_features
+        elif targets is None or name in targets:
+            copies = precision.adapters != c or source != c or setup.lora_dropout > 0
+            if copies:
+                inputs += c * tokens * width
+            elif not reads_attention and read not in shared_read:
+                shared_read.add(read)
+                inputs += c * tokens * width
+            if setup.lora_dropout > 0:
+                inputs += tokens * width  # the bool mask
+            inputs += c * tokens * setup.lora_rank
+            if precision.adapters != c:  # autocast's casts of the fp32 adapters
+                inputs += c * setup.lora_rank * (width + linear.out_features)
+    return norms + attention + mlp + inputs
+
+
+def saved_outside_layers_bytes(shape: ModelShape, setup: Setup) -> float:
+    """What the forward saves outside the blocks: the final norm (as a block's), the head's input and, where the
+    full fine-tuning holds fp32 weights under autocast, the head's cast; the rotary cos/sin; the loss's fp32
+    log-probabilities (4·T·vocab; none for a method whose log-probabilities come from TRL's fused head, which
+    projects the answer positions in tiles: trl/trainer/utils.py add_fused_lm_head)."""
+    precision = held_precisions(setup)
+    c, r = precision.compute, precision.residual
+    tokens = setup.micro_batch_size * setup.method.sequences_per_example * setup.sequence_length
+    h, vocab = shape.hidden_size, shape.vocab_size
+    lora = bool(setup.lora_rank or setup.peft)
+    norm = (4 + (0 if lora else r)) * tokens * h
+    if lora:  # a frozen head keeps no input, but a frozen fp32 head (QLoRA's upcast) keeps autocast's cast of it
+        head = c * vocab * h if r == 4 and c == 2 else 0
+    else:
+        head = c * tokens * h + (c * vocab * h if precision.weights != c else 0)
+    rotary = 2 * r * tokens * h // shape.num_attention_heads
+    loss = 4 * tokens * vocab if setup.method.logits_held else 0
+    return norm + head + rotary + loss - _first_layer_shortfall(shape, setup)
+
+
+def _first_layer_shortfall(shape: ModelShape, setup: Setup) -> float:
+    """Under LoRA nothing before the first block's adapters needs a gradient (without gradient checkpointing, which
+    makes the embeddings' output need one), so the first block's first norm keeps no input and the dropout on the
+    adapters reading it keeps no mask."""
+    if not (setup.lora_rank or setup.peft) or setup.gradient_checkpointing:
+        return 0
+    tokens = setup.micro_batch_size * setup.method.sequences_per_example * setup.sequence_length
+    h = shape.hidden_size
+    targets = lora_target_names(shape, setup.lora_target_modules)
+    masks = sum(1 for name, linear in _block_linears(shape)
+                if setup.lora_dropout > 0 and name in shape.attention_projections
+                and name not in ATTENTION_OUTPUT_PROJECTIONS and (targets is None or name in targets))
+    return (4 + masks) * tokens * h
+
+
+def activation_bytes(shape: ModelShape, setup: Setup) -> float:
+    """Activations at their peak in one micro-batch: everything saved for backward (`saved_per_layer_bytes` per
+    block, `saved_outside_layers_bytes`) plus the largest transient on top of it: the loss's backward, which holds
+    two more fp32 (tokens × vocab) gradients beside the saved log-probabilities at the start of the backward, or,
+    under gradient checkpointing, one block recomputed with everything it saves."""
+    saved = shape.num_layers * saved_per_layer_bytes(shape, setup) + saved_outside_layers_bytes(shape, setup)
+    tokens = setup.micro_batch_size * setup.method.sequences_per_example * setup.sequence_length
+    loss_backward = 8 * tokens * shape.vocab_size if setup.method.logits_held else 0
+    recompute = saved_per_layer_bytes(shape, replace(setup, gradient_checkpointing=False)) \
+        if setup.gradient_checkpointing else 0
+    return saved + max(loss_backward, recompute)
 
 
 def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:

@@ -16,6 +16,9 @@ from finetune.errors import RecipeError, did_you_mean
 
 # Public config.json values of well-known models, so planning works offline.
 KNOWN_SHAPES = {
+    "meta-llama/Llama-2-7b-hf": dict(
+        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False),
     "meta-llama/Meta-Llama-3-8B": dict(
         model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
@@ -37,6 +40,7 @@ KNOWN_SHAPES = {
 }
 # Short names people type: "llama-3-8b", "qwen2.5-7b", "mistral-7b".
 ALIASES = {
+    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
     "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
     "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
     "llama-3-70b": "meta-llama/Meta-Llama-3-70B",

@@ -27,7 +27,16 @@ from finetune.memory.shapes import ALIASES, model_shape
 from finetune.recipe.batch_plan import plan_batch, plan_from_recipe, reachable_global_batch
 from finetune.recipe.methods import DEFAULT_METHOD, method_class
 
-HEADROOM = 0.9  # of GPU memory the estimate may fill; the rest: CUDA context, allocator fragmentation
+HEADROOM = 0.9  # of GPU memory the prediction may fill: the rest is for allocator fragmentation and what it leaves out
+# What a GPU run holds outside PyTorch's allocator and no term predicts: the CUDA context with its kernels, cuBLAS
+# and NCCL workspaces (0.5-1 GiB). With it and the 10% headroom the plan covers the published end-to-end peaks it
+# was held against (docs/memory.md: up to 11% above the prediction).
+CUDA_CONTEXT_BYTES = GiB
+
+
+def usable_bytes(gpu_memory_gib: float) -> float:
+    """GPU memory a predicted peak may fill: `HEADROOM` of it, less the CUDA context allowance."""
+    return HEADROOM * gpu_memory_gib * GiB - CUDA_CONTEXT_BYTES
 DEFAULT_GLOBAL_BATCH_SIZE = 32  # sequences per step when neither the user nor a recipe gives one
 # A micro-batch is padded to its longest row: the planned length is the one a micro-batch reaches at this quantile.
 LENGTH_QUANTILE = 0.99
@@ -60,6 +69,7 @@ class PlanRequest:
     gpu: Gpu | None = None  # the GPU planned for; None: unknown, taken to do bf16
     optimizer: str = "adamw"
     lora_rank: int = 0
+    lora_dropout: float = 0.05  # the recipe's default: each adapter keeps a dropped copy of its input and a mask
     qlora: bool = False
     sequence_length: int = 2048
     gradient_checkpointing: bool = False
@@ -80,6 +90,7 @@ class PlanRequest:
     # Token count of every training row after truncation (and packing); None: every row is `sequence_length` long.
     token_lengths: tuple[int, ...] | None = None
     padding_free: bool = False  # each micro-batch flattened into one row (its tokens, no padding)
+    packing: bool = False  # rows of several examples told apart by position ids
     your_strategy: Strategy | None = None  # the strategy the recipe or `--config` launches, checked beside the tree
     your_config: str | None = None
     method: str = DEFAULT_METHOD  # a training method's name (finetune.recipe.methods): what it adds to the memory
@@ -120,6 +131,8 @@ def _setup(request: PlanRequest, options: dict, micro_batch_size: int) -> Setup:
     return Setup(
         **options, num_gpus=request.gpus, precision=request.precision, optimizer=request.optimizer,
         lora_rank=request.lora_rank, qlora=request.qlora, micro_batch_size=micro_batch_size,
+        lora_dropout=request.lora_dropout if request.lora_rank else 0.0,
+        packed=request.packing or request.padding_free,
         lora_target_modules=request.lora_target_modules, dora=request.dora,
         lora_modules_to_save=request.lora_modules_to_save, attention=request.attention,
         sequence_length=planned_sequence_length(request, micro_batch_size),
@@ -133,7 +146,7 @@ def _setup(request: PlanRequest, options: dict, micro_batch_size: int) -> Setup:
 def shortfall(request: PlanRequest, result: MemoryEstimate) -> str | None:
     """Why a strategy does not fit (None: it fits): GPU memory (with any calibrated overhead), host RAM for the
     offloaded states, or host RAM while the model loads."""
-    usable = HEADROOM * request.gpu_memory_gib * GiB
+    usable = usable_bytes(request.gpu_memory_gib)
     if result.total_bytes + request.gpu_overhead_bytes > usable:
         return "gpu"
     if request.host_memory_gib is None:
@@ -270,10 +283,10 @@ def inter_node_traffic(request: PlanRequest, shape, trainable: int) -> dict:
 def decision_path(plan: dict) -> list[str]:
     """The decision tree as walked for this plan: each strategy tried in order, with its predicted GiB per GPU
     against the usable memory, up to the first that fits."""
-    usable = HEADROOM * plan["gpu_memory_gib"] * GiB
+    usable = usable_bytes(plan["gpu_memory_gib"])
     lines = []
     for row in plan["strategies"]:
-        total = row["estimate"].total_bytes
+        total = row["estimate"].total_bytes + plan["gpu_overhead_bytes"]
         if row["fits"]:
             lines.append(f"{row['name']}: {_size(total)} ≤ {_size(usable)} usable → recommended")
             return lines
@@ -353,7 +366,7 @@ def smallest_3d_fit(request: PlanRequest, shape) -> dict | None:
         for pipeline in (1, 2, 4, 8, 16, 32):
             if tensor * pipeline <= request.gpus and request.gpus % (tensor * pipeline) == 0 and tensor * pipeline > 1:
                 result = parallel_3d(shape, setup, tensor, pipeline, micro_batches)
-                if result["total_bytes"] <= HEADROOM * request.gpu_memory_gib * GiB:
+                if result["total_bytes"] <= usable_bytes(request.gpu_memory_gib):
                     options.append(result)
     return min(options, key=lambda r: (r["tensor_parallel"] * r["pipeline_parallel"], r["pipeline_bubble_fraction"]),
                default=None)

@@ -58,7 +58,7 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
         model=sections.model.model_name_or_path, gpus=gpus, gpu_memory_gib=gpu_memory_gib, gpu=gpu,
         precision=precision_of(training_precision(training, launcher=False)),
         optimizer=optimizer_kind(training.get("optim", "adamw")) or "adamw",
-        lora_rank=lora.lora_r if use_lora else 0, qlora=lora.use_qlora,
+        lora_rank=lora.lora_r if use_lora else 0, qlora=lora.use_qlora, lora_dropout=lora.lora_dropout,
         lora_target_modules=tuple(lora.lora_target_modules) if use_lora and lora.lora_target_modules else None,
         dora=use_lora and lora.use_dora,
         lora_modules_to_save=tuple(lora.modules_to_save) if use_lora and lora.modules_to_save else None,
@@ -70,7 +70,7 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
         base_batch_size=given.get("base_batch_size") or training.get("base_batch_size"),
         lr_scaling=given.get("lr_scaling") or training.get("lr_scaling"),
         recipe=recipe, from_recipe=True, launch_keys=tuple(launch_keys), token_lengths=lengths,
-        padding_free=data.padding_free, your_strategy=strategy, your_config=strategy_source,
+        padding_free=data.padding_free, packing=data.packing, your_strategy=strategy, your_config=strategy_source,
         recipe_sets_deepspeed=bool(training.get("deepspeed")), method=sections.method.name, **hardware,
     )
     if lengths is not None and not lengths:

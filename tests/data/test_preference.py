@@ -166,7 +166,7 @@ def test_dpo_activations_are_two_sequences_per_pair_without_full_logits():
     shape = model_shape("tiny")
     dpo = activation_bytes(shape, Setup(micro_batch_size=2, sequence_length=64, method=DPO_TERMS))
     sft_two = activation_bytes(shape, Setup(micro_batch_size=4, sequence_length=64))
-    logits = 64 * 4 * shape.vocab_size * (2 + 4 + 4)
+    logits = 64 * 4 * shape.vocab_size * (4 + 8)  # saved fp32 log-probabilities + the two fp32 gradients after them
     assert dpo == sft_two - logits
 
 

@@ -11,13 +11,13 @@ from finetune import presets
 from finetune.cli import main
 from finetune.errors import RecipeError
 from finetune.memory import Setup, estimate, model_shape
-from finetune.memory.estimate import GiB, pipeline_bubble_fraction
+from finetune.memory.estimate import NF4_BYTES_PER_PARAMETER, GiB, activation_bytes, pipeline_bubble_fraction
 from finetune.memory.report import write_memory_report
 from finetune.plan.decision_tree import PlanRequest, make_plan
 
 # Parameter counts published on the models' cards.
-PUBLISHED = {"llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "qwen2.5-0.5b": 0.494e9, "qwen2.5-7b": 7.62e9,
-             "mistral-7b": 7.24e9}
+PUBLISHED = {"llama-2-7b": 6.74e9, "llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "qwen2.5-0.5b": 0.494e9,
+             "qwen2.5-7b": 7.62e9, "mistral-7b": 7.24e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -109,13 +109,20 @@ def test_strategies_order_as_the_zero_paper_says():
 
 def test_activations_scale_with_micro_batch_and_shrink_with_checkpointing():
     shape = model_shape("llama-3-8b")
-    one = estimate(shape, Setup("single", micro_batch_size=1, sequence_length=1024)).activations_bytes
-    two = estimate(shape, Setup("single", micro_batch_size=2, sequence_length=1024)).activations_bytes
-    checkpointed = estimate(shape, Setup("single", sequence_length=1024, gradient_checkpointing=True))
-    eager = estimate(shape, Setup("single", sequence_length=1024, attention="eager")).activations_bytes
-    assert two == 2 * one
-    assert checkpointed.activations_bytes < one / 3  # the fp32 logits stay: checkpointing does not cover them
-    assert eager > one  # the s² attention scores
+
+    def activations(strategy="deepspeed", **options):
+        setup = Setup(strategy, 2 if strategy == "deepspeed" else 1, zero_stage=2 if strategy == "deepspeed" else 0,
+                      sequence_length=1024, **options)
+        return estimate(shape, setup).activations_bytes
+
+    one = activations(micro_batch_size=1)
+    assert activations(micro_batch_size=2) == 2 * one
+    assert activations(gradient_checkpointing=True) < one / 3  # the fp32 log-probabilities stay
+    assert activations(attention="eager") > one  # the s² attention scores
+    # fp32 master weights under autocast: the half cast of every weight is held for the backward, once per forward
+    single_one, single_two = activations("single", micro_batch_size=1), activations("single", micro_batch_size=2)
+    casts = 2 * sum(linear.in_features * linear.out_features for linear in shape.linears)
+    assert 2 * single_one - single_two == casts
 
 
 def test_lora_and_qlora_shrink_model_states():
@@ -127,7 +134,11 @@ def test_lora_and_qlora_shrink_model_states():
     assert lora.trainable_parameters == adapters
     assert lora.grads_bytes == 4 * adapters and lora.optimizer_bytes == 8 * adapters
     assert lora.params_bytes == 2 * shape.num_parameters + 4 * adapters  # bf16 base + fp32 adapters
-    assert qlora.params_bytes < lora.params_bytes * 0.4 < full.params_bytes
+    # NF4 blocks; what is not quantized (embeddings, norms, head) upcast to fp32 by peft's k-bit preparation
+    block = shape.block_linear_parameters
+    assert qlora.params_bytes == int(4 * (shape.num_parameters - block) + NF4_BYTES_PER_PARAMETER * block
+                                     + 4 * adapters)
+    assert qlora.params_bytes < lora.params_bytes * 0.5 < full.params_bytes
 
 
 def test_setup_errors_name_the_problem():
@@ -270,7 +281,7 @@ def test_3d_parallelism_on_paper_divides_states_and_activations():
     psi = shape.num_parameters / 8
     assert result["data_parallel"] == 2
     assert result["model_states_bytes"] == int(6 * psi + 12 * psi / 2)  # Megatron: 6 + 12/d bytes per parameter
-    full = estimate(shape, Setup("single", sequence_length=4096)).activations_bytes
+    full = activation_bytes(shape, setup)
     assert result["activations_bytes"] == pytest.approx(full / 4 / 2 * 2)  # 1/t, L/p layers, p micro-batches
     assert result["pipeline_bubble_fraction"] == pytest.approx(1 / 9)
     with pytest.raises(RecipeError, match="cannot be split"):

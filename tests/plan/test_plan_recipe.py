@@ -12,6 +12,7 @@ from finetune.cli import main
 from finetune.launch.devices import KNOWN_GPUS
 from finetune.memory.estimate import GiB
 from finetune.memory.report import write_memory_report
+from finetune.plan.decision_tree import CUDA_CONTEXT_BYTES
 
 # The `deepspeed_runs` fixture launches the demo recipe under this Accelerate config on 2 CPU processes (fp32).
 ZERO2_LAUNCH = ["--recipe", "recipes/demo.yaml", "--gpus", "2", "--gpu-memory", "24",
@@ -89,7 +90,7 @@ def test_a_gpu_calibration_is_folded_into_later_plans_for_that_gpu(tmp_path, cap
     arguments = ["--model", "qwen2.5-0.5b", "--gpus", "2", "--seq-len", "512"]
     before = planned(capsys, *arguments, "--gpu", "a100")
     ddp_total = before["strategies"][0]["per_gpu"]["total_bytes"]
-    memory = f"{(ddp_total + GiB) / 0.9 / GiB:.3f}"  # DDP fits with 1 GiB to spare
+    memory = f"{(ddp_total + CUDA_CONTEXT_BYTES + GiB) / 0.9 / GiB:.3f}"  # DDP fits with 1 GiB to spare
     assert planned(capsys, *arguments, "--gpu", "a100", "--gpu-memory", memory)["recommended"] == "DDP"
 
     run = gpu_report(tmp_path / "run", predicted_peak=10 * GiB, measured_peak=12 * GiB)

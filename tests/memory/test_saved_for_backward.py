@@ -1,0 +1,79 @@
+"""The activation model against what autograd really saves, at the widths of the 7-8B models people fine-tune.
+
+`finetune.memory.saved.measure` runs the real Transformers and peft modules on fake tensors (real kernel dispatch, no
+memory) and sums every distinct storage `saved_tensors_hooks` sees; the estimator must match it per layer and
+outside the layers.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from finetune.memory.estimate import (
+    MethodTerms,
+    Setup,
+    activation_bytes,
+    saved_outside_layers_bytes,
+    saved_per_layer_bytes,
+)
+from finetune.memory.saved import measure
+from finetune.memory.shapes import model_shape
+
+# Each model at one of the lengths people train at: hidden 4096 (MHA and GQA) and 3584 (Qwen's biased q, k, v).
+MODELS = {"llama-2-7b": 512, "llama-3-8b": 2048, "qwen2.5-7b": 1024}
+DEEPSPEED = dict(strategy="deepspeed", num_gpus=2, zero_stage=2)
+DDP = dict(strategy="ddp", num_gpus=2)
+CASES = {
+    "full, bf16 weights (DeepSpeed)": DEEPSPEED,
+    "full, fp32 masters under autocast (DDP)": DDP,
+    "full, fp32": dict(DDP, precision="fp32"),
+    "full, eager attention": dict(DEEPSPEED, attention="eager"),
+    "full, packed rows": dict(DEEPSPEED, packed=True),
+    "full, gradient checkpointing": dict(DEEPSPEED, gradient_checkpointing=True),
+    "LoRA, fp32 adapters, no dropout": dict(DDP, lora_rank=16),
+    "LoRA, fp32 adapters, dropout": dict(DDP, lora_rank=16, lora_dropout=0.05),
+    "LoRA, bf16 adapters (DeepSpeed), no dropout": dict(DEEPSPEED, lora_rank=16),
+    "LoRA, bf16 adapters (DeepSpeed), dropout": dict(DEEPSPEED, lora_rank=16, lora_dropout=0.05),
+    "LoRA on attention only, dropout": dict(DDP, lora_rank=8, lora_dropout=0.1,
+                                            lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj")),
+    "LoRA, dropout, gradient checkpointing": dict(DDP, lora_rank=16, lora_dropout=0.05, gradient_checkpointing=True),
+}
+# Every case on Llama-3-8B; on the other two the cases whose terms depend on the shape (GQA or not, biases, widths).
+SHAPE_CASES = ("full, bf16 weights (DeepSpeed)", "full, fp32 masters under autocast (DDP)", "full, packed rows",
+               "LoRA, fp32 adapters, dropout", "LoRA, bf16 adapters (DeepSpeed), no dropout")
+MiB = 2**20
+
+
+@pytest.mark.parametrize("model, case", [("llama-3-8b", case) for case in CASES]
+                         + [(model, case) for model in ("llama-2-7b", "qwen2.5-7b") for case in SHAPE_CASES])
+def test_the_estimator_matches_the_bytes_autograd_saves(model, case):
+    setup = Setup(**CASES[case], sequence_length=MODELS[model])
+    measured = measure(model, setup, packed_examples=4 if setup.packed else 0)
+    shape = model_shape(model)
+    per_layer, outside = saved_per_layer_bytes(shape, setup), saved_outside_layers_bytes(shape, setup)
+    # the acceptance bar is 5% per layer; every case lands within 1%
+    assert per_layer == pytest.approx(measured.per_layer, rel=0.01), (per_layer / MiB, measured.per_layer / MiB)
+    assert outside == pytest.approx(measured.outside_layers, rel=0.01), (outside / MiB, measured.outside_layers / MiB)
+
+
+def test_each_term_is_the_tensor_it_names():
+    """What the terms add, measured as differences between runs, in MiB of Llama-3-8B at 2048 tokens."""
+    shape, base = model_shape("llama-3-8b"), Setup(**DEEPSPEED, sequence_length=2048)
+    tokens, h, i = 2048, shape.hidden_size, shape.intermediate_size
+    full, lora = measure("llama-3-8b", base), measure("llama-3-8b", replace(base, lora_rank=16))
+    dropout = measure("llama-3-8b", replace(base, lora_rank=16, lora_dropout=0.05))
+    # Dropout on seven adapters a layer: each keeps a bool mask of its input, and its own dropped copy where
+    # without dropout the adapters reading one normed input (q, k, v; gate, up) share it.
+    masks = tokens * (6 * h + i)
+    copies = 2 * tokens * 4 * h  # q, k, v: 3 copies for 1 shared; gate, up: 2 for 1; o_proj: 1 for the attention's
+    assert dropout.per_layer - lora.per_layer == masks + copies
+    # Full fine-tuning keeps each norm's normalised input for its weight's gradient; LoRA's frozen norms do not.
+    assert full.per_layer - lora.per_layer == pytest.approx(2 * 2 * tokens * h - 2 * tokens * 16 * 7, abs=MiB)
+    # The loss keeps fp32 log-probabilities over the vocabulary: 1002 MiB here, more than two layers.
+    no_loss = measure("llama-3-8b", base, loss=False)
+    assert full.outside_layers - no_loss.outside_layers == pytest.approx(4 * tokens * shape.vocab_size, rel=1e-4)
+    assert saved_outside_layers_bytes(shape, base) - saved_outside_layers_bytes(
+        shape, replace(base, method=MethodTerms(logits_held=False))) == 4 * tokens * shape.vocab_size
+    # The peak adds the loss's backward (two more fp32 vocabulary-wide gradients) to what is saved.
+    saved = shape.num_layers * full.per_layer + full.outside_layers
+    assert activation_bytes(shape, base) == pytest.approx(saved + 8 * tokens * shape.vocab_size, rel=0.01)
