@@ -291,15 +291,22 @@ def resume_needs_universal(checkpoint: Path, now: dict) -> bool:
     if saved["zero_stage"] != now["zero_stage"]:  # DeepSpeed's universal loader reads only its own stage's layout
         raise RecipeError(f"{checkpoint} was saved by {describe_layout(saved)} and this run is {describe_layout(now)}: "
                           f"the optimizer states of the two do not convert. {export_hint}")
-    if saved["zero_stage"] == 0:
-        raise RecipeError(f"{checkpoint} was saved by {describe_layout(saved)} and this run has "
-                          f"{now['world_size']} rank(s): DeepSpeed's universal checkpoints cover ZeRO-1/2/3 only. "
+    refusal = _not_universal(checkpoint, saved)
+    if refusal:
+        raise RecipeError(f"{refusal} It cannot move from {saved['world_size']} to {now['world_size']} rank(s). "
                           f"{export_hint}")
-    if saved.get("round_robin_gradients"):
-        raise RecipeError(f"{checkpoint} was saved with `round_robin_gradients: true`, whose partitions DeepSpeed's "
-                          f"universal conversion maps to the wrong parameters, so it cannot move from "
-                          f"{saved['world_size']} to {now['world_size']} rank(s). {export_hint}")
     return True
+
+
+def _not_universal(checkpoint: Path, saved: dict) -> str | None:
+    """Why DeepSpeed's universal conversion cannot take this ZeRO checkpoint (None: it can)."""
+    if saved.get("zero_stage") == 0:
+        return (f"{checkpoint} was saved by {describe_layout(saved)}: DeepSpeed's universal checkpoints cover "
+                "ZeRO-1/2/3 only.")
+    if saved.get("round_robin_gradients"):
+        return (f"{checkpoint} was saved with `round_robin_gradients: true`, whose partitions DeepSpeed's universal "
+                "conversion maps to the wrong parameters.")
+    return None
 
 
 def convert_to_universal(checkpoint: Path, workers: int = 1) -> Path:
@@ -330,12 +337,9 @@ def convertible_to_universal(checkpoint: Path) -> None:
     if layout_strategy(saved).kind != "deepspeed" or not (checkpoint / "latest").is_file():
         raise RecipeError(f"{checkpoint} was saved by {describe_layout(saved)}: only DeepSpeed ZeRO checkpoints need "
                           "the universal format (DDP's hold the whole state; FSDP's reshard to any world size).")
-    if saved.get("zero_stage") == 0:
-        raise RecipeError(f"{checkpoint} was saved by {describe_layout(saved)}: DeepSpeed's universal checkpoints "
-                          "cover ZeRO-1/2/3 only.")
-    if saved.get("round_robin_gradients"):
-        raise RecipeError(f"{checkpoint} was saved with `round_robin_gradients: true`, whose partitions DeepSpeed's "
-                          "universal conversion maps to the wrong parameters.")
+    refusal = _not_universal(checkpoint, saved)
+    if refusal:
+        raise RecipeError(refusal)
 
 
 class SeparateOptimizerStepsCallback(TrainerCallback):
