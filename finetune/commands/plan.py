@@ -272,7 +272,7 @@ def print_plan(plan: dict) -> None:
         misses = ", ".join(row["name"] for row in plan["strategies"] if not row["fits"]
                            and plan["strategies"].index(row) < _index(plan, plan["recommended"]))
         console.print(f"Recommended: [bold green]{plan['recommended']}[/] — the first in the decision tree that "
-                      f"fits under 90% of {plan['gpu_memory_gib']:g} GiB"
+                      f"fits under {HEADROOM:.0%} of {plan['gpu_memory_gib']:g} GiB less the CUDA context"
                       + (f" ({misses} do not fit)." if misses else "."))
         batch = plan["batch_plan"]
         console.print(
@@ -295,8 +295,9 @@ def print_plan(plan: dict) -> None:
             f"{three_d['pipeline_bubble_fraction']:.0%}); that needs a 3D-parallel engine such as Megatron-LM.")
     if plan["inter_node"]:
         print_inter_node(console, plan["inter_node"])
-    console.print("Estimates: model states as DeepSpeed/Trainer allocate them; activations per Korthikanti et al. "
-                  "2022; buffers = communication buckets and gathered layers. See docs/memory.md.")
+    console.print("Estimates: model states as DeepSpeed/Trainer allocate them; activations tensor by tensor as "
+                  "autograd saves them (measured at real widths); buffers = communication buckets and gathered "
+                  "layers. See docs/memory.md.")
 
 
 def print_data_lengths(console, plan: dict) -> None:

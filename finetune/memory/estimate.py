@@ -28,9 +28,10 @@ A training method adds its own terms (`MethodTerms`, declared by each method in 
 preference method's frozen reference model (`reference_model_bytes`), two sequences per example (a chosen and a
 rejected answer), logits it never holds whole.
 
-Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models"), counted tensor by tensor for today's decoder block (RMSNorm, gated MLP, grouped-query attention,
-no dropout), plus the logits, which the loss upcasts to fp32.
+Activations are counted tensor by tensor as autograd saves them for today's decoder block (RMSNorm, gated MLP,
+grouped-query attention, LoRA adapters with their dropout) under the dtypes each strategy holds, and checked against
+`finetune.memory.saved`, which measures those bytes at real widths; plus the loss's fp32 log-probabilities and the
+transient of its backward.
 """
 
 from __future__ import annotations
