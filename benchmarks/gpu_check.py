@@ -74,8 +74,8 @@ def check(name: str, strategy: str, extra: list[str], scratch: Path) -> dict:
         "train", "recipes/demo.yaml", "--output_dir", str(output_dir), *SHORT, *extra, num_processes=gpus)
     result = run(command, timeout=1800, cwd=ROOT)
     row: dict = {"strategy": strategy, "gpus": gpus, "returncode": result.returncode}
-    if sharding_note(strategy, gpus):
-        row["note"] = sharding_note(strategy, gpus)
+    if note := sharding_note(strategy, gpus):
+        row["note"] = note
     if result.returncode != 0:
         errors = [line for line in result.output.splitlines() if re.search("error|Error", line)]
         return {**row, "error": (errors or result.output.splitlines() or ["no output"])[-1][:400]}

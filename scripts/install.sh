@@ -15,10 +15,11 @@ TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-}
 # --system-site-packages: a torch the machine already has (e.g. a CUDA build) is reused, not replaced.
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv --system-site-packages "$VENV"
 pip=("$VENV/bin/python" -m pip install --quiet)
+gpu_visible() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     echo "install: keeping torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
-elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+elif gpu_visible; then
     echo "install: GPU found, installing a CUDA build of torch"
     "${pip[@]}" torch
 else
@@ -32,7 +33,7 @@ if ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
 fi
 
 prebuild=
-if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+if ! gpu_visible; then
     echo "install: building DeepSpeed's CPU Adam meanwhile (no GPU here: ZeRO-Offload steps on the CPU)"
     # Absolute paths: the environment's own ninja first (another ninja version would see the build as stale and redo
     # it), and the folder as the tests name it (tests/conftest.py: sys.prefix; torch rebuilds an op whose build folder

@@ -92,8 +92,7 @@ def running_setup(args, model, sequence_length: int | None,
 
 def _lora_dropout(model) -> float:
     """The active LoRA adapter's dropout (0 without one)."""
-    configs = getattr(model, "peft_config", None) or {}
-    config = configs.get(getattr(model, "active_adapter", "default")) or next(iter(configs.values()), None)
+    config = getattr(model, "active_peft_config", None)  # peft's PeftModel
     return float(getattr(config, "lora_dropout", 0.0) or 0.0)
 
 

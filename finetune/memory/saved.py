@@ -43,6 +43,8 @@ def measure(model: str, setup: Setup, loss: bool = True, packed_examples: int = 
     says (precision, strategy, LoRA rank/targets/dropout, micro-batch, sequence length, gradient checkpointing,
     attention); `packed_examples` > 0 packs that many examples in each row (position ids restart, as TRL's and this
     toolkit's packing give them); `loss=False` leaves the loss out."""
+    if setup.qlora:
+        raise ValueError("QLoRA's 4-bit layers (bitsandbytes) do not run on fake tensors: measure LoRA instead.")
     one = _saved_bytes(model, setup, 1, loss, packed_examples)
     two = _saved_bytes(model, setup, 2, loss, packed_examples)
     return SavedBytes(per_layer=two - one, outside_layers=2 * one - two)
@@ -107,11 +109,11 @@ def _fake_model(name: str, setup: Setup, layers: int):
         targets = list(setup.lora_target_modules) if setup.lora_target_modules else "all-linear"
         model = get_peft_model(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
                                                  lora_dropout=setup.lora_dropout, target_modules=targets))
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.to(_dtype(precision.adapters))
     elif precision.residual == 4:  # fp32 master weights: every trainable weight (finetune.models.loading)
         model = model.float()
-    for parameter in model.parameters():
-        if parameter.requires_grad and setup.lora_rank:
-            parameter.data = parameter.data.to(_dtype(precision.adapters))
     if setup.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         if setup.lora_rank:  # as peft and Trainer do, so the re-entrant checkpoints see an input needing a gradient
