@@ -70,7 +70,8 @@ def check_per_node_sizes(deepspeed: dict | None, environ=None) -> None:
     if is_true(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG")):
         sizes = {name: int(environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")) for name in PARALLELISM_SIZES}
         product = math.prod(sizes.values())
-        if product != world_size and not (sizes["sp"] > 1 and environ.get("PARALLELISM_CONFIG_SP_BACKEND",
+        # all 1 is plain data parallelism over every process (Accelerate sets dp_replicate to the process count)
+        if product not in (1, world_size) and not (sizes["sp"] > 1 and environ.get("PARALLELISM_CONFIG_SP_BACKEND",
                                                                           "deepspeed") == "deepspeed"):
             shown = " × ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "all 1"
             nodes = world_size // per_node if per_node and world_size % per_node == 0 else "?"

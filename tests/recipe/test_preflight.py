@@ -127,6 +127,8 @@ def test_parallelism_sizes_written_for_2_by_2_are_refused_on_2_nodes_of_8_naming
     # the sizes scripts/launch_multinode.sh passes for 2 nodes × 8 GPUs
     check_per_node_sizes(None, {**HYBRID_2_BY_2, **launch, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8"})
     check_per_node_sizes(None, launch)  # no parallelism config: nothing to check
+    all_one = {name: "1" if name.endswith("_SIZE") else value for name, value in HYBRID_2_BY_2.items()}
+    check_per_node_sizes(None, {**all_one, **launch})  # as Accelerate takes it: data parallelism over all 16
 
 
 def test_a_recipe_launched_with_mismatched_sizes_stops_before_the_process_group(monkeypatch,
