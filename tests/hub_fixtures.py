@@ -171,18 +171,21 @@ def build_tokenizer(family: str = "chatml", vocab_size: int = 600):
     )
 
 
-def save_hub_model(directory: Path, family: str = "chatml", dtype: str = "bfloat16", seed: int = 0) -> Path:
+def save_hub_model(directory: Path, family: str = "chatml", dtype: str = "bfloat16", seed: int = 0,
+                   **widths) -> Path:
     """A small Qwen2-shaped causal LM (grouped-query attention, untied head) saved as hub checkpoints are: weights in
-    `dtype` safetensors, `config.json` saying so, the tokenizer files beside them."""
+    `dtype` safetensors, `config.json` saying so, the tokenizer files beside them. `widths` overrides the config's
+    sizes (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(family)
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, **widths}
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+        bos_token_id=tokenizer.bos_token_id, **sizes,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

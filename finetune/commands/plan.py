@@ -266,8 +266,9 @@ def print_plan(plan: dict) -> None:
         console.print("[bold red]No data-parallel strategy fits[/]: more or larger GPUs, LoRA/QLoRA "
                       "(--lora-rank, --qlora), gradient checkpointing or a shorter --seq-len.")
         if any(row["shortfall"] == "host load" for row in plan["strategies"]):
-            console.print("Some fit on the GPUs but not in host RAM while every rank loads the whole model: more RAM "
-                          "per node, fewer ranks per node, or ZeRO-3 with `zero3_init_flag: true` (loads sharded).")
+            console.print("Some fit on the GPUs but not in host RAM while the model loads: more RAM per node, or "
+                          "fewer ranks per node where every rank loads the whole model (ZeRO-3 and FSDP load it on "
+                          "one rank).")
     else:
         misses = ", ".join(row["name"] for row in plan["strategies"] if not row["fits"]
                            and plan["strategies"].index(row) < _index(plan, plan["recommended"]))

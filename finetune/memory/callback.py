@@ -53,15 +53,16 @@ def running_setup(args, model, sequence_length: int | None,
     state = AcceleratorState()
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
     strategy = prepared_strategy(state, args.world_size, nodes=max(1, args.world_size // local_processes))
-    sub_group_size, zero3_init = None, False
+    sub_group_size, sharded_loading = None, True  # ZeRO-3 under `finetune train` loads sharded whatever the plugin says
     if state.distributed_type == DistributedType.DEEPSPEED:
-        plugin = state.deepspeed_plugin
-        config = plugin.deepspeed_config
+        config = state.deepspeed_plugin.deepspeed_config
         half = config.get("bf16", {}).get("enabled") is True or config.get("fp16", {}).get("enabled") is True
         precision = "bf16" if half else "fp32"
         sub_group_size = config.get("zero_optimization", {}).get("sub_group_size")
-        zero3_init = bool(plugin.zero3_init_flag)
     else:
+        if state.distributed_type == DistributedType.FSDP:  # finetune.models.loading.sharded_from_rank_zero
+            plugin = state.fsdp_plugin
+            sharded_loading = plugin.fsdp_version == 2 and bool(plugin.cpu_ram_efficient_loading)
         precision = precision_of(args.mixed_precision)
     config = model.config
     trainable_parameters = [p for p in model.parameters() if p.requires_grad]
@@ -83,7 +84,7 @@ def running_setup(args, model, sequence_length: int | None,
         trainable_parameters=trainable,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         sub_group_size=None if sub_group_size is None else int(sub_group_size),
-        zero3_init=zero3_init,
+        sharded_loading=sharded_loading,
         method=method,
         peft=hasattr(model, "peft_config"),
         lora_dropout=_lora_dropout(model),
@@ -100,6 +101,7 @@ def predicted_ledger(model, args, sequence_length: int | None,
                      method: MethodTerms = MethodTerms()) -> tuple[Strategy, dict]:
     strategy, setup = running_setup(args, model, sequence_length, method)
     prediction = estimate(shape_of(model), setup)
+    cpu_only = not torch.cuda.is_available()  # the "GPU" partitions are host memory too
     offloaded = prediction.offloaded
     ledger = {key: getattr(prediction, key) + offloaded.get(key, 0) for key in STATE_KEYS}
     ledger["grads_between_micro_steps_bytes"] = prediction.grads_between_micro_steps_bytes
@@ -107,6 +109,7 @@ def predicted_ledger(model, args, sequence_length: int | None,
     ledger["offloaded_bytes"] = sum(offloaded.values())
     if setup.method.reference_model:
         ledger["reference_bytes"] = prediction.reference_bytes
+    ledger["host_load_bytes"] = prediction.host_load_bytes_of_rank(args.process_index, device_is_host=cpu_only)
     ledger["peak_bytes"] = prediction.total_bytes
     ledger["estimate"] = prediction.to_dict()
     if optimizer_kind(args.optim) is None:
@@ -136,6 +139,8 @@ class MemoryReportCallback(TrainerCallback):
         # A preference method's frozen reference model as the trainer prepared it (`trainer.ref_model`; None under
         # LoRA, where the reference is the policy without its adapters), counted as `reference_bytes`.
         self.reference_model = None
+        # Host RAM this rank took while the model loaded (`finetune.memory.ledger.HostLoadProbe`), when measured.
+        self.host_load_bytes: int | None = None
         self.probe: GradientProbe | None = None
         self.measured: dict | None = None
         self.pending_log: dict | None = None
@@ -193,6 +198,8 @@ class MemoryReportCallback(TrainerCallback):
             logger.warning("memory report: no prediction for this run (%s)", error)
             strategy, predicted = AcceleratorState().distributed_type.value.lower(), None
         measured = None if self.measured is None else {**self.measured, **peak_memory(self.phases.by_phase)}
+        if measured is not None and self.host_load_bytes is not None:
+            measured["host_load_bytes"] = self.host_load_bytes
         if measured is not None and self.phases.by_phase:
             measured["peak_bytes_by_phase"] = dict(self.phases.by_phase)
         record = {"rank": args.process_index, "world_size": args.world_size, "strategy": strategy,

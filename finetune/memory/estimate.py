@@ -13,8 +13,9 @@ Model states follow what DeepSpeed and Trainer really allocate, measured on real
 - The step is not always the peak: under gradient accumulation ZeRO-1 keeps the full gradients in the model dtype
   between micro-steps (it reduces only at the boundary), ZeRO-2/3 only their partition
   (`grads_between_micro_steps_bytes`; measured in tests/memory/test_memory_peaks.py).
-- Loading comes before sharding: without `zero3_init_flag` every local rank materialises the whole model in host
-  RAM (`host_load_bytes_per_node`).
+- Loading comes before sharding: unless only global rank 0 reads the checkpoint (ZeRO-3, FSDP2 with
+  `fsdp_cpu_ram_efficient_loading`) every local rank materialises the whole model in host RAM
+  (`host_load_bytes_per_node`, `host_load_bytes_of_rank`).
 - In fp32, DeepSpeed still clones the fp32 partition for the optimizer (4Ψ/N more than the paper's 16Ψ).
 - Without DeepSpeed (single GPU, DDP, FSDP), Trainer's mixed precision is autocast: weights, gradients
   and Adam states stay fp32 (4 + 4 + 8 = 16 bytes/param), because the toolkit holds trainable parameters in fp32
@@ -106,7 +107,9 @@ class Setup:
     trainable_parameters: int | None = None   # exact count from a live model; otherwise derived from LoRA
     gradient_accumulation_steps: int = 1      # micro-batches per optimizer step (Trainer's name)
     sub_group_size: int | None = None         # DeepSpeed ZeRO-3, elements; None: DeepSpeed's default (1e9)
-    zero3_init: bool = False                  # ZeRO-3 partitions while loading (Accelerate's `zero3_init_flag`)
+    sharded_loading: bool = True              # ZeRO-3 and FSDP: only global rank 0 reads the checkpoint (ZeRO-3
+                                              # always under `finetune train`; FSDP2 with
+                                              # `fsdp_cpu_ram_efficient_loading`, as shipped)
     hpz_partition_size: int | str | None = None  # ZeRO++ hpZ: a secondary weight copy split over this many GPUs;
                                               # "auto": the GPUs of one node, as `finetune train` fills it
     method: MethodTerms = field(default_factory=MethodTerms)  # what the training method adds (reference, pairs)
@@ -177,7 +180,7 @@ class MemoryEstimate:
     temporary_bytes: int
     offloaded: dict = field(default_factory=dict)
     grads_between_micro_steps_bytes: int = 0  # on the GPU between two micro-steps of one accumulation window
-    host_load_bytes_per_node: int = 0         # host RAM one node needs while loading, before sharding
+    loaded_model_bytes: int = 0               # the whole model as a rank that loads it holds it (host RAM)
     reference_bytes: int = 0                  # a preference method's frozen reference model on this GPU
 
     @property
@@ -196,6 +199,14 @@ class MemoryEstimate:
         upper bound: in practice activations shrink as gradients appear)."""
         return (self.params_bytes + self.grads_peak_bytes + self.optimizer_bytes + self.activations_bytes
                 + self.temporary_bytes + self.reference_bytes)
+
+    @property
+    def host_load_bytes_per_node(self) -> int:
+        """Host RAM the busiest node needs while the model loads, before sharding."""
+        return int(host_load_bytes_per_node(self.loaded_model_bytes, self.setup))
+
+    def host_load_bytes_of_rank(self, rank: int, device_is_host: bool = False) -> int:
+        return int(host_load_bytes_of_rank(self.loaded_model_bytes, self.setup, rank, device_is_host))
 
     @property
     def host_bytes_per_node(self) -> int:
@@ -252,7 +263,7 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         temporary_bytes=int(temporary_bytes(shape, setup, trainable)),
         offloaded={key: int(value) for key, value in offloaded.items() if value},
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
-        host_load_bytes_per_node=int(host_load_bytes_per_node(trainable, frozen_bytes, setup)),
+        loaded_model_bytes=int(loaded_model_bytes(trainable, frozen_bytes, setup)),
         reference_bytes=int(reference_model_bytes(shape, setup)),
     )
 
@@ -381,24 +392,53 @@ def grads_between_micro_steps(trainable: int, grads_at_step: float, setup: Setup
     return 0 if setup.offload_optimizer else w * trainable / setup.shard_degree
 
 
-def host_load_bytes_per_node(trainable: int, frozen_bytes: float, setup: Setup) -> float:
-    """Host RAM one node needs while `from_pretrained` loads the model, before any sharding.
+def loads_sharded(setup: Setup) -> bool:
+    """Only global rank 0 reads the checkpoint; every other rank builds the model's shapes and gets its weights from
+    rank 0 (ZeRO-3, FSDP with `sharded_loading`)."""
+    return setup.sharded_loading and ((setup.strategy == "deepspeed" and setup.zero_stage == 3)
+                                      or setup.strategy == "fsdp")
+
+
+def host_load_bytes_of_rank(model_bytes: float, setup: Setup, rank: int, device_is_host: bool = False) -> float:
+    """Host RAM rank `rank` (global) takes while `finetune train` loads the model and prepares it for the method,
+    before Trainer shards it (`finetune.memory.ledger.HostLoadProbe` measures the same span).
 
     Transformers 5 builds the model on the meta device and materialises each weight from the checkpoint on the CPU
-    when no `device_map` is given (`low_cpu_mem_usage` is gone: modeling_utils.py::from_pretrained pops it unused).
-    So without ZeRO-3's `zero3_init_flag` every local rank holds the whole model in the load dtype (trainable
-    weights cast as the strategy holds them, `finetune.models.loading.hold_trainable_parameters`) until Trainer moves it
-    to its GPU or DeepSpeed partitions it: GPUs per node × model bytes. Under `zero3_init` only global rank 0 reads
-    the checkpoint (modeling_utils.py: `map_location = "cpu" if rank == 0 else "meta"`), memory-mapped, and each
-    module is gathered on the GPU to be filled (integrations/deepspeed.py::_load_state_dict_into_zero3_model): one
-    model on the first node, plus each rank's partition where parameters are offloaded to the host.
+    when no `device_map` is given (`low_cpu_mem_usage` is gone: modeling_utils.py::from_pretrained pops it unused),
+    so a rank that loads holds the whole model in the load dtype, trainable weights cast as the strategy holds them
+    (`finetune.models.loading.hold_trainable_parameters`). Sharded loading leaves that to global rank 0:
+    - ZeRO-3: TrainingArguments registers the DeepSpeed config before the model loads (Accelerate's
+      `set_deepspeed_weakref`, whatever `zero3_init_flag` says), so `from_pretrained` runs under `zero.Init`; rank 0
+      reads the checkpoint (`map_location = "cpu" if rank == 0 else "meta"`) and each module is gathered to be
+      filled and partitioned at once (integrations/deepspeed.py::_load_state_dict_into_zero3_model): every rank
+      holds its partition, on its GPU, or on the host with parameter offload (or on a CPU-only run,
+      `device_is_host`).
+    - FSDP2 with `fsdp_cpu_ram_efficient_loading`: ranks ≠ 0 build the model on the meta device
+      (`finetune.models.loading.sharded_from_rank_zero`); Accelerate fills their shards from rank 0 when Trainer
+      prepares the model.
     """
-    weight = _half_or_fp32(setup) if setup.strategy == "deepspeed" else _trainable_bytes(setup)
-    model = weight * trainable + frozen_bytes
+    if not loads_sharded(setup):
+        return model_bytes
+    partition = model_bytes / setup.shard_degree if setup.strategy == "deepspeed" else 0
+    on_host = partition if (setup.offload_param or device_is_host) else 0
+    return (model_bytes if rank == 0 else 0) + on_host
+
+
+def host_load_bytes_per_node(model_bytes: float, setup: Setup) -> float:
+    """Host RAM the busiest node needs while the model loads: GPUs per node × the model, or with sharded loading
+    the first node's, where global rank 0 reads the checkpoint (`host_load_bytes_of_rank`)."""
     ranks = setup.gpus_per_node or setup.num_gpus
-    if setup.strategy == "deepspeed" and setup.zero_stage == 3 and setup.zero3_init:
-        return model + (ranks * model / setup.shard_degree if setup.offload_param else 0)
-    return ranks * model
+    return sum(host_load_bytes_of_rank(model_bytes, setup, rank) for rank in range(ranks))
+
+
+def loaded_model_bytes(trainable: int, frozen_bytes: float, setup: Setup) -> float:
+    """The whole model on a rank that loads it, at its peak: the weights as loaded (the half dtype under mixed
+    precision, as hub checkpoints are stored, else fp32) and, where the toolkit holds trainable weights wider (fp32
+    masters outside DeepSpeed), their cast copy beside them (measured: a bf16 checkpoint cast to fp32 peaks at
+    6 bytes per parameter, tests/memory/test_loading_memory.py)."""
+    loaded = _half_or_fp32(setup)
+    held = loaded if setup.strategy == "deepspeed" else _trainable_bytes(setup)
+    return (held + (loaded if held > loaded else 0)) * trainable + frozen_bytes
 
 
 @dataclass(frozen=True)

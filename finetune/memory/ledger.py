@@ -180,6 +180,30 @@ class PhasePeaks:
         torch.cuda.reset_peak_memory_stats()
 
 
+def peak_resident_bytes() -> int:
+    """The process's peak resident set so far (Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class HostLoadProbe:
+    """Host RAM a span takes (`finetune train`: loading the model and preparing it for the method): the process's
+    peak resident set at `stop()` less its resident set at creation."""
+
+    def __init__(self):
+        import psutil
+
+        self.before = psutil.Process().memory_info().rss
+        self.bytes: int | None = None
+
+    def stop(self) -> int:
+        self.bytes = max(0, peak_resident_bytes() - self.before)
+        return self.bytes
+
+
 def peak_memory(phases: dict[str, int] | None = None) -> dict:
     """Peak device memory on an accelerator (allocated, over the whole run when `phases` holds the peaks read before
     a reset, and reserved since the last reset), else the process's peak RSS."""
@@ -187,6 +211,4 @@ def peak_memory(phases: dict[str, int] | None = None) -> dict:
         return {"peak_bytes": max(torch.cuda.max_memory_allocated(), *(phases or {}).values()),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                 "peak_kind": "cuda_max_allocated"}
-    import resource
-
-    return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak_kind": "cpu_max_rss"}
+    return {"peak_bytes": peak_resident_bytes(), "peak_kind": "cpu_max_rss"}

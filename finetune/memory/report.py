@@ -14,6 +14,8 @@ PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimiz
 REFERENCE = ("reference_bytes", "reference model")
 GRADIENT_PEAKS = (("grads_between_micro_steps_bytes", "gradients between micro-steps"),
                   ("grads_peak_bytes", "gradients at their peak"))
+# Host RAM this rank took while the model loaded, before Trainer sharded it (shown when a record has it).
+HOST_LOAD = ("host_load_bytes", "host RAM while loading")
 MiB = 1024**2
 
 
@@ -58,7 +60,9 @@ def markdown_table(records: list[dict]) -> str:
         predicted, measured = record["predicted"] or {}, record["measured"] or {}
         peaks = [row for row in GRADIENT_PEAKS if row[0] in predicted or row[0] in measured]
         reference = [REFERENCE] if REFERENCE[0] in predicted or REFERENCE[0] in measured else []
-        rows = [*PARTS, *reference, *peaks, ("peak_bytes", f"peak ({measured.get('peak_kind', 'not measured')})")]
+        host_load = [HOST_LOAD] if HOST_LOAD[0] in measured else []
+        rows = [*PARTS, *reference, *peaks, *host_load,
+                ("peak_bytes", f"peak ({measured.get('peak_kind', 'not measured')})")]
         for key, label in rows:
             want, got = predicted.get(key), measured.get(key)
             comparable = key != "peak_bytes" or measured.get("peak_kind", "").startswith("cuda")
@@ -67,7 +71,9 @@ def markdown_table(records: list[dict]) -> str:
     lines += [
         "",
         "Parameters, gradients and optimizer states are counted per storage on each rank at the first optimizer",
-        "step (offloaded bytes included); gradients also between the micro-steps of gradient accumulation. The",
+        "step (offloaded bytes included); gradients also between the micro-steps of gradient accumulation. Host",
+        "RAM while loading: the growth of the process's peak resident memory from before the model loaded until",
+        "it was ready for Trainer (the whole model on a rank that reads the checkpoint). The",
         "predicted peak is per GPU; on a CPU-only run the measured peak is the process's resident memory (Python,",
         "libraries, data), which the estimator does not model.",
         "",

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune import presets
 from finetune.errors import RecipeError
-from finetune.launch.strategies import Strategy
+from finetune.launch.strategies import Strategy, is_true
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -43,15 +43,22 @@ def load_tokenizer(model_args):
     return tokenizer
 
 
-def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strategy: Strategy | None = None):
+def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strategy: Strategy | None = None,
+               shapes_only: bool = False):
+    """The model to train (or a reference to train against). `shapes_only`: its parameters on the meta device, for a
+    rank whose weights another rank will send it (`sharded_from_rank_zero`); ignored under QLoRA, whose 4-bit weights
+    are quantized while loading."""
     if model_args.model_name_or_path == presets.TINY_MODEL and not qlora:
         dtype = None if model_args.torch_dtype == "auto" else DTYPES[model_args.torch_dtype]
-        model = presets.build_model(tokenizer, seed=seed, dtype=dtype)
+        with _on_meta_device(shapes_only):
+            model = presets.build_model(tokenizer, seed=seed, dtype=dtype)
         model.config.name_or_path = model.name_or_path = presets.TINY_MODEL  # peft records it as the adapter's base
         return model
     check_local_path(model_args.model_name_or_path, "model_name_or_path")
     if qlora:
         return _load_4bit(model_args, tokenizer, seed, strategy or Strategy("single"))
+    if shapes_only:
+        return _empty_model(model_args)
     with loading_refusals(model_args):
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path,
@@ -60,6 +67,69 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strate
             trust_remote_code=model_args.trust_remote_code,
         )
     model.checkpoint_dtype = stored_dtype(model_args.model_name_or_path) or model.dtype
+    return model
+
+
+def sharded_from_rank_zero(environ=None) -> bool:
+    """Whether this process needs only the model's shapes: FSDP2 with `fsdp_cpu_ram_efficient_loading` on a rank
+    other than global rank 0. Accelerate then moves every rank's model to the meta device, upcasts the trainable
+    weights to fp32, shards, and broadcasts rank 0's full state dict into the shards
+    (accelerate/utils/fsdp_utils.py: `fsdp2_prepare_model`, `fsdp2_load_full_state_dict`): a real copy on the
+    other ranks would be read from disk and upcast for nothing (8 × 141 GB, then twice that in fp32, on a node
+    fine-tuning a 70B)."""
+    environ = os.environ if environ is None else environ
+    return (is_true(environ.get("ACCELERATE_USE_FSDP")) and environ.get("FSDP_VERSION") == "2"
+            and is_true(environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")) and int(environ.get("RANK", "0")) != 0)
+
+
+def _on_meta_device(wanted: bool):
+    """Parameters created inside are on the meta device when `wanted` (buffers stay real, as Accelerate needs)."""
+    from contextlib import nullcontext
+
+    from accelerate import init_empty_weights
+
+    return init_empty_weights() if wanted else nullcontext()
+
+
+def materialize_empty_parameters(model) -> int:
+    """Gives each parameter still on the meta device (`_empty_model`, and adapters peft put beside it) an
+    uninitialised CPU tensor of its shape and dtype, ties kept; returns how many. Before its model is sharded,
+    FSDP2's optimizer exists and Accelerate maps its parameters to the shards by address
+    (`fsdp2_switch_optimizer_parameters`): meta tensors all have address 0. Never written, these tensors take no
+    resident memory until Accelerate moves the model to the meta device and fills the shards from rank 0."""
+    materialized: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, parameter in list(module._parameters.items()):
+            if parameter is None or not parameter.is_meta:
+                continue
+            if id(parameter) not in materialized:
+                materialized[id(parameter)] = torch.nn.Parameter(torch.empty_like(parameter, device="cpu"),
+                                                                 requires_grad=parameter.requires_grad)
+            module._parameters[name] = materialized[id(parameter)]
+    return len(materialized)
+
+
+def _empty_model(model_args):
+    """The model as from_pretrained would build it, parameters on the meta device (buffers such as the rotary
+    frequencies real: Accelerate keeps the non-persistent ones through sharding), with the checkpoint's generation
+    config."""
+    from transformers import AutoConfig, GenerationConfig
+
+    name = model_args.model_name_or_path
+    with loading_refusals(model_args):
+        config = AutoConfig.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
+        dtype = DTYPES[model_args.torch_dtype]
+        if dtype == "auto":  # what from_pretrained gives rank 0: the checkpoint's own dtype
+            dtype = stored_dtype(name) or torch.float32
+        with _on_meta_device(True):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     attn_implementation=model_args.attn_implementation,
+                                                     trust_remote_code=model_args.trust_remote_code)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(name)
+    except OSError:  # none saved: from_pretrained keeps the one derived from the config too
+        pass
+    model.checkpoint_dtype = stored_dtype(name) or model.dtype
     return model
 
 

@@ -30,7 +30,8 @@ from finetune.data.summary import dropped_rows, write_data_summary
 from finetune.errors import RecipeError
 from finetune.launch.watchdog import watching_ranks
 from finetune.memory import MemoryReportCallback
-from finetune.models.loading import load_model, load_tokenizer
+from finetune.memory.ledger import HostLoadProbe
+from finetune.models.loading import load_model, load_tokenizer, materialize_empty_parameters, sharded_from_rank_zero
 from finetune.models.lora import FrozenWeightsCallback
 from finetune.recipe.batch_plan import print_batch_plan, write_batch_plan
 from finetune.recipe.parse import Recipe, parse_recipe
@@ -51,9 +52,12 @@ def train(recipe: Recipe) -> dict:
     # (finetune.checkpoints.run_lock)
     with watching_ranks(args), output_dir_lock(args):
         tokenizer = load_tokenizer(recipe.model)
+        loading = HostLoadProbe()  # host RAM this rank takes until the model is ready for Trainer
         model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
-                           strategy=recipe.strategy)
+                           strategy=recipe.strategy, shapes_only=sharded_from_rank_zero())
         model = method.prepare_model(recipe, model)  # adapters, trainable weights held as the method needs
+        materialize_empty_parameters(model)  # shapes only (FSDP2, ranks ≠ 0): Accelerate fills them from rank 0
+        loading.stop()
         data = method.prepare_data(recipe, tokenizer, model)
         record_stop_tokens(model, tokenizer, data.summary)  # saved with the model: generate() elsewhere stops there too
         check_eval_split(args, data.eval is not None)  # before Trainer, which would raise a ValueError of its own
@@ -72,6 +76,7 @@ def train(recipe: Recipe) -> dict:
                                                frozen_check, divergence, preemption) if callback is not None]
         trainer = method.build_trainer(recipe, model, tokenizer, data, callbacks)  # the data summary is now complete
         if memory_report is not None:
+            memory_report.host_load_bytes = loading.bytes
             memory_report.reference_model = getattr(trainer, "ref_model", None)  # TRL's name for a frozen reference
         if trainer.is_world_process_zero():
             method.print_data_summary(data.summary)

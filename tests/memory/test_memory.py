@@ -11,7 +11,13 @@ from finetune import presets
 from finetune.cli import main
 from finetune.errors import RecipeError
 from finetune.memory import Setup, estimate, model_shape
-from finetune.memory.estimate import NF4_BYTES_PER_PARAMETER, GiB, activation_bytes, pipeline_bubble_fraction
+from finetune.memory.estimate import (
+    NF4_BYTES_PER_PARAMETER,
+    GiB,
+    activation_bytes,
+    host_load_bytes_of_rank,
+    pipeline_bubble_fraction,
+)
 from finetune.memory.report import write_memory_report
 from finetune.plan.decision_tree import PlanRequest, make_plan
 
@@ -355,21 +361,31 @@ def test_zero3_fp32_gradients_are_bounded_by_the_sub_group_for_a_7b_on_2_gpus():
         estimate(shape, Setup("deepspeed", 2, zero_stage=3, sub_group_size=0))
 
 
-def test_host_ram_at_load_is_one_model_per_local_rank_without_zero3_init():
+def test_host_ram_at_load_is_one_model_per_local_rank_unless_global_rank_0_alone_reads_it():
     shape = model_shape("llama-3-70b")
     psi = shape.num_parameters
-    per_node = estimate(shape, Setup("deepspeed", 2, gpus_per_node=2, zero_stage=3)).host_load_bytes_per_node
+    # DDP, ZeRO-1/2: every local rank holds the whole model (DeepSpeed in bf16, DDP its fp32 masters).
+    per_node = estimate(shape, Setup("deepspeed", 2, gpus_per_node=2, zero_stage=2)).host_load_bytes_per_node
     assert per_node == 2 * 2 * psi and per_node == pytest.approx(2 * 141e9, rel=0.01)
-    # zero3_init: only rank 0 reads the checkpoint; offloaded parameters add each rank's partition.
-    assert estimate(shape, Setup("deepspeed", 2, zero_stage=3, zero3_init=True)).host_load_bytes_per_node == 2 * psi
-    offload = estimate(shape, Setup("deepspeed", 2, zero_stage=3, zero3_init=True, offload_param="cpu",
-                                    offload_optimizer="cpu"))
-    assert offload.host_load_bytes_per_node == 2 * psi + 2 * psi
-    # zero3_init means nothing below stage 3; 16 GPUs on 2 nodes load 8 models per node; DDP loads fp32 masters.
-    assert estimate(shape, Setup("deepspeed", 2, zero_stage=2, zero3_init=True)).host_load_bytes_per_node == 4 * psi
+    # DDP holds fp32 masters: the bf16 weights as loaded and their fp32 cast, 6 bytes a parameter at the peak.
+    assert estimate(model_shape("tiny"), Setup("ddp", 2)).host_load_bytes_per_node == 2 * 6 * 525_824
+    assert estimate(model_shape("tiny"), Setup("ddp", 2, precision="fp32")).host_load_bytes_per_node == \
+        2 * 4 * 525_824
+    # ZeRO-3 and FSDP2 (as shipped): global rank 0 reads the checkpoint, partitions land on the GPUs, so 16 GPUs on
+    # 2 nodes need one model on the first node; parameter offload adds each rank's partition there.
     assert estimate(shape, Setup("deepspeed", 16, gpus_per_node=8, zero_stage=3)).to_dict()[
-        "host_load_bytes_per_node"] == 8 * 2 * psi
-    assert estimate(model_shape("tiny"), Setup("ddp", 2)).host_load_bytes_per_node == 2 * 4 * 525_824
+        "host_load_bytes_per_node"] == 2 * psi
+    offload = estimate(shape, Setup("deepspeed", 2, zero_stage=3, offload_param="cpu", offload_optimizer="cpu"))
+    assert offload.host_load_bytes_per_node == 2 * psi + 2 * psi
+    assert estimate(shape, Setup("fsdp", 8)).host_load_bytes_per_node == 6 * psi  # rank 0 casts to fp32 masters
+    # FSDP without `fsdp_cpu_ram_efficient_loading`: every rank loads (and casts to fp32) the whole model.
+    assert estimate(shape, Setup("fsdp", 8, sharded_loading=False)).host_load_bytes_per_node == 8 * 6 * psi
+    # Per rank, as the memory report predicts a CPU-only run (partitions are then host memory).
+    zero3 = Setup("deepspeed", 2, zero_stage=3)
+    assert [host_load_bytes_of_rank(2 * psi, zero3, rank, device_is_host=True) for rank in (0, 1)] == \
+        [2 * psi + psi, psi]
+    assert [host_load_bytes_of_rank(6 * psi, Setup("fsdp", 2), rank, device_is_host=True) for rank in (0, 1)] == \
+        [6 * psi, 0]
 
 
 def test_zeropp_counts_its_secondary_weight_copy_over_the_gpus_of_a_node():

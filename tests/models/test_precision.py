@@ -159,29 +159,3 @@ def test_tied_weights_stay_tied_when_upcast():
 def test_pure_bf16_is_refused_where_it_would_do_nothing_or_contradict(overrides, message):
     with pytest.raises(RecipeError, match=message):
         parse_recipe("recipes/demo.yaml", overrides)
-
-
-@pytest.mark.distributed
-def test_zero3_on_a_bf16_checkpoint_keeps_deepspeeds_fp32_masters_equal_to_the_prediction(hub_model_dir, tmp_path):
-    """DeepSpeed keeps its own fp32 master partition (nothing is cast by finetune); the hub-like model (GQA, untied
-    head, bf16 safetensors) partitions, trains and is predicted like the tiny default."""
-    output_dir = tmp_path / "zero3"
-    assert_succeeded(launch_demo(CPU_LAUNCHES["zero3"], output_dir, "--model_name_or_path", str(hub_model_dir),
-                                 *FIVE_SMALL_STEPS, "--per_device_train_batch_size", "2"))
-    weights = load_file(hub_model_dir / "model.safetensors")
-    parameters = sum(tensor.numel() for tensor in weights.values())
-    # Trainer's no-weight-decay group (norms and biases) is stepped after the first group's fp32 gradients are freed:
-    # the step holds the larger group's copy (tests/memory/test_memory_distributed.py: NO_DECAY_FP32).
-    no_decay_fp32_shard = 4 * sum(tensor.numel() for name, tensor in weights.items()
-                                  if "norm" in name or "bias" in name) // 2
-    effective = json.loads((output_dir / "effective_config.json").read_text())["values"]
-    assert effective["trainable_weights"]["value"] == "fp32 (DeepSpeed's master copy)"
-    for record in ledger(output_dir):
-        assert record["strategy"].startswith("deepspeed_zero3")
-        assert abs(record["measured"]["optimizer_bytes"] - (4 + 8) * parameters / 2) <= 1024  # fp32 master + Adam
-        for key in STATES:
-            assert abs(record["measured"][key] - record["predicted"][key]) <= 1024 + (
-                no_decay_fp32_shard if key == "grads_bytes" else 0), (record["rank"], key)
-    losses = [entry["loss"] for entry in json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
-              if "loss" in entry]
-    assert len(losses) == 5 and all(loss == loss for loss in losses)
