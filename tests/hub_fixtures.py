@@ -175,15 +175,16 @@ def save_hub_model(directory: Path, family: str = "chatml", dtype: str = "bfloat
                    **widths) -> Path:
     """A small Qwen2-shaped causal LM (grouped-query attention, untied head) saved as hub checkpoints are: weights in
     `dtype` safetensors, `config.json` saying so, the tokenizer files beside them. `widths` overrides the config's
-    sizes (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads)."""
+    sizes (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads) or ties the
+    head to the embedding (tie_word_embeddings=True)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(family)
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, **widths}
+             "num_key_value_heads": 2, "tie_word_embeddings": False, **widths}
     config = Qwen2Config(
-        vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=False,
+        vocab_size=len(tokenizer), max_position_embeddings=512,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, **sizes,
     )

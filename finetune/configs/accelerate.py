@@ -24,11 +24,15 @@ def accelerate_config(
     fsdp_sharding: str = "full_shard",
     fsdp_offload_params: bool = False,
     main_process_port: int = 29500,
+    zero3_init: bool = False,
 ) -> dict[str, Any]:
     """`num_processes` counts every process on every machine, as Accelerate does.
 
     `deepspeed_config_file` is relative to the directory `accelerate launch` runs in. With DeepSpeed the
-    JSON decides precision, so `mixed_precision` is left out (Accelerate refuses both).
+    JSON decides precision, so `mixed_precision` is left out (Accelerate refuses both). `zero3_init`: the JSON is
+    ZeRO-3, so the model loads partitioned under `zero.Init`, global rank 0 alone reading the checkpoint (what
+    `finetune train` does anyway: TrainingArguments registers the DeepSpeed config before the model loads; the flag
+    says so, and does the same for a script that creates its Accelerator first).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -58,7 +62,7 @@ def accelerate_config(
     if num_machines > 1:
         config.update(main_process_ip=MAIN_PROCESS_IP_PLACEHOLDER, main_process_port=main_process_port)
     if strategy == "deepspeed":
-        config["deepspeed_config"] = {"deepspeed_config_file": deepspeed_config_file, "zero3_init_flag": False}
+        config["deepspeed_config"] = {"deepspeed_config_file": deepspeed_config_file, "zero3_init_flag": zero3_init}
         # One launcher per node (like torchrun; what SLURM's srun and scripts/launch_multinode.sh start). Without
         # it Accelerate hands a multi-node DeepSpeed run to pdsh from node 0 (scripts/launch_deepspeed.sh does that).
         config["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"

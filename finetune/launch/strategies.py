@@ -336,7 +336,8 @@ class ShippedStrategy:
         if multinode:
             return {**self.accelerate_options(), **MULTINODE_EXAMPLE}
         if self.kind == "deepspeed":
-            return {"strategy": "deepspeed", "deepspeed_config_file": self.deepspeed_file}
+            return {"strategy": "deepspeed", "deepspeed_config_file": self.deepspeed_file,
+                    "zero3_init": self.deepspeed_json()["zero_optimization"]["stage"] == 3}
         if self.kind == "fsdp":
             return {"strategy": "fsdp", "fsdp_sharding": self.fsdp_sharding}
         return {"strategy": self.kind, **({"num_processes": 1} if self.kind == "single" else {})}

@@ -52,6 +52,7 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strate
         dtype = None if model_args.torch_dtype == "auto" else DTYPES[model_args.torch_dtype]
         with _on_meta_device(shapes_only):
             model = presets.build_model(tokenizer, seed=seed, dtype=dtype)
+        model.tie_weights()  # built on the meta device, the tie was a second meta Parameter
         model.config.name_or_path = model.name_or_path = presets.TINY_MODEL  # peft records it as the adapter's base
         return model
     check_local_path(model_args.model_name_or_path, "model_name_or_path")
@@ -125,6 +126,9 @@ def _empty_model(model_args):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                      attn_implementation=model_args.attn_implementation,
                                                      trust_remote_code=model_args.trust_remote_code)
+    # Accelerate's init_empty_weights gives every Parameter registered inside a new meta Parameter, so a head tied to
+    # the embedding comes out untied; Accelerate maps optimizer parameters to shards by address and would miss it.
+    model.tie_weights()
     try:
         model.generation_config = GenerationConfig.from_pretrained(name)
     except OSError:  # none saved: from_pretrained keeps the one derived from the config too

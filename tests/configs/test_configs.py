@@ -62,11 +62,15 @@ def test_accelerate_loads_every_shipped_yaml(path, monkeypatch):
     assert lint_file(path) == []
 
 
-def test_deepspeed_yaml_files_point_at_shipped_json():
+def test_deepspeed_yaml_files_point_at_shipped_json_and_load_zero3_partitioned():
     for config in SHIPPED:
-        file = config.make().get("deepspeed_config", {}).get("deepspeed_config_file")
+        section = config.make().get("deepspeed_config", {})
+        file = section.get("deepspeed_config_file")
         if file:
             assert (PROJECT_ROOT / file).is_file(), config.path
+            stage = json.loads((PROJECT_ROOT / file).read_text())["zero_optimization"]["stage"]
+            # ZeRO-3 loads under zero.Init: global rank 0 alone reads the checkpoint (docs/memory.md)
+            assert section["zero3_init_flag"] is (stage == 3), config.path
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,19 @@ from hub_fixtures import save_hub_model
 from safetensors.torch import load_file
 from support import CPU_LAUNCHES, assert_succeeded, finetune_command, launch_demo, run
 
+from finetune import presets
 from finetune.cli import main
 from finetune.errors import RecipeError
 from finetune.launch.strategies import Strategy
-from finetune.models.loading import hold_trainable_parameters, trainable_dtype
+from finetune.models.loading import (
+    hold_trainable_parameters,
+    load_model,
+    load_tokenizer,
+    materialize_empty_parameters,
+    sharded_from_rank_zero,
+    trainable_dtype,
+)
+from finetune.recipe.args import ModelArguments
 from finetune.recipe.parse import parse_recipe
 
 STATES = ("params_bytes", "grads_bytes", "optimizer_bytes")
@@ -150,6 +159,28 @@ def test_tied_weights_stay_tied_when_upcast():
     assert hold_trainable_parameters(model, torch.float32) == model.num_parameters()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.dtype == torch.float32
+
+
+def test_ranks_that_get_their_weights_from_rank_0_build_shapes_only_with_ties_kept(tmp_path):
+    """FSDP2 with `fsdp_cpu_ram_efficient_loading`: ranks ≠ 0 build the model on the meta device, a tied head still
+    tied (Accelerate maps optimizer parameters to shards by address), then give it empty CPU storage."""
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
+    assert sharded_from_rank_zero({**env, "RANK": "1"}) and not sharded_from_rank_zero({**env, "RANK": "0"})
+    assert not sharded_from_rank_zero({**env, "RANK": "1", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"})
+    assert not sharded_from_rank_zero({**env, "RANK": "1", "FSDP_VERSION": "1"})
+    tied = save_hub_model(tmp_path / "tied", "chatml", tie_word_embeddings=True)
+    for name in (presets.TINY_MODEL, str(tied)):
+        model_args = ModelArguments(model_name_or_path=name)
+        tokenizer = load_tokenizer(model_args)
+        shapes, real = load_model(model_args, tokenizer, shapes_only=True), load_model(model_args, tokenizer)
+        assert all(parameter.is_meta for parameter in shapes.parameters())
+        assert [(key, p.shape, p.dtype) for key, p in shapes.named_parameters()] == \
+            [(key, p.shape, p.dtype) for key, p in real.named_parameters()]
+        assert shapes.lm_head.weight is shapes.get_input_embeddings().weight, name
+        assert shapes.generation_config.eos_token_id == real.generation_config.eos_token_id
+        assert materialize_empty_parameters(shapes) == len(list(real.parameters()))
+        assert shapes.lm_head.weight is shapes.get_input_embeddings().weight
+        assert not any(parameter.is_meta for parameter in shapes.parameters())
 
 
 @pytest.mark.parametrize("overrides, message", [
