@@ -342,7 +342,9 @@ def test_the_dpo_loss_types_are_those_of_the_installed_trl():
 
     from trl import DPOTrainer
 
-    from finetune.train.methods.dpo import DPO_LOSS_TYPES
+    from finetune.train.methods.dpo import trl_dpo_loss_types
+
+    DPO_LOSS_TYPES = trl_dpo_loss_types()
 
     dispatched = re.findall(r'loss_type == "(\w+)"', inspect.getsource(DPOTrainer._compute_loss))
     assert sorted(DPO_LOSS_TYPES) == sorted(dispatched) and "aot_unpaired" in DPO_LOSS_TYPES

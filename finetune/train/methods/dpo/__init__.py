@@ -17,10 +17,9 @@ DPOTrainer) is imported only when a run builds it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
-
-from trl.trainer.dpo_config import DPOConfig
 
 from finetune.errors import RecipeError
 from finetune.memory.estimate import MethodTerms
@@ -31,16 +30,17 @@ from finetune.recipe.methods import Method
 DPO_CONFIG = "DPOConfig"
 
 
+@functools.cache
 def trl_dpo_loss_types() -> tuple[str, ...]:
     """TRL's DPO loss types as the installed TRL declares them: TRL keeps no list but the one in the help of
     `DPOConfig.loss_type` (trl/trainer/dpo_config.py, "Possible values are: `'sigmoid'`, ..."), which its trainer's
-    loss dispatch mirrors."""
+    loss dispatch mirrors. Read when a DPO recipe is: importing TRL costs every rank of every run a quarter second."""
+    from trl.trainer.dpo_config import DPOConfig
+
     help_text = next(f for f in dataclasses.fields(DPOConfig) if f.name == "loss_type").metadata["help"]
     values = help_text.split("Possible values are:", 1)[-1].split(". ", 1)[0]
     return tuple(re.findall(r"`'(\w+)'`", values))
 
-
-DPO_LOSS_TYPES = trl_dpo_loss_types()
 
 
 @dataclass
@@ -53,8 +53,8 @@ class DPOArguments:
     )
     dpo_loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
-        metadata={"help": "DPO: TRL's `loss_type`, one or several of " + ", ".join(DPO_LOSS_TYPES)
-                          + " (sigmoid: DPO; ipo: IPO; sigmoid + sft: RPO)."},
+        metadata={"help": "DPO: TRL's `loss_type`, one or several of the installed TRL's DPO losses (sigmoid: DPO; "
+                          "ipo: IPO; sigmoid + sft: RPO; a name TRL lacks is refused with the list)."},
     )
     dpo_loss_weights: list[float] | None = field(
         default=None,
@@ -68,20 +68,36 @@ class DPOArguments:
             self.dpo_loss_weights = [float(self.dpo_loss_weights)]
         if self.beta <= 0:
             raise RecipeError(f"`beta` must be positive, got {self.beta}.")
-        unknown = [name for name in self.dpo_loss_type if name not in DPO_LOSS_TYPES]
+        # Every recipe carries these keys; TRL's own default needs no check (and no TRL import outside DPO runs).
+        known = ("sigmoid",) if self.dpo_loss_type == ["sigmoid"] else trl_dpo_loss_types()
+        unknown = [name for name in self.dpo_loss_type if name not in known]
         if unknown or not self.dpo_loss_type:
             raise RecipeError(f"`dpo_loss_type: {unknown[0] if unknown else '[]'}` is not one of "
-                              f"{', '.join(DPO_LOSS_TYPES)}.")
+                              f"{', '.join(trl_dpo_loss_types())}.")
         if self.dpo_loss_weights is not None and len(self.dpo_loss_weights) != len(self.dpo_loss_type):
             raise RecipeError(f"`dpo_loss_weights` gives {len(self.dpo_loss_weights)} weight(s) for "
                               f"{len(self.dpo_loss_type)} `dpo_loss_type`(s): give one per loss.")
 
 
-@dataclass
-class FinetuneDPOConfig(FinetuneTrainingArguments, DPOConfig):
-    """The recipe's training arguments and TRL's DPO keys in one object, as DPOTrainer reads them. Every Trainer key
-    keeps the value the recipe gave (or Trainer's default): TRL's own defaults for them (bf16, gradient checkpointing,
-    learning rate 1e-6, logging every 10 steps) do not apply, so a DPO recipe reads as an SFT one."""
+@functools.cache
+def finetune_dpo_config() -> type:
+    """The recipe's training arguments and TRL's DPO keys in one dataclass, as DPOTrainer reads them. Every Trainer
+    key keeps the value the recipe gave (or Trainer's default): TRL's own defaults for them (bf16, gradient
+    checkpointing, learning rate 1e-6, logging every 10 steps) do not apply, so a DPO recipe reads as an SFT one."""
+    from trl.trainer.dpo_config import DPOConfig
+
+    @dataclass
+    class FinetuneDPOConfig(FinetuneTrainingArguments, DPOConfig):
+        __doc__ = finetune_dpo_config.__doc__
+
+    FinetuneDPOConfig.__qualname__ = "FinetuneDPOConfig"  # found by name (module `__getattr__`): Trainer pickles
+    return FinetuneDPOConfig                            # its arguments into training_args.bin
+
+
+def __getattr__(name: str):
+    if name == "FinetuneDPOConfig":
+        return finetune_dpo_config()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DirectPreferenceOptimization(Method):
@@ -108,7 +124,7 @@ class DirectPreferenceOptimization(Method):
         """TRL's DPOConfig and ours in one, with TRL's keys from the recipe: `beta`, the loss, and `max_length` from
         `max_seq_length`."""
         settings = self.settings
-        return FinetuneDPOConfig, {"beta": settings.beta, "loss_type": list(settings.dpo_loss_type),
+        return finetune_dpo_config(), {"beta": settings.beta, "loss_type": list(settings.dpo_loss_type),
                                    "loss_weights": settings.dpo_loss_weights, "max_length": data_args.max_seq_length}
 
     def check_data_keys(self, data_args) -> None:
