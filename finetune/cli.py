@@ -12,6 +12,7 @@ from pathlib import Path
 from finetune.commands.bench import bench_command_parser
 from finetune.commands.chat import chat_command_parser
 from finetune.commands.configs import configs_command_parser
+from finetune.commands.env import env_command_parser
 from finetune.commands.export import export_command_parser
 from finetune.commands.labels import labels_command_parser
 from finetune.commands.plan import plan_command_parser
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add in (train_command_parser, configs_command_parser, plan_command_parser, report_command_parser,
                 export_command_parser, bench_command_parser, rendezvous_command_parser, labels_command_parser,
-                preprocess_command_parser, chat_command_parser, universal_command_parser):
+                preprocess_command_parser, chat_command_parser, universal_command_parser, env_command_parser):
         add(subparsers)
     return parser
 

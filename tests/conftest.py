@@ -12,8 +12,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Under pytest-xdist (`make test`: a worker a core and one more) a worker's in-process training and every run it starts
-# take one thread a process: the workers' OpenMP pools would otherwise spin against each other.
+# Under pytest-xdist (`make test`: one worker a core) a worker's in-process training and every run it starts take one
+# thread a process: two workers' OpenMP pools on two cores would spin against each other.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 # DeepSpeed compiles its CPU ops (the shared-memory collective, CPU Adam) on first use, about a minute each, into
@@ -28,19 +28,10 @@ os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get(
 
 
 # The session fixtures that launch training runs: the tests reading one share its runs, so under pytest-xdist
-# (`make test` runs a worker a core and one more: a launch leaves a core idle while its launcher and ranks start and
-# stop) the test files reading the same one go to the same worker, and each file stays whole on one worker for its
+# (`make test` runs two workers, one per core: a launch leaves a core idle while its launcher and ranks start and stop)
+# the test files reading the same one go to the same worker, and each file stays whole on one worker for its
 # module-scoped runs.
 LAUNCHING_SESSION_FIXTURES = ("deepspeed_runs", "ddp_run", "lora_runs", "checkpointed_runs", "demo_run")
-
-
-def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto` (`make test`): a worker a core and one more. Most tests launch processes whose start-up and
-    shutdown leave cores idle in turn (an importing launcher, a rank waiting for rank 0 to write its report, a test
-    waiting out a timeout); the extra worker runs in those gaps (measured on 2 cores: about a quarter of the cores'
-    time was idle with a worker a core)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(cores + 1, 8)
 
 
 def worker_groups(items) -> dict[str, str]:

@@ -17,7 +17,7 @@ MiB = 1024**2
 WIDTHS = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 3, "num_attention_heads": 16,
           "num_key_value_heads": 4}
 # lr 1e-30: Adam moves each weight by about 1e-30, so the saved weights are the ones every rank started from.
-RUN = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--max_seq_length", "64", "--bf16", "true",
+RUN = ["--max_steps", "1", "--per_device_train_batch_size", "1", "--max_seq_length", "64", "--bf16", "true",
        "--learning_rate", "1e-30", "--warmup_steps", "0", "--generation_eval_samples", "0", "--max_eval_samples", "2"]
 # glibc keeps freed blocks below its mmap threshold in the heap, and the threshold grows to 32 MiB as large blocks
 # are freed. On a CPU-only run the ZeRO-3 partitions and the modules gathered to fill them (GPU memory on a GPU) go
@@ -72,7 +72,7 @@ def test_every_rank_trains_the_checkpoints_weights(runs, wide_model, name):
     assert max((saved[key].float() - start[key].float()).abs().max().item() for key in start) < 1e-20
     losses = [entry["loss"] for entry in json.loads((runs[name] / "trainer_state.json").read_text())["log_history"]
               if "loss" in entry]
-    assert len(losses) == 2 and all(4 < loss < 8 for loss in losses)  # about ln(vocabulary) for a random model
+    assert len(losses) == 1 and 4 < losses[0] < 8  # about ln(vocabulary) for a random model
 
 
 def test_zero3_on_a_bf16_checkpoint_keeps_deepspeeds_fp32_masters_equal_to_the_prediction(runs, wide_model):
