@@ -77,18 +77,18 @@ def known_gpu(device_name: str) -> Gpu | None:
 
 def visible_gpu() -> Gpu | None:
     """The first GPU this process sees (device 0: what Trainer trains on), or None without CUDA."""
-    gpus = visible_gpus(first_only=True)
+    gpus = visible_gpus()
     return gpus[0] if gpus else None
 
 
-def visible_gpus(first_only: bool = False) -> list[Gpu]:
+def visible_gpus() -> list[Gpu]:
     """Every GPU this process sees, as CUDA (or ROCm) reports it; none without one."""
     import torch  # only where a GPU is asked about: planning loads no torch
 
     if not torch.cuda.is_available():
         return []
     gpus = []
-    for device in range(1 if first_only else torch.cuda.device_count()):
+    for device in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(device)
         memory = torch.cuda.get_device_properties(device).total_memory / 1024**3
         gpus.append(Gpu(torch.cuda.get_device_name(device), (int(major), int(minor)), memory))

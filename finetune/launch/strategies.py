@@ -143,6 +143,15 @@ def is_true(value) -> bool:
     return str(value).lower() in ("true", "1", "yes")
 
 
+def fsdp_fills_from_rank_zero(environ=None) -> bool:
+    """The launch is FSDP2 with `fsdp_cpu_ram_efficient_loading` (as its launcher exports it): Accelerate fills every
+    rank's shards from global rank 0's weights when Trainer prepares the model, so no other rank needs them
+    (finetune.models.loading.sharded_from_rank_zero; the estimator's `sharded_loading`)."""
+    environ = os.environ if environ is None else environ
+    return (is_true(environ.get("ACCELERATE_USE_FSDP")) and environ.get("FSDP_VERSION") == "2"
+            and is_true(environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")))
+
+
 def read_deepspeed_file(path: str | Path) -> dict[str, Any]:
     """A DeepSpeed JSON (relative paths from where the launch runs); a missing or invalid file is a RecipeError."""
     try:

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from finetune.errors import RecipeError
-from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, prepared_strategy
+from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, fsdp_fills_from_rank_zero, prepared_strategy
 from finetune.memory.estimate import MethodTerms, Setup, estimate, precision_of
 from finetune.memory.ledger import (
     GradientProbe,
@@ -60,9 +60,8 @@ def running_setup(args, model, sequence_length: int | None,
         precision = "bf16" if half else "fp32"
         sub_group_size = config.get("zero_optimization", {}).get("sub_group_size")
     else:
-        if state.distributed_type == DistributedType.FSDP:  # finetune.models.loading.sharded_from_rank_zero
-            plugin = state.fsdp_plugin
-            sharded_loading = plugin.fsdp_version == 2 and bool(plugin.cpu_ram_efficient_loading)
+        if state.distributed_type == DistributedType.FSDP:
+            sharded_loading = fsdp_fills_from_rank_zero()
         precision = precision_of(args.mixed_precision)
     config = model.config
     trainable_parameters = [p for p in model.parameters() if p.requires_grad]

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune import presets
 from finetune.errors import RecipeError
-from finetune.launch.strategies import Strategy, is_true
+from finetune.launch.strategies import Strategy, fsdp_fills_from_rank_zero
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -79,8 +79,7 @@ def sharded_from_rank_zero(environ=None) -> bool:
     other ranks would be read from disk and upcast for nothing (8 × 141 GB, then twice that in fp32, on a node
     fine-tuning a 70B)."""
     environ = os.environ if environ is None else environ
-    return (is_true(environ.get("ACCELERATE_USE_FSDP")) and environ.get("FSDP_VERSION") == "2"
-            and is_true(environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")) and int(environ.get("RANK", "0")) != 0)
+    return fsdp_fills_from_rank_zero(environ) and int(environ.get("RANK", "0")) != 0
 
 
 def _on_meta_device(wanted: bool):

@@ -220,9 +220,10 @@ def _refuse_other_methods_keys(method: type[Method], inputs: dict[type, dict[str
     for other in all_methods():
         if other is method or other.arguments is None:
             continue
-        defaults = other.arguments()
+        defaults = {field.name: field.default if field.default_factory is dataclasses.MISSING
+                    else field.default_factory() for field in dataclasses.fields(other.arguments)}
         for key, value in inputs[other.arguments].items():
-            if value != getattr(defaults, key):
+            if value != defaults[key]:
                 raise RecipeError(f"`{key}` configures `method: {other.name}` but `method` is {method.name}: set "
                                   f"`method: {other.name}` (or drop `{key}`).")
 

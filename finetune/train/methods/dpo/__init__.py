@@ -68,9 +68,7 @@ class DPOArguments:
             self.dpo_loss_weights = [float(self.dpo_loss_weights)]
         if self.beta <= 0:
             raise RecipeError(f"`beta` must be positive, got {self.beta}.")
-        # Every recipe carries these keys; TRL's own default needs no check (and no TRL import outside DPO runs).
-        known = ("sigmoid",) if self.dpo_loss_type == ["sigmoid"] else trl_dpo_loss_types()
-        unknown = [name for name in self.dpo_loss_type if name not in known]
+        unknown = [name for name in self.dpo_loss_type if name not in trl_dpo_loss_types()]
         if unknown or not self.dpo_loss_type:
             raise RecipeError(f"`dpo_loss_type: {unknown[0] if unknown else '[]'}` is not one of "
                               f"{', '.join(trl_dpo_loss_types())}.")
