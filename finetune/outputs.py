@@ -27,6 +27,14 @@ RUN_LOCK = ".finetune_run.lock"             # held by the run writing here (fine
 PREPROCESSED = "preprocessed"               # tokenized data by `finetune preprocess` (finetune.data.cache)
 
 
+def user_cache_dir() -> Path:
+    """Where finetune keeps files between runs (the plan calibration store, launch configs written for a launch
+    outside the checkout): `$FINETUNE_CACHE`, else `$XDG_CACHE_HOME/finetune`, else `~/.cache/finetune`."""
+    if os.environ.get("FINETUNE_CACHE"):
+        return Path(os.environ["FINETUNE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "finetune"
+
+
 def write_record(output_dir, name: str, record: Any) -> Path:
     """Writes `record` as indented JSON to `output_dir/name` (see `write_text`)."""
     return write_text(output_dir, name, json.dumps(record, indent=2, default=str) + "\n")

@@ -133,11 +133,22 @@ def deepspeed_runs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory):
-    """A short 2-process DDP run (gloo) with an fp16 gradient-compression hook; returns its output_dir."""
-    from support import assert_succeeded, launch_demo
+    """A short 2-process DDP run (gloo) with an fp16 gradient-compression hook, carrying a deliberately tight launch
+    plan (the real plan of this run with half its model states), as a self-launch hands its ranks one; returns its
+    output_dir, where `launcher_output.txt` keeps what the launch printed."""
+    from support import DEMO_SHORT_RUN, assert_succeeded, launch_demo
+
+    from finetune.launch.self_launch import LAUNCH_PLAN_ENV, Machine
+    from finetune.plan.launch import plan_launch
 
     output_dir = tmp_path_factory.mktemp("ddp")
-    assert_succeeded(launch_demo("accelerate_configs/cpu_ddp.yaml", output_dir, "--ddp_comm_hook", "fp16"))
+    _, plan, _ = plan_launch("recipes/demo.yaml", [*DEMO_SHORT_RUN, "--ddp_comm_hook", "fp16", "--strategy", "ddp"],
+                             Machine(2, None, 16.0, "the test", None))
+    plan["predicted"]["model_states_bytes"] //= 2
+    result = launch_demo("accelerate_configs/cpu_ddp.yaml", output_dir, "--ddp_comm_hook", "fp16",
+                         env={LAUNCH_PLAN_ENV: json.dumps(plan)})
+    assert_succeeded(result)
+    (output_dir / "launcher_output.txt").write_text(result.output)
     return output_dir
 
 
@@ -187,13 +198,15 @@ def hub_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
-    """The main job exactly as `make demo` runs it on a machine without GPUs: the demo recipe, 1500 steps on 2
-    processes under DeepSpeed ZeRO-2. Returns its output_dir and the launcher's output."""
-    from support import accelerate_launch_command, run
+    """The main job exactly as `make demo` runs it on a machine without GPUs: `finetune train recipes/demo.yaml --gpus
+    2`, which launches itself on 2 CPU processes under the recipe's DeepSpeed ZeRO-2, 1500 steps. Returns its
+    output_dir and the launcher's output."""
+    from support import run
+
+    from finetune.launch.commands import finetune_command
 
     output_dir = tmp_path_factory.mktemp("demo")
-    command = accelerate_launch_command("accelerate_configs/cpu_deepspeed_zero2.yaml", "train", "recipes/demo.yaml",
-                                        "--output_dir", str(output_dir))
+    command = finetune_command("train", "recipes/demo.yaml", "--gpus", "2", "--output_dir", str(output_dir))
     return SimpleNamespace(output_dir=output_dir, result=run(command, timeout=900))
 
 

@@ -137,7 +137,7 @@ def test_documented_command_is_exercised(document, command, places, monkeypatch,
         if target == "demo":
             assert "test_demo_recipe_learns_on_two_processes_under_deepspeed_zero2" in (
                 PROJECT_ROOT / "tests/train/test_train.py").read_text()
-            assert "-m finetune train recipes/demo.yaml" in (PROJECT_ROOT / "scripts/demo.sh").read_text()
+            assert "exec finetune train recipes/demo.yaml --gpus" in (PROJECT_ROOT / "scripts/demo.sh").read_text()
     elif program == "sbatch":  # SLURM's options, then the template, then what it passes to the launch script
         position = next(index for index, word in enumerate(rest) if word.startswith("scripts/"))
         template = (PROJECT_ROOT / rest[position]).read_text()
@@ -155,7 +155,28 @@ def test_documented_command_is_exercised(document, command, places, monkeypatch,
         pytest.fail(f"{document}: no way to exercise `{command}`")
 
 
+# A `finetune train` with one of these launches itself: checked by its dry run, whose `accelerate launch` is then
+# checked as a documented one (the demo's runs for real: tests/train/test_train.py).
+SELF_LAUNCH_OPTIONS = ("--gpus", "--strategy", "--nnodes", "--dry-run")
+
+
+def check_self_launch(argv: list[str], places: dict, capsys) -> None:
+    argv = list(argv)
+    if "--model_name_or_path" in argv and not Path(argv[argv.index("--model_name_or_path") + 1]).exists():
+        argv[argv.index("--model_name_or_path") + 1] = "tiny"  # planned offline: a hub id's config cannot be fetched
+    status = main([*argv, *([] if "--dry-run" in argv else ["--dry-run"])])
+    output = capsys.readouterr()
+    assert status == 0, output.out[-3000:] + output.err[-3000:]
+    assert output.out.startswith("plan: "), output.out
+    launch = next(line for line in output.out.splitlines() if line.startswith("launch: "))
+    if launch != "launch: none, one process runs here":
+        check_launch(shlex.split(launch.removeprefix("launch: "))[2:], places)
+
+
 def check_finetune(argv: list[str], elsewhere: str | None, places: dict, capsys) -> None:
+    if argv[:1] == ["train"] and set(SELF_LAUNCH_OPTIONS) & set(argv):
+        check_self_launch(argv, places, capsys)
+        return
     bare = len(argv) <= 1  # `finetune`, `finetune train`: a name in a sentence, not a call
     if bare or elsewhere:
         try:

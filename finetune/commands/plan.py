@@ -118,11 +118,11 @@ def plan_command(args) -> int:
 
 
 def make_plan_for(args, gpu, gpu_memory: float) -> dict:
-    from finetune.plan.calibration import overhead_for
+    from finetune.plan.calibration import calibration_for
     from finetune.plan.decision_tree import PlanRequest, make_plan
 
     hardware = dict(host_memory_gib=args.host_memory, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
-                    tflops_per_gpu=args.tflops_per_gpu, gpu_overhead_bytes=overhead_for(gpu and gpu.name))
+                    tflops_per_gpu=args.tflops_per_gpu, calibrations=calibration_for(gpu and gpu.name))
     batch = {name: getattr(args, name) for name in BATCH_OPTIONS}
     if args.recipe is not None:
         from finetune.plan.from_recipe import request_from_recipe
@@ -250,9 +250,8 @@ def print_plan(plan: dict) -> None:
     console.print(table)
     if plan.get("data") is not None:
         print_data_lengths(console, plan)
-    if plan["gpu_overhead_bytes"]:
-        console.print(f"Calibrated: {_gib(plan['gpu_overhead_bytes'])} GiB per GPU measured beyond the prediction on "
-                      "this GPU (finetune plan --calibrate) is added to every total.")
+    for line in calibration_lines(plan):
+        console.print(line, soft_wrap=True, highlight=False)
     console.print(f"Fits: a total within {HEADROOM:.0%} of the GPU less {_gib(CUDA_CONTEXT_BYTES)} GiB for the CUDA "
                   "context, which no term predicts; the rest covers fragmentation and what the model leaves out "
                   "(docs/memory.md).")
@@ -299,6 +298,24 @@ def print_plan(plan: dict) -> None:
     console.print("Estimates: model states as DeepSpeed/Trainer allocate them; activations tensor by tensor as "
                   "autograd saves them (measured at real widths); buffers = communication buckets and gathered "
                   "layers. See docs/memory.md.")
+
+
+def calibration_lines(plan: dict) -> list[str]:
+    """Which calibration each strategy's total includes: measured by a run of that strategy on this GPU, or the
+    largest measured there by a run of another (nothing without one)."""
+    calibrations = plan["calibrations"]
+    if not calibrations:
+        return []
+    lines = [f"Calibrated on {plan['gpu']} by {len(calibrations)} run(s) (finetune plan --calibrate; finished "
+             "`finetune train` runs add theirs); added to each total:"]
+    for row in plan["strategies"]:
+        if row["calibrated_by"] is None:
+            continue
+        entry = calibrations[row["calibrated_by"]]
+        whose = ("a run of it" if row["calibrated_by"] == row["strategy_label"]
+                 else f"none of it: the largest, a {row['calibrated_by']} run")
+        lines.append(f"  {row['name']}: +{_gib(row['overhead_bytes'])} GiB ({whose}, {entry.get('from')})")
+    return lines
 
 
 def print_data_lengths(console, plan: dict) -> None:

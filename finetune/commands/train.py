@@ -10,12 +10,18 @@ def train_command_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "train",
         help="fine-tune a model from a YAML recipe",
-        description="Fine-tune a model from a YAML recipe; `--key value` overrides any recipe key. "
-        "Run it under `accelerate launch --config_file ... -m finetune train RECIPE.yaml` for several processes. "
-        "`finetune train --help-keys` lists every recipe key; TRL's key names are read too (docs/from_trl.md).",
+        description="Fine-tune a model from a YAML recipe; `--key value` overrides any recipe key. Started without a "
+        "launcher, it launches itself on the GPUs it sees (or `--gpus N`; CPU processes stand in on a machine "
+        "without GPUs) with the recipe's `strategy` (a shipped one, or auto: the first the plan finds fits), "
+        "through Accelerate's launcher and the shipped config, printing that command; under `accelerate launch "
+        "--config_file ... -m finetune train RECIPE.yaml` the launcher decides. `finetune train --help-keys` lists "
+        "every recipe key; TRL's key names are read too (docs/from_trl.md).",
         add_help=True,
     )
     add_recipe_arguments(parser)
+    from finetune.launch.self_launch import add_launch_options
+
+    add_launch_options(parser.add_argument_group("launch (started without a launcher; before or after the recipe)"))
     parser.add_argument("--help-keys", action="store_true", help="list every recipe key with its help and exit")
     parser.set_defaults(func=train_command)
 
@@ -57,7 +63,14 @@ def train_command(args) -> int:
 
         print(RecipeParser().format_help())
         return 0
+    from finetune.launch.self_launch import launch_tokens
+    from finetune.plan.launch import launch_or_run_here
+
+    recipe, overrides = recipe_and_overrides(args)
+    overrides = launch_or_run_here(recipe, [*launch_tokens(args), *overrides])
+    if overrides is None:  # --dry-run: the plan and the command were printed
+        return 0
     from finetune.train.run import train_command as run
 
-    run(*recipe_and_overrides(args))
+    run(recipe, overrides)
     return 0

@@ -34,12 +34,23 @@ class Launch(NamedTuple):
 
 
 def accelerate_launch_command(config_file: str, *args: str, num_processes: int | None = None,
-                              deepspeed_json: str | None = None, program: tuple[str, ...] = FINETUNE) -> list[str]:
-    """`accelerate launch --config_file CONFIG [--num_processes N] [--deepspeed_config_file JSON] --main_process_port
-    PORT -m finetune ARGS` (or another `program`: a script path)."""
+                              deepspeed_json: str | None = None, program: tuple[str, ...] = FINETUNE,
+                              options: tuple[str, ...] = (), main_process_port: int | None = None) -> list[str]:
+    """`accelerate launch --config_file CONFIG [--num_processes N] [--deepspeed_config_file JSON] [OPTIONS]
+    --main_process_port PORT -m finetune ARGS` (or another `program`: a script path); a free port unless given."""
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
     if deepspeed_json is not None:
         command += ["--deepspeed_config_file", deepspeed_json]
-    return [*command, "--main_process_port", str(free_port()), *program, *args]
+    port = free_port() if main_process_port is None else main_process_port
+    return [*command, *options, "--main_process_port", str(port), *program, *args]
+
+
+def as_typed(command: list[str]) -> str:
+    """A launch command as a user types it: `accelerate launch ...`, not this interpreter's `-m accelerate...`."""
+    import shlex
+
+    if command[1:4] == ["-m", "accelerate.commands.accelerate_cli", "launch"]:
+        command = ["accelerate", "launch", *command[4:]]
+    return shlex.join(command)

@@ -144,6 +144,7 @@ class MemoryReportCallback(TrainerCallback):
         self.measured: dict | None = None
         self.pending_log: dict | None = None
         self.phases = PhasePeaks()
+        self.records: list[dict] | None = None  # every rank's record, on global rank 0 once training ended
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if optimizer is not None and self.measured is None:
@@ -205,5 +206,6 @@ class MemoryReportCallback(TrainerCallback):
                   "measured": measured, "predicted": predicted}
         records = gather_object([record]) if args.world_size > 1 else [record]
         if state.is_world_process_zero:
+            self.records = sorted(records, key=lambda r: r["rank"])
             paths = write_memory_report(sorted(records, key=lambda r: r["rank"]), self.output_dir or args.output_dir)
             logger.info("memory report written to %s", ", ".join(map(str, paths)))

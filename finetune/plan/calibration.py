@@ -4,18 +4,21 @@ What is measured and what is modelled: `memory_report.json` (`finetune.memory.re
 parameters, gradients and optimizer states counted storage by storage at the first optimizer step, the peak (CUDA's
 `max_memory_allocated` on a GPU; the process's peak RSS on CPU, which no estimate models) and the estimator's
 prediction for the same run. On a GPU, peak allocated − predicted total is the overhead the estimator does not model
-(allocator blocks, kernels' workspaces, autograd temporaries). `--save-calibration` stores the largest over the
-ranks, keyed by GPU name, in `plan_calibration.json` under the user's cache directory (`$FINETUNE_CACHE`, else
-`$XDG_CACHE_HOME/finetune`, else `~/.cache/finetune`); later plans for that GPU add it to every strategy's total.
-A run that used less than predicted stores 0: a calibration never loosens the plan.
+(allocator blocks, kernels' workspaces, autograd temporaries). The store, `plan_calibration.json` under the user's
+cache directory (`$FINETUNE_CACHE`, else `$XDG_CACHE_HOME/finetune`, else `~/.cache/finetune`), keeps the largest
+over the ranks per GPU name and strategy, with the run it came from. `--save-calibration` stores a run's; a finished
+`finetune train` run on a GPU stores its own (`learn_from_run`; recipe key `save_calibration`); a CPU run stores
+nothing. Later plans for that GPU add it to that strategy's total, and to a strategy not yet measured there the
+largest stored for the GPU. A run that used less than predicted stores 0: a calibration never loosens the plan.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import time
 from pathlib import Path
 
+from finetune import outputs
 from finetune.errors import RecipeError
 from finetune.memory.report import PARTS, load_memory_report
 
@@ -23,10 +26,7 @@ CALIBRATION_FILE = "plan_calibration.json"
 
 
 def calibration_path() -> Path:
-    if os.environ.get("FINETUNE_CACHE"):
-        return Path(os.environ["FINETUNE_CACHE"]) / CALIBRATION_FILE
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "finetune" / CALIBRATION_FILE
+    return outputs.user_cache_dir() / CALIBRATION_FILE
 
 
 def compare(output_dir) -> dict:
@@ -54,34 +54,66 @@ def compare(output_dir) -> dict:
 
 
 def read_calibrations() -> dict:
+    """The store: GPU name → {"strategies": {strategy label → calibration}}. An entry written before calibrations
+    were kept per strategy (one per GPU) reads as the calibration of the strategy it was measured with."""
     path = calibration_path()
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        stored = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise RecipeError(f"{path} is not valid JSON ({error}): delete it or run `finetune plan --calibrate "
                           "OUTPUT_DIR --save-calibration` again.") from None
+    if not isinstance(stored, dict):
+        raise RecipeError(f"{path} is not a calibration store (a JSON object by GPU name): delete it.")
+    return {gpu: entry if "strategies" in entry else {"strategies": {entry.get("strategy") or "any": entry}}
+            for gpu, entry in stored.items() if isinstance(entry, dict)}
 
 
 def save_overhead(gpu_name: str, comparison: dict) -> Path:
-    """Stores the run's overhead for `gpu_name` (never below 0); later plans for that GPU add it."""
+    """Stores the run's overhead for `gpu_name` and the run's strategy (never below 0), with the run it came from;
+    later plans for that GPU add it."""
     if comparison["overhead_bytes"] is None:
         raise RecipeError(f"`--save-calibration`: {comparison['output_dir']} was measured without a GPU (peak "
                           f"{comparison['ranks'][0]['peak_kind']}); calibrate from a GPU run.")
     calibrations = read_calibrations()
-    calibrations[gpu_name] = {"overhead_bytes": max(0, int(comparison["overhead_bytes"])),
-                              "measured_overhead_bytes": int(comparison["overhead_bytes"]),
-                              "from": comparison["output_dir"], "strategy": comparison["strategy"],
-                              "world_size": comparison["world_size"]}
-    path = calibration_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(calibrations, indent=2) + "\n")
-    return path
+    strategies = calibrations.setdefault(gpu_name, {"strategies": {}})["strategies"]
+    strategies[comparison["strategy"]] = {
+        "overhead_bytes": max(0, int(comparison["overhead_bytes"])),
+        "measured_overhead_bytes": int(comparison["overhead_bytes"]),
+        "from": comparison["output_dir"], "world_size": comparison["world_size"],
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    # atomically: a plan reading meanwhile sees the old store or the new one
+    return outputs.write_record(calibration_path().parent, CALIBRATION_FILE, calibrations)
 
 
-def overhead_for(gpu_name: str | None) -> int:
-    """Bytes a calibration measured beyond the prediction on this GPU (0 without one)."""
+def learn_from_run(output_dir, gpu_name: str | None) -> Path | None:
+    """At the end of a run: a GPU run's measured overhead goes into the store for its GPU and strategy (the memory
+    report's comparison, as `finetune plan --calibrate OUTPUT_DIR --save-calibration` stores it); a CPU run, a run
+    without a GPU name or without a prediction stores nothing. Returns the store's path when written."""
     if gpu_name is None:
-        return 0
-    return int(read_calibrations().get(gpu_name, {}).get("overhead_bytes", 0))
+        return None
+    comparison = compare(output_dir)
+    if comparison["overhead_bytes"] is None:
+        return None
+    return save_overhead(gpu_name, comparison)
+
+
+def calibration_for(gpu_name: str | None) -> dict:
+    """The calibrations measured on this GPU, by strategy label (empty without any)."""
+    if gpu_name is None:
+        return {}
+    return dict(read_calibrations().get(gpu_name, {}).get("strategies", {}))
+
+
+def overhead_of(calibrations: dict, strategy_label: str) -> tuple[int, str | None]:
+    """Bytes to add to a strategy's prediction on a calibrated GPU, and the strategy whose run measured them: its own
+    calibration when a run of it was stored, else the largest stored for the GPU (a run of another strategy says
+    what this GPU's kernels and allocator hold beyond the model); (0, None) on a GPU never calibrated."""
+    if strategy_label in calibrations:
+        return int(calibrations[strategy_label]["overhead_bytes"]), strategy_label
+    if not calibrations:
+        return 0, None
+    label = max(calibrations, key=lambda name: calibrations[name]["overhead_bytes"])
+    return int(calibrations[label]["overhead_bytes"]), label

@@ -17,13 +17,14 @@ from a recipe and its data's token lengths.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from finetune.errors import RecipeError
 from finetune.launch.devices import Gpu, default_precision
 from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy, Strategy
 from finetune.memory.estimate import GiB, MemoryEstimate, Setup, estimate, largest_partition, parallel_3d
 from finetune.memory.shapes import ALIASES, model_shape
+from finetune.plan.calibration import overhead_of
 from finetune.recipe.batch_plan import plan_batch, plan_from_recipe, reachable_global_batch
 from finetune.recipe.methods import DEFAULT_METHOD, method_class
 
@@ -34,9 +35,10 @@ HEADROOM = 0.9  # of GPU memory the prediction may fill: the rest is for allocat
 CUDA_CONTEXT_BYTES = GiB
 
 
-def usable_bytes(gpu_memory_gib: float) -> float:
-    """GPU memory a predicted peak may fill: `HEADROOM` of it, less the CUDA context allowance."""
-    return HEADROOM * gpu_memory_gib * GiB - CUDA_CONTEXT_BYTES
+def usable_bytes(gpu_memory_gib: float, context_bytes: int = CUDA_CONTEXT_BYTES) -> float:
+    """GPU memory a predicted peak may fill: `HEADROOM` of it, less the CUDA context allowance (none for the CPU
+    processes that stand in for GPUs on a machine without them)."""
+    return HEADROOM * gpu_memory_gib * GiB - context_bytes
 DEFAULT_GLOBAL_BATCH_SIZE = 32  # sequences per step when neither the user nor a recipe gives one
 # A micro-batch is padded to its longest row: the planned length is the one a micro-batch reaches at this quantile.
 LENGTH_QUANTILE = 0.99
@@ -48,10 +50,14 @@ class Candidate:
     config: str  # the shipped Accelerate config that launches it
     options: dict  # the estimator's strategy fields, read from the shipped config
     deepspeed: str | None = None  # its DeepSpeed JSON
+    key: str = ""  # its name in the shipped table (`finetune train --strategy KEY`)
+    strategy_label: str = ""  # how a memory report and the calibration store name it
+    cpu: bool = False  # runs on CPU processes standing in for GPUs
 
 
 def _candidate(row: ShippedStrategy) -> Candidate:
-    return Candidate(row.label, row.accelerate_file, row.strategy.estimator_options(), row.deepspeed_file)
+    return Candidate(row.label, row.accelerate_file, row.strategy.estimator_options(), row.deepspeed_file, row.name,
+                     row.strategy.label, row.cpu)
 
 
 # In decision-tree order (the shipped table's): the first that fits is recommended.
@@ -95,16 +101,26 @@ class PlanRequest:
     your_config: str | None = None
     method: str = DEFAULT_METHOD  # a training method's name (finetune.recipe.methods): what it adds to the memory
     recipe_sets_deepspeed: bool = False  # the recipe's `deepspeed` key, which wins over the launch config
-    gpu_overhead_bytes: int = 0  # measured beyond the prediction on this GPU (`finetune plan --calibrate`)
+    # Measured beyond the prediction on this GPU, by strategy label (finetune.plan.calibration.calibration_for)
+    calibrations: dict = field(default_factory=dict, hash=False)
+    cpu_processes: bool = False  # CPU processes stand in for the GPUs: CPU-runnable strategies, no CUDA context
+    micro_batch_size: int | None = None  # every strategy estimated at the micro-batch the run will use, not at 1
     nodes: int = 1
     inter_node_gbps: float = 100.0  # network bandwidth of one node, Gb/s per direction
     tflops_per_gpu: float = 400.0  # achieved, not peak: about 40% MFU on an H100
 
 
-def candidates_for(gpus: int) -> tuple[Candidate, ...]:
+def candidates_for(gpus: int, cpu_processes: bool = False) -> tuple[Candidate, ...]:
+    """The decision tree's strategies for this many GPUs, in order (on CPU processes, those that run there)."""
     if gpus == 1:  # sharding over one rank saves nothing; offload still helps
-        return (SINGLE_GPU, *(c for c in CANDIDATES if "offload" in c.name))
-    return CANDIDATES
+        candidates = (SINGLE_GPU, *(c for c in CANDIDATES if "offload" in c.name))
+    else:
+        candidates = CANDIDATES
+    return tuple(c for c in candidates if c.cpu or c is SINGLE_GPU) if cpu_processes else candidates
+
+
+def context_bytes(request: PlanRequest) -> int:
+    return 0 if request.cpu_processes else CUDA_CONTEXT_BYTES
 
 
 def accumulation_steps(request: PlanRequest, micro_batch_size: int) -> int:
@@ -143,11 +159,11 @@ def _setup(request: PlanRequest, options: dict, micro_batch_size: int) -> Setup:
     )
 
 
-def shortfall(request: PlanRequest, result: MemoryEstimate) -> str | None:
+def shortfall(request: PlanRequest, result: MemoryEstimate, overhead_bytes: int = 0) -> str | None:
     """Why a strategy does not fit (None: it fits): GPU memory (with any calibrated overhead), host RAM for the
     offloaded states, or host RAM while the model loads."""
-    usable = usable_bytes(request.gpu_memory_gib)
-    if result.total_bytes + request.gpu_overhead_bytes > usable:
+    usable = usable_bytes(request.gpu_memory_gib, context_bytes(request))
+    if result.total_bytes + overhead_bytes > usable:
         return "gpu"
     if request.host_memory_gib is None:
         return None
@@ -159,13 +175,17 @@ def shortfall(request: PlanRequest, result: MemoryEstimate) -> str | None:
     return None
 
 
-def fits(request: PlanRequest, result: MemoryEstimate) -> bool:
-    return shortfall(request, result) is None
+def fits(request: PlanRequest, result: MemoryEstimate, overhead_bytes: int = 0) -> bool:
+    return shortfall(request, result, overhead_bytes) is None
 
 
-def _row(request: PlanRequest, name: str, config: str | None, result: MemoryEstimate) -> dict:
-    reason = shortfall(request, result)
-    row = {"name": name, "config": config, "fits": reason is None, "shortfall": reason, "estimate": result}
+def _row(request: PlanRequest, name: str, config: str | None, result: MemoryEstimate, strategy_label: str,
+         key: str | None = None) -> dict:
+    overhead, calibrated_by = overhead_of(request.calibrations, strategy_label)
+    reason = shortfall(request, result, overhead)
+    row = {"name": name, "key": key, "config": config, "fits": reason is None, "shortfall": reason,
+           "estimate": result, "strategy_label": strategy_label, "overhead_bytes": overhead,
+           "calibrated_by": calibrated_by}
     if result.setup.offload_param == "nvme":  # what `offload_param.buffer_size` must hold (finetune train: "auto")
         row["nvme_param_buffer_size"] = largest_partition(model_shape(request.model), request.gpus)
     return row
@@ -197,15 +217,18 @@ def make_plan(request: PlanRequest) -> dict:
     global_batch, batch_note = resolve_global_batch(request)
     request = replace(request, precision=plan_precision(request), global_batch_size=global_batch)
     shape = model_shape(request.model)
-    rows = [_row(request, candidate.name, candidate.config, estimate(shape, _setup(request, candidate.options, 1)))
-            for candidate in candidates_for(request.gpus)]
+    first_micro = request.micro_batch_size or 1
+    rows = [_row(request, candidate.name, candidate.config,
+                 estimate(shape, _setup(request, candidate.options, first_micro)), candidate.strategy_label,
+                 candidate.key)
+            for candidate in candidates_for(request.gpus, request.cpu_processes)]
     recommended = next((row for row in rows if row["fits"]), None)
     yours = None
     if request.your_strategy is not None:
         options = request.your_strategy.for_world_size(request.gpus).estimator_options()
         micro = min(request.max_micro_batch_size, max(1, global_batch // request.gpus))
         yours = _row(request, f"yours: {request.your_strategy.label}", request.your_config,
-                     estimate(shape, _setup(request, options, micro)))
+                     estimate(shape, _setup(request, options, micro)), request.your_strategy.label)
         yours["micro_batch_size"] = micro
     plan = {
         "model": request.model,
@@ -217,7 +240,8 @@ def make_plan(request: PlanRequest) -> dict:
         "precision": request.precision,
         "global_batch_size": global_batch,
         "global_batch_note": batch_note,
-        "gpu_overhead_bytes": request.gpu_overhead_bytes,
+        "calibrations": request.calibrations,
+        "device_context_bytes": context_bytes(request),
         "strategies": rows,
         "your_strategy": yours,
         "recommended": recommended and recommended["name"],
@@ -234,8 +258,8 @@ def make_plan(request: PlanRequest) -> dict:
     if recommended is None:
         plan["parallel_3d"] = smallest_3d_fit(request, shape)
         return plan
-    candidate = next(c for c in candidates_for(request.gpus) if c.name == recommended["name"])
-    micro = largest_micro_batch(request, shape, candidate)
+    candidate = next(c for c in candidates_for(request.gpus, request.cpu_processes) if c.name == recommended["name"])
+    micro = largest_micro_batch(request, shape, candidate, recommended["overhead_bytes"])
     plan["batch_plan"] = batch_plan(request, micro)
     planned_micro = plan["batch_plan"]["micro_batch_size"]
     plan["recommended_estimate"] = estimate(shape, _setup(request, candidate.options, planned_micro))
@@ -283,10 +307,10 @@ def inter_node_traffic(request: PlanRequest, shape, trainable: int) -> dict:
 def decision_path(plan: dict) -> list[str]:
     """The decision tree as walked for this plan: each strategy tried in order, with its predicted GiB per GPU
     against the usable memory, up to the first that fits."""
-    usable = usable_bytes(plan["gpu_memory_gib"])
+    usable = usable_bytes(plan["gpu_memory_gib"], plan["device_context_bytes"])
     lines = []
     for row in plan["strategies"]:
-        total = row["estimate"].total_bytes + plan["gpu_overhead_bytes"]
+        total = row["estimate"].total_bytes + row["overhead_bytes"]
         if row["fits"]:
             lines.append(f"{row['name']}: {_size(total)} ≤ {_size(usable)} usable → recommended")
             return lines
@@ -301,11 +325,12 @@ def _size(num_bytes: float) -> str:
     return f"{num_bytes / GiB:,.1f} GiB" if num_bytes >= GiB else f"{num_bytes / 1024**2:,.1f} MiB"
 
 
-def largest_micro_batch(request: PlanRequest, shape, candidate: Candidate) -> int:
+def largest_micro_batch(request: PlanRequest, shape, candidate: Candidate, overhead_bytes: int = 0) -> int:
     """The largest power-of-two micro-batch (up to the per-GPU share of the global batch) that still fits."""
     limit = min(request.max_micro_batch_size, max(1, request.global_batch_size // request.gpus))
     micro = 1
-    while micro * 2 <= limit and fits(request, estimate(shape, _setup(request, candidate.options, micro * 2))):
+    while micro * 2 <= limit and fits(request, estimate(shape, _setup(request, candidate.options, micro * 2)),
+                                      overhead_bytes):
         micro *= 2
     return micro
 
@@ -366,7 +391,7 @@ def smallest_3d_fit(request: PlanRequest, shape) -> dict | None:
         for pipeline in (1, 2, 4, 8, 16, 32):
             if tensor * pipeline <= request.gpus and request.gpus % (tensor * pipeline) == 0 and tensor * pipeline > 1:
                 result = parallel_3d(shape, setup, tensor, pipeline, micro_batches)
-                if result["total_bytes"] <= usable_bytes(request.gpu_memory_gib):
+                if result["total_bytes"] <= usable_bytes(request.gpu_memory_gib, context_bytes(request)):
                     options.append(result)
     return min(options, key=lambda r: (r["tensor_parallel"] * r["pipeline_parallel"], r["pipeline_bubble_fraction"]),
                default=None)

@@ -19,27 +19,34 @@ from finetune.recipe.preflight import training_precision
 
 def your_strategy(training: dict, config: str | None):
     """The strategy the recipe launches: its `deepspeed` key (which wins over an Accelerate config, as in
-    Trainer), else `--config` (an Accelerate YAML or DeepSpeed JSON); None when neither says."""
-    from finetune.launch.strategies import launched_strategy, read_config_file
+    Trainer), else `--config` (an Accelerate YAML or DeepSpeed JSON), else its `strategy` key when it names a
+    shipped strategy; None when none says."""
+    from finetune.launch.strategies import launched_strategy, read_config_file, shipped
 
     if training.get("deepspeed"):
         strategy, _ = launched_strategy(training["deepspeed"], environ={})
         return strategy, str(training["deepspeed"])
     if config is not None:
         return read_config_file(config)[0], config
+    if training.get("strategy") not in (None, "auto"):
+        row = shipped(training["strategy"])
+        return row.strategy, f"strategy: {row.name}"
     return None, None
 
 
 def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu | None = None,
                         config: str | None = None, batch_options: dict | None = None,
+                        overrides: list[str] | None = None, auto_precision: str | None = None,
                         **hardware) -> tuple[PlanRequest, dict]:
-    """The plan request for `recipe` on `gpus` GPUs, and its data summary. `batch_options` (global_batch_size,
-    max_micro_batch_size, learning_rate, base_batch_size, lr_scaling) given on the command line win over the
-    recipe's and are passed on in the launch command; `hardware`: the other `PlanRequest` fields (host memory...)."""
+    """The plan request for `recipe` (with its `--key value` `overrides`) on `gpus` GPUs, and its data summary.
+    `batch_options` (global_batch_size, max_micro_batch_size, learning_rate, base_batch_size, lr_scaling) given on
+    the command line win over the recipe's and are passed on in the launch command; `auto_precision`: what `bf16:
+    auto` means (default: the planned GPU's half precision); `hardware`: the other `PlanRequest` fields (host
+    memory...)."""
     from finetune.memory.callback import optimizer_kind
     from finetune.recipe.parse import read_recipe
 
-    sections = read_recipe(recipe, auto_precision=default_precision(gpu))
+    sections = read_recipe(recipe, overrides, auto_precision=auto_precision or default_precision(gpu))
     training, data, lora = sections.training_inputs, sections.data, sections.lora
     # the lengths the method's data will have (None: planned at `max_seq_length`, as for pairs TRL tokenizes later)
     lengths, summary = sections.method.plan_data(sections)

@@ -288,6 +288,21 @@ class FinetuneTrainingArguments(TrainingArguments):
                           "(Trainer's num_items_in_batch). micro_batch_mean: the classic per-micro-batch mean, "
                           "which changes the gradient when the GPU count changes; kept for comparison."},
     )
+    strategy: str | None = field(
+        default=None,
+        metadata={"help": "How `finetune train` launches itself when no launcher started it: a shipped strategy (ddp, "
+                          "zero1, zero2, zero2_offload, zero3, zero3_offload, zero3_nvme, fsdp_full_shard, "
+                          "fsdp_shard_grad_op; `finetune train --strategy NAME --dry-run` prints its launch), or auto: "
+                          "the first in the decision tree that `finetune plan` finds fits this recipe, its data and "
+                          "these GPUs. Default: auto on GPUs, one process without. Under `accelerate launch` the "
+                          "launch decides, and a strategy named here must be the one it runs."},
+    )
+    save_calibration: bool = field(
+        default=True,
+        metadata={"help": "On GPUs, a finished run stores how far its peak exceeded the prediction in the calibration "
+                          "store (per GPU model and strategy), which later plans on that GPU add; CPU runs store "
+                          "nothing (finetune.plan.calibration)."},
+    )
     memory_report: bool = field(
         default=True,
         metadata={"help": "Measure each rank's parameters, gradients, optimizer states and peak memory next to the "

@@ -33,6 +33,7 @@ from finetune.recipe.methods import Method, all_methods, requested_method
 from finetune.recipe.preflight import (
     check_launcher_precision,
     check_lora_adapters,
+    check_named_strategy,
     check_pure_bf16,
     check_qlora,
     preflight_launch,
@@ -155,6 +156,8 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     model, data, lora, training_inputs, sources = (sections.model, sections.data, sections.lora,
                                                    sections.training_inputs, sections.sources)
     strategy, deepspeed_config = preflight_launch(training_inputs)
+    check_named_strategy(training_inputs.get("strategy"), strategy, int(os.environ.get("WORLD_SIZE", "1")),
+                         sources.get("strategy") == COMMAND_LINE)
     if lora.use_qlora:
         check_qlora(model.torch_dtype, training_inputs, strategy)
     check_lora_adapters(model, lora)

@@ -18,7 +18,7 @@ import torch
 from finetune.configs.lint import lint_deepspeed
 from finetune.errors import RecipeError, launched_rank
 from finetune.launch.devices import visible_gpu
-from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, is_true, launched_strategy
+from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, is_true, launched_strategy, shipped
 
 
 def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | None]:
@@ -55,6 +55,30 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
     check_one_process_per_gpu(training_inputs)
     check_precision_on_gpu(training_inputs)
     return strategy, deepspeed
+
+
+def check_named_strategy(name: str | None, launched: Strategy, world_size: int, from_command_line: bool) -> None:
+    """A `strategy` (how `finetune train` launches itself) against what a launcher runs. Under a launch typed by hand
+    its config decides: a recipe file's other strategy is named in a warning (the recipe still runs as launched),
+    one given on this very command line (`--strategy`, as a self-launch passes it) stops the run."""
+    from finetune.launch.self_launch import under_a_launcher
+
+    if name in (None, "auto") or not under_a_launcher():  # one process without a launcher: nothing to pick
+        return
+    asked = shipped(name).strategy.for_world_size(world_size)
+    running = launched.for_world_size(world_size)
+    fields = ("kind", "zero_stage", "offload_optimizer", "offload_param")
+    if all(getattr(asked, key) == getattr(running, key) for key in fields) and (
+            asked.kind != "fsdp" or asked.fsdp_sharding == running.fsdp_sharding):
+        return
+    message = (f"`strategy: {name}` asks for {asked.label}, but this launch runs {running.label} "
+               f"({running.source or 'the launcher'})")
+    if from_command_line:
+        raise RecipeError(f"{message}: launch with `finetune train RECIPE.yaml --strategy {name}` (it picks the "
+                          "config), or leave `--strategy` out to run what the launcher says.")
+    if launched_rank() == 0:
+        print(f"warning: {message}, as its config says; `finetune train RECIPE.yaml` without a launcher runs "
+              f"{name}.")
 
 
 PARALLELISM_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # Accelerate's ParallelismConfig.total_size

@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 
 from finetune import outputs
 from finetune.errors import RecipeError
+from finetune.launch.self_launch import launch_plan
 from finetune.launch.strategies import Strategy, running_strategy
 from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
 from finetune.models.loading import trainable_dtype
@@ -101,12 +102,16 @@ def describe_effective_config(trainer, recipe) -> dict:
                         "name; pass --config_file to choose one.")
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     mismatches = list(getattr(getattr(plugin, "hf_ds_config", None), "mismatches", []) or [])
-    return {
+    effective = {
         "values": values,
         "strategy": {"requested": requested.to_dict()},
         "warnings": warnings,
         "deepspeed_mismatches": [m.lstrip("- ") for m in mismatches],
     }
+    plan = launch_plan()
+    if plan is not None:  # a self-launch's choice, what it rejected and the bytes it predicted (finetune.plan.launch)
+        effective["plan"] = plan
+    return effective
 
 
 def print_effective_config(effective: dict, console: Console | None = None) -> None:

@@ -28,11 +28,13 @@ from finetune.checkpoints.run_lock import output_dir_lock
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data.summary import dropped_rows, write_data_summary
 from finetune.errors import RecipeError
+from finetune.launch.self_launch import launch_plan
 from finetune.launch.watchdog import watching_ranks
 from finetune.memory import MemoryReportCallback
 from finetune.memory.ledger import HostLoadProbe
 from finetune.models.loading import load_model, load_tokenizer, materialize_empty_parameters, sharded_from_rank_zero
 from finetune.models.lora import FrozenWeightsCallback
+from finetune.plan.launch import memory_against_plan, over_plan_warnings
 from finetune.recipe.batch_plan import print_batch_plan, write_batch_plan
 from finetune.recipe.parse import Recipe, parse_recipe
 from finetune.recipe.preflight import check_eval_split
@@ -100,8 +102,12 @@ def train(recipe: Recipe) -> dict:
         if frozen_check is not None:
             summary["frozen_weights_unchanged"] = frozen_check.unchanged
         if trainer.is_world_process_zero():
+            if memory_report is not None and memory_report.records:
+                summary.update(learn_from_memory(memory_report.records, args))
             outputs.write_record(args.output_dir, outputs.EVAL_RESULTS, summary)
             print_before_after(summary)
+            for warning in over_plan_warnings(summary.get("memory_against_plan")):
+                print(f"warning: {warning}")
         # A clean shutdown: gloo's threads abort the interpreter at exit when the group is left alive, or when tensors
         # they still reference are freed during interpreter teardown; the trainer's reference cycles are collected here.
         trainer.accelerator.wait_for_everyone()
@@ -109,6 +115,22 @@ def train(recipe: Recipe) -> dict:
         del trainer, model
         gc.collect()
         return summary
+
+
+def learn_from_memory(records: list[dict], args) -> dict:
+    """What the memory report says against the plan (`memory_against_plan`, flagging a rank above it by more than
+    the plan's margin) and, on a GPU, the calibration this run stored for the next plans on that GPU."""
+    from finetune.launch.devices import visible_gpu
+    from finetune.plan.calibration import learn_from_run
+
+    learned = {"memory_against_plan": memory_against_plan(records, launch_plan())}
+    gpu = visible_gpu()
+    saved = learn_from_run(args.output_dir, gpu.name) if args.save_calibration and gpu is not None else None
+    if saved is not None:
+        learned["calibration_saved"] = str(saved)
+        print(f"calibration: this run's overhead beyond the prediction is stored for {gpu.name} in {saved}; "
+              "`finetune plan` on that GPU adds it.")
+    return learned
 
 
 def checkpoint_to_resume(recipe: Recipe, train_data: str) -> str | None:

@@ -57,6 +57,21 @@ def test_ddp_ledger_equals_the_prediction(ddp_run):
             assert abs(record["measured"][key] - record["predicted"][key]) <= ALIGNMENT
 
 
+def test_a_run_above_its_plan_says_so_in_its_summary_with_the_number(ddp_run):
+    """The run carries a plan predicting half the model states it holds (conftest.ddp_run): every rank is flagged,
+    with the bytes, in eval_results.json and in what rank 0 prints."""
+    plan = json.loads((ddp_run / "effective_config.json").read_text())["plan"]
+    check = json.loads((ddp_run / "eval_results.json").read_text())["memory_against_plan"]
+    assert check["against"] == "the launch plan" and check["what"] == "model states"
+    assert [rank["rank"] for rank in check["over"]] == [0, 1]
+    for rank, record in zip(check["over"], memory_report(ddp_run)):
+        assert rank["predicted_bytes"] == plan["predicted"]["model_states_bytes"]
+        assert rank["measured_bytes"] == sum(record["measured"][key] for key in STATES)
+        assert rank["ratio"] == pytest.approx(2.0, rel=0.01) and rank["ratio"] > 1 + check["margin"]
+    output = (ddp_run / "launcher_output.txt").read_text()
+    assert output.count("% above the launch plan's") == 2 and "warning: rank 1 held" in output
+
+
 def test_report_files_are_written_and_the_ledger_is_logged_once(deepspeed_runs):
     run = deepspeed_runs["zero3_offload"]
     output_dir = run["output_dir"]

@@ -77,16 +77,21 @@ def test_calibrate_compares_a_cpu_run_part_by_part_and_stores_nothing(deepspeed_
     assert "was measured without a GPU (peak cpu_max_rss); calibrate from a GPU run." in capsys.readouterr().err
 
 
-def gpu_report(directory, predicted_peak: int, measured_peak: int):
+def gpu_report(directory, predicted_peak: int, measured_peak: int, strategy: str = "ddp"):
+    """The memory report a 2-rank GPU run writes (CUDA's peak allocated), for a run that is not there."""
     ledger = {"params_bytes": 4 << 30, "grads_bytes": 2 << 30, "optimizer_bytes": 3 << 30}
-    records = [{"rank": rank, "world_size": 2, "strategy": "ddp",
+    records = [{"rank": rank, "world_size": 2, "strategy": strategy,
                 "measured": {**ledger, "peak_bytes": measured_peak + rank, "peak_kind": "cuda_max_allocated"},
                 "predicted": {**ledger, "offloaded_bytes": 0, "peak_bytes": predicted_peak}} for rank in (0, 1)]
     write_memory_report(records, directory)
     return directory
 
 
-def test_a_gpu_calibration_is_folded_into_later_plans_for_that_gpu(tmp_path, capsys):
+def a100_store(tmp_path) -> dict:
+    return json.loads((tmp_path / "cache" / "plan_calibration.json").read_text())[KNOWN_GPUS["a100"].name]
+
+
+def test_a_gpu_calibration_is_folded_into_later_plans_for_that_gpu_and_strategy(tmp_path, capsys):
     arguments = ["--model", "qwen2.5-0.5b", "--gpus", "2", "--seq-len", "512"]
     before = planned(capsys, *arguments, "--gpu", "a100")
     ddp_total = before["strategies"][0]["per_gpu"]["total_bytes"]
@@ -99,44 +104,85 @@ def test_a_gpu_calibration_is_folded_into_later_plans_for_that_gpu(tmp_path, cap
     assert "Overhead beyond the prediction: 2,048.0 MiB" in out and "--save-calibration" in out
     assert main(["plan", "--calibrate", str(run), "--gpu", "a100", "--save-calibration"]) == 0
     assert "later plans for it add 2,048.0 MiB" in " ".join(capsys.readouterr().out.split())  # rich wraps long paths
-    stored = json.loads((tmp_path / "cache" / "plan_calibration.json").read_text())
-    assert stored[KNOWN_GPUS["a100"].name]["overhead_bytes"] == 2 * GiB + 1  # the larger of the two ranks
+    stored = a100_store(tmp_path)["strategies"]["ddp"]
+    assert stored["overhead_bytes"] == 2 * GiB + 1 and stored["from"] == str(run)  # the larger of the two ranks
 
     after = planned(capsys, *arguments, "--gpu", "a100", "--gpu-memory", memory)
-    assert after["gpu_overhead_bytes"] == 2 * GiB + 1
-    assert after["strategies"][0]["fits"] is False and after["recommended"] != "DDP"  # 2 GiB more than the spare
-    assert planned(capsys, *arguments, "--gpu", "h100", "--gpu-memory", memory)["gpu_overhead_bytes"] == 0
-    # A run that used less than predicted never loosens later plans.
-    cheap = gpu_report(tmp_path / "cheap", predicted_peak=10 * GiB, measured_peak=9 * GiB)
+    rows = {row["name"]: row for row in after["strategies"]}
+    assert rows["DDP"]["overhead_bytes"] == 2 * GiB + 1 and rows["DDP"]["calibrated_by"] == "ddp"
+    # A strategy never measured on this GPU takes the largest measured there, and says whose it is.
+    assert rows["ZeRO-3"]["overhead_bytes"] == 2 * GiB + 1 and rows["ZeRO-3"]["calibrated_by"] == "ddp"
+    assert rows["DDP"]["fits"] is False and after["recommended"] != "DDP"  # 2 GiB more than the spare
+    assert main(["plan", *arguments, "--gpu", "a100", "--gpu-memory", memory]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Calibrated on NVIDIA A100-SXM4-80GB (compute capability 8.0) by 1 run(s)" in text
+    assert f"DDP: +2.0 GiB (a run of it, {run})" in text
+    assert "ZeRO-3: +2.0 GiB (none of it: the largest, a ddp run" in text
+    assert all(row["overhead_bytes"] == 0 for row in
+               planned(capsys, *arguments, "--gpu", "h100", "--gpu-memory", memory)["strategies"])
+    # A ZeRO-3 run's own calibration replaces the borrowed one for ZeRO-3 only; one that used less than predicted
+    # stores 0: it never loosens later plans.
+    cheap = gpu_report(tmp_path / "cheap", predicted_peak=10 * GiB, measured_peak=9 * GiB,
+                       strategy="deepspeed_zero3")
     assert main(["plan", "--calibrate", str(cheap), "--gpu", "a100", "--save-calibration"]) == 0
     capsys.readouterr()
-    stored = json.loads((tmp_path / "cache" / "plan_calibration.json").read_text())
-    assert stored[KNOWN_GPUS["a100"].name]["overhead_bytes"] == 0
-    assert stored[KNOWN_GPUS["a100"].name]["measured_overhead_bytes"] == -GiB + 1
+    stored = a100_store(tmp_path)["strategies"]
+    assert stored["deepspeed_zero3"]["overhead_bytes"] == 0
+    assert stored["deepspeed_zero3"]["measured_overhead_bytes"] == -GiB + 1
+    assert stored["ddp"]["overhead_bytes"] == 2 * GiB + 1
+    rows = {row["name"]: row for row in planned(capsys, *arguments, "--gpu", "a100", "--gpu-memory",
+                                                memory)["strategies"]}
+    assert rows["ZeRO-3"]["overhead_bytes"] == 0 and rows["ZeRO-3"]["calibrated_by"] == "deepspeed_zero3"
+    assert rows["ZeRO-2"]["overhead_bytes"] == 2 * GiB + 1
 
 
-def test_recipe_plan_reads_the_recipes_keys_and_packs_its_data(tmp_path, capsys):
-    recipe = tmp_path / "packed.yaml"
-    recipe.write_text("model_name_or_path: tiny\nmax_seq_length: 64\npacking: true\nbf16: auto\nuse_lora: true\n"
-                      "lora_r: 4\nglobal_batch_size: 12\nper_device_train_batch_size: 2\nlearning_rate: 1.0e-3\n"
-                      "lr_scaling: sqrt\nbase_batch_size: 6\ndeepspeed: deepspeed_configs/zero3.json\n")
-    plan = planned(capsys, "--recipe", str(recipe), "--gpus", "3", "--gpu", "t4")
-    assert plan["precision"] == "fp16"  # bf16: auto, for the GPU planned for (a T4), not this machine
-    assert plan["strategies"][0]["setup"]["lora_rank"] == 4
-    packing = plan["data"]["packing"]["train"]
-    assert packing["row_length"] == 64 and 0.9 < packing["fill"] <= 1
-    assert plan["sequence_length"] == 64  # packed rows are (nearly) full: the longest of a micro-batch is 64
-    assert plan["your_strategy"]["name"] == "yours: deepspeed_zero3"
-    batch = plan["batch_plan"]
-    assert (batch["global_batch_size"], batch["micro_batch_size"], batch["gradient_accumulation_steps"]) == (12, 2, 2)
-    assert batch["learning_rate"] == pytest.approx(1e-3 * 2 ** 0.5) and batch["lr_scaling"] == "sqrt"
-    assert plan["recommended"] == "DDP"
-    assert plan["launch_command"].endswith(f"train {recipe} --global_batch_size 12 --max_micro_batch_size 2")
-    assert "the recipe's `deepspeed` key would run DeepSpeed" in plan["launch_note"]
-    # Batch options on the command line win over the recipe's and travel in the launch.
-    plan = planned(capsys, "--recipe", str(recipe), "--gpus", "3", "--gpu", "t4", "--global-batch-size", "6",
-                   "--lr-scaling", "none")
-    assert plan["batch_plan"]["global_batch_size"] == 6 and plan["batch_plan"]["learning_rate"] == pytest.approx(1e-3)
-    assert "--global_batch_size 6" in plan["launch_command"] and "--lr_scaling none" in plan["launch_command"]
-    assert main(["plan", "--recipe", str(recipe), "--gpus", "5", "--gpu", "t4"]) == 2
-    assert "`global_batch_size: 12` cannot be split evenly over 5 processes" in capsys.readouterr().err
+def test_a_store_written_before_strategies_were_told_apart_reads_as_its_runs_strategy(tmp_path, capsys):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "plan_calibration.json").write_text(json.dumps({KNOWN_GPUS["a100"].name: {
+        "overhead_bytes": GiB, "measured_overhead_bytes": GiB, "from": "old", "strategy": "deepspeed_zero2",
+        "world_size": 2}}))
+    rows = {row["name"]: row for row in planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "2", "--gpu",
+                                                "a100")["strategies"]}
+    assert rows["ZeRO-2"]["overhead_bytes"] == GiB and rows["ZeRO-2"]["calibrated_by"] == "deepspeed_zero2"
+    (tmp_path / "cache" / "plan_calibration.json").write_text("[1, 2]")
+    assert main(["plan", "--model", "qwen2.5-0.5b", "--gpus", "2", "--gpu", "a100"]) == 2
+    assert "is not a calibration store" in capsys.readouterr().err
+
+
+def test_a_finished_gpu_run_stores_its_calibration_and_a_cpu_run_nothing(tmp_path, monkeypatch, capsys):
+    """What `finetune train` does with its memory report at the end (finetune.train.run.learn_from_memory): on a
+    (simulated) GPU it stores the run's overhead for that GPU and strategy, read by the next plan there; on CPU
+    processes it stores nothing, and it holds the measured memory against the run's prediction either way."""
+    from types import SimpleNamespace
+
+    from gpu_simulation import A100, simulate_gpus
+
+    from finetune.memory.report import load_memory_report
+    from finetune.train.run import learn_from_memory
+
+    args = SimpleNamespace(output_dir=str(tmp_path / "cpu_run"), save_calibration=True)
+    cpu = tmp_path / "cpu_run"
+    records = [{"rank": 0, "world_size": 1, "strategy": "ddp", "predicted": {**dict.fromkeys(STATES, 100),
+                                                                             "peak_bytes": 300},
+                "measured": {**dict.fromkeys(STATES, 100), "peak_bytes": 5 << 30, "peak_kind": "cpu_max_rss"}}]
+    write_memory_report(records, cpu)
+    learned = learn_from_memory(records, args)
+    assert "calibration_saved" not in learned and not (tmp_path / "cache" / "plan_calibration.json").exists()
+    check = learned["memory_against_plan"]
+    assert check["what"] == "model states" and check["ranks"][0]["ratio"] == 1.0 and check["over"] == []
+
+    simulate_gpus(monkeypatch, A100, count=2, memory_gib=80)
+    run = gpu_report(tmp_path / "gpu_run", predicted_peak=10 * GiB, measured_peak=13 * GiB,
+                     strategy="deepspeed_zero2")
+    learned = learn_from_memory(load_memory_report(run), SimpleNamespace(output_dir=str(run), save_calibration=True))
+    assert learned["calibration_saved"] == str(tmp_path / "cache" / "plan_calibration.json")
+    assert a100_store(tmp_path)["strategies"]["deepspeed_zero2"]["overhead_bytes"] == 3 * GiB + 1
+    check = learned["memory_against_plan"]
+    assert check["what"] == "peak allocated" and [rank["rank"] for rank in check["over"]] == [0, 1]
+    assert "stored for NVIDIA A100-SXM4-80GB" in capsys.readouterr().out
+    rows = {row["name"]: row for row in planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "2")["strategies"]}
+    assert rows["ZeRO-2"]["overhead_bytes"] == 3 * GiB + 1  # the visible (simulated) A100's calibration
+    # Off by the recipe key: nothing stored.
+    (tmp_path / "cache" / "plan_calibration.json").unlink()
+    learn_from_memory(load_memory_report(run), SimpleNamespace(output_dir=str(run), save_calibration=False))
+    assert not (tmp_path / "cache" / "plan_calibration.json").exists()

@@ -83,3 +83,12 @@ def test_demo_recipe_learns_on_two_processes_under_deepspeed_zero2(demo_run):
     assert data["sources"][0]["train"]["rows_kept"] == 6000 and data["train_rows"] == 6000
     assert data["train_from_cache_by_rank"][1] is True  # rank 1 read what rank 0 tokenized
     assert [r["rank"] for r in json.loads((output_dir / "memory_report.json").read_text())["ranks"]] == [0, 1]
+    # One command: `finetune train` planned the run, printed the launch it became, and held the memory against it.
+    plan = json.loads((output_dir / "effective_config.json").read_text())["plan"]
+    assert plan["strategy"] == "zero2" and plan["processes"] == 2 and plan["fits"]
+    assert plan["chosen_by"] == "named by the recipe recipes/demo.yaml"
+    assert plan["predicted"]["model_states_bytes"] > 0
+    assert f"launch: {plan['launch']}" in result.output
+    assert plan["launch"].startswith("accelerate launch --config_file accelerate_configs/cpu_deepspeed_zero2.yaml "
+                                     "--num_processes 2 --deepspeed_config_file deepspeed_configs/zero2.json")
+    assert summary["memory_against_plan"]["over"] == []

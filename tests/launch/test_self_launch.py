@@ -1,0 +1,210 @@
+"""`finetune train RECIPE.yaml` without a launcher: it plans, picks the strategy (named, or `auto`), and becomes
+Accelerate's launcher with the shipped config. Real 2-process self-launches are compared with the same runs typed as
+`accelerate launch` (the shared `deepspeed_runs`); the choices, commands and refusals are checked by dry runs."""
+
+import json
+import shlex
+
+import pytest
+from gpu_simulation import A100, simulate_gpus
+from support import DEMO_SHORT_RUN, PROJECT_ROOT, assert_succeeded, error_lines, run
+
+from finetune.cli import main
+from finetune.launch.commands import finetune_command
+from finetune.launch.self_launch import LAUNCH_PLAN_ENV, split_launch_options, this_machine
+from finetune.plan.launch import plan_launch
+from finetune.recipe.parse import parse_recipe
+
+LAUNCHER_VARIABLES = ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "ACCELERATE_MIXED_PRECISION",
+                      "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", LAUNCH_PLAN_ENV)
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch, tmp_path):
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(PROJECT_ROOT)
+
+
+def dry_run(capsys, *arguments) -> tuple[str, list[str]]:
+    """The plan lines and the launch command (as typed) a dry run prints."""
+    assert main(["train", "recipes/demo.yaml", *arguments, "--dry-run"]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    launch = next(line for line in out.splitlines() if line.startswith("launch: "))
+    return out, shlex.split(launch.removeprefix("launch: "))
+
+
+def option(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_a_named_strategy_launches_its_shipped_cpu_config_on_the_processes_asked_for(capsys):
+    out, command = dry_run(capsys, "--gpus", "2")
+    assert command[:2] == ["accelerate", "launch"]
+    assert option(command, "--config_file") == "accelerate_configs/cpu_deepspeed_zero2.yaml"
+    assert option(command, "--deepspeed_config_file") == "deepspeed_configs/zero2.json"
+    assert option(command, "--num_processes") == "2" and option(command, "--num_machines") == "1"
+    assert command[command.index("-m"):][:4] == ["-m", "finetune", "train", "recipes/demo.yaml"]
+    assert "plan: ZeRO-2 (named by the recipe recipes/demo.yaml) on 2 CPU process(es)" in out
+    _, command = dry_run(capsys, "--gpus", "2", "--strategy", "zero3")
+    assert option(command, "--deepspeed_config_file") == "deepspeed_configs/zero3.json"
+    _, command = dry_run(capsys, "--strategy", "fsdp_shard_grad_op", "--gpus", "3")
+    assert option(command, "--config_file") == "accelerate_configs/cpu_fsdp_shard_grad_op.yaml"
+    assert option(command, "--num_processes") == "3" and "finetune.testing.fsdp_on_cpu" in command
+    # Launch options before the recipe work as after it.
+    assert main(["train", "--gpus", "2", "--dry-run", "recipes/demo.yaml", "--strategy", "ddp"]) == 0
+    assert "--config_file accelerate_configs/cpu_ddp.yaml --num_processes 2" in capsys.readouterr().out
+
+
+def test_outside_the_checkout_the_generators_configs_are_written_to_the_cache(tmp_path, monkeypatch, capsys):
+    from finetune.generated_files import expected_files
+
+    monkeypatch.chdir(tmp_path)
+    recipe = str(PROJECT_ROOT / "recipes/demo.yaml")
+    assert main(["train", recipe, "--gpus", "2", "--strategy", "zero3_offload", "--dry-run"]) == 0
+    command = shlex.split(capsys.readouterr().out.split("launch: ")[-1])
+    config, deepspeed = option(command, "--config_file"), option(command, "--deepspeed_config_file")
+    assert config.startswith(str(tmp_path / "cache" / "launch_configs"))
+    files = expected_files(docs=False)
+    assert open(config).read() == files["accelerate_configs/cpu_deepspeed_zero2.yaml"]
+    assert open(deepspeed).read() == files["deepspeed_configs/zero3_offload.json"]
+
+
+def test_auto_picks_the_first_strategy_that_fits_the_declared_memory_and_names_what_it_rejected(capsys):
+    out, command = dry_run(capsys, "--gpus", "2", "--strategy", "auto", "--gpu-memory", "1000")
+    assert "--config_file accelerate_configs/cpu_ddp.yaml" in shlex.join(command)
+    assert command[-2:] == ["--strategy", "ddp"]  # named to the ranks, which check they run it
+    _, record, _ = auto_plan(0.005)
+    assert "no strategy fits" in record
+    memory, record = memory_that_picks_zero3_offload()
+    assert record["strategy"] == "zero3_offload" and record["fits"]
+    rejected = [row["strategy"] for row in record["rejected"]]
+    assert rejected == ["DDP", "ZeRO-1", "ZeRO-2", "FSDP shard-grad-op", "ZeRO-3", "FSDP full-shard",
+                        "ZeRO-2 + CPU offload"]
+    assert all("usable" in row["reason"] for row in record["rejected"])
+    assert record["predicted"]["total_bytes"] <= record["usable_bytes"] < min(
+        row["predicted_bytes"] for row in record["rejected"])
+
+
+def auto_plan(memory_gib: float):
+    """A plan of the demo recipe's short run with `strategy: auto` on 2 CPU processes of `memory_gib` GiB each."""
+    from finetune.errors import RecipeError
+
+    options, overrides = split_launch_options(["--gpus", "2", "--gpu-memory", str(memory_gib), *DEMO_SHORT_RUN,
+                                               "--strategy", "auto"])
+    try:
+        return plan_launch("recipes/demo.yaml", overrides, this_machine(options))
+    except RecipeError as error:
+        return None, str(error), None
+
+
+def memory_that_picks_zero3_offload() -> tuple[float, dict]:
+    """The GPU memory at which the plan must offload: between ZeRO-3 + CPU offload's prediction and the smallest of
+    those before it, read from the planner's own candidates."""
+    _, record, _ = auto_plan(1000)
+    totals = {row["key"]: row["predicted_bytes"] for row in record["candidates"]}
+    before = min(total for key, total in totals.items() if key != "zero3_offload")
+    memory = (totals["zero3_offload"] + before) / 2 / 0.9 / 1024**3
+    _, record, _ = auto_plan(memory)
+    return memory, record
+
+
+def test_the_launch_options_are_refused_where_they_cannot_apply(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "recipes/demo.yaml", "--gpus", "2"]) == 2
+    assert "under `accelerate launch` or torchrun the launcher's own options decide" in capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
+    for arguments, message in (
+        (["--gpus", "0"], "`--gpus 0` must be at least 1"),
+        (["--gpus", "2", "--strategy", "zero4"], "no shipped strategy `zero4`"),
+        (["--gpus", "2", "--strategy", "single"], "strategy `single` runs on one GPU"),
+        (["--gpus", "2", "--strategy", "zero3", "--deepspeed", "deepspeed_configs/zero2.json"], "keep one"),
+        (["--gpus", "2", "--nnodes", "2"], "needs the main machine's address"),
+        (["--gpus", "2", "--nnodes", "2", "--node-rank", "2", "--main-addr", "h"], "is not in 0..1"),
+    ):
+        assert main(["train", "recipes/demo.yaml", *arguments, "--dry-run"]) == 2, arguments
+        assert message in capsys.readouterr().err, arguments
+
+
+def test_a_gpu_machine_launches_every_gpu_and_several_nodes_meet_through_slurms_variables(monkeypatch, capsys):
+    simulate_gpus(monkeypatch, A100, count=8, memory_gib=80)
+    _, command = dry_run(capsys, "--use_cpu", "false")
+    assert option(command, "--num_processes") == "8"  # every GPU it sees
+    assert option(command, "--config_file") == "accelerate_configs/deepspeed_zero2.yaml"
+    assert main(["train", "recipes/demo.yaml", "--gpus", "9", "--dry-run"]) == 2
+    assert "`--gpus 9` but this machine sees 8 GPU(s)" in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_JOB_ID", "4321")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    out, command = dry_run(capsys, "--main-addr", "node-a", "--strategy", "zero3", "--use_cpu", "false")
+    assert option(command, "--num_processes") == "8" and option(command, "--num_machines") == "2"
+    assert option(command, "--machine_rank") == "1" and option(command, "--main_process_ip") == "node-a"
+    assert option(command, "--main_process_port") == str(4321 % 10000 + 20000)  # one port per job
+    assert option(command, "--deepspeed_multinode_launcher") == "standard"
+    assert "4 × NVIDIA A100-SXM4-80GB on each of 2 nodes (this is node 1)" in out
+
+
+def test_a_strategy_named_on_the_command_line_must_be_what_a_typed_launch_runs(monkeypatch, capsys):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "deepspeed_configs/zero2.json")
+    from finetune.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="asks for deepspeed_zero3, but this launch runs deepspeed_zero2"):
+        parse_recipe("recipes/demo.yaml", ["--strategy", "zero3", "--max_steps", "1"])
+    # The recipe file's own strategy gives way to the typed launch's config, said once.
+    recipe = parse_recipe("recipes/demo.yaml", ["--strategy", "auto", "--max_steps", "1"])
+    assert recipe.strategy.zero_stage == 2
+
+
+@pytest.fixture(scope="module")
+def self_launched(tmp_path_factory):
+    """The demo's short run launched by `finetune train` itself on 2 CPU processes: as `--strategy zero3`, and as
+    `--strategy auto` with the GPU memory at which the plan must offload."""
+    cache = tmp_path_factory.mktemp("cache")
+    memory, _ = memory_that_picks_zero3_offload()
+    runs = {}
+    for name, arguments in (("zero3", ["--strategy", "zero3"]),
+                            ("auto", ["--strategy", "auto", "--gpu-memory", f"{memory:.6f}"])):
+        output_dir = tmp_path_factory.mktemp(f"self_{name}")
+        command = finetune_command("train", "recipes/demo.yaml", "--gpus", "2", "--output_dir", str(output_dir),
+                                   *DEMO_SHORT_RUN, *arguments)
+        runs[name] = (output_dir, run(command, env={"FINETUNE_CACHE": str(cache)}))
+    return runs, cache
+
+
+def run_record(output_dir) -> dict:
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return {"effective": json.loads((output_dir / "effective_config.json").read_text()),
+            "losses": [entry["loss"] for entry in state["log_history"] if "loss" in entry],
+            "summary": json.loads((output_dir / "eval_results.json").read_text())}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name,typed", [("zero3", "zero3"), ("auto", "zero3_offload")])
+def test_a_self_launch_runs_as_the_same_launch_typed_by_hand(self_launched, deepspeed_runs, name, typed):
+    runs, cache = self_launched
+    output_dir, result = runs[name]
+    assert_succeeded(result)
+    assert not error_lines(result.output)
+    mine, theirs = run_record(output_dir), deepspeed_runs[typed]
+    for side in ("requested", "running"):
+        assert {key: value for key, value in mine["effective"]["strategy"][side].items() if key != "source"} == {
+            key: value for key, value in theirs["effective"]["strategy"][side].items() if key != "source"}
+    assert mine["effective"]["values"]["world_size"]["value"] == 2
+    assert mine["losses"] == pytest.approx(theirs["losses"], rel=1e-5, abs=1e-6) and len(mine["losses"]) == 3
+    plan = mine["effective"]["plan"]
+    assert plan["strategy"] == typed and plan["processes"] == 2
+    assert plan["launch"].startswith("accelerate launch --config_file accelerate_configs/cpu_deepspeed_zero2.yaml")
+    assert f"--deepspeed_config_file deepspeed_configs/{typed}.json" in plan["launch"]
+    assert f"launch: {plan['launch']}" in result.output  # printed as the user could type it
+    if name == "auto":
+        assert plan["chosen_by"].startswith("auto") and len(plan["rejected"]) == 7
+    # Measured on every rank against the plan: the model states it predicted, to the alignment slack.
+    check = mine["summary"]["memory_against_plan"]
+    assert check["against"] == "the launch plan" and check["what"] == "model states"
+    assert [rank["rank"] for rank in check["ranks"]] == [0, 1] and check["over"] == []
+    assert all(rank["ratio"] == pytest.approx(1.0, abs=0.02) for rank in check["ranks"])
+    assert not (cache / "plan_calibration.json").exists()  # CPU processes calibrate nothing
