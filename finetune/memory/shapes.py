@@ -107,7 +107,11 @@ def resolve_config(name: str):
         if not (path / "config.json").is_file():
             raise RecipeError(f"{name} has no config.json: give a model directory written by save_pretrained, "
                               f"its config.json, or one of: {', '.join(known_names())}.")
-        return AutoConfig.from_pretrained(path)
+        try:
+            return AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as error:
+            raise RecipeError(f"cannot read the config of {name} ({str(error).splitlines()[0]}): the estimator "
+                              "knows the architectures this Transformers knows.") from None
     try:
         return AutoConfig.from_pretrained(name)  # a hub id: fetches config.json only
     except (OSError, ValueError) as error:
@@ -128,8 +132,12 @@ def model_shape(name: str) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     config = resolve_config(name)
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as error:  # a config with no causal-LM class in this Transformers
+        raise RecipeError(f"cannot build a causal LM from the config of {name} ({str(error).splitlines()[0]}).") \
+            from None
     model.tie_weights()  # not done for empty weights; without it a tied head is counted twice
     return shape_of(model, name)
 

@@ -180,6 +180,12 @@ def loading_refusals(model_args):
             raise RecipeError(f"`attn_implementation: {model_args.attn_implementation}` cannot be used here: "
                               f"{first_line} Use `sdpa` (any device), or install the kernel's package on a CUDA GPU "
                               "(flash_attention_2: `pip install flash-attn`).") from None
+        if "instantiate the backend tokenizer" in str(error):
+            name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
+            raise RecipeError(f"`{name}` has no tokenizer this machine can load ({first_line.rstrip(': ')}): give "
+                              "a folder with tokenizer.json (as save_pretrained writes it) in "
+                              "`tokenizer_name_or_path`, or install what its slow tokenizer needs (sentencepiece, "
+                              "tiktoken).") from None
         raise
     except OSError as error:  # Transformers' "not a local folder and not a valid model identifier", offline, ...
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -87,12 +87,21 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
         if training.get("deepspeed"):
             raise RecipeError(f"the recipe names `strategy: {named}` and a DeepSpeed config (`deepspeed: "
                               f"{training['deepspeed']}`), which would win in Trainer: keep one.")
-    calibrations = calibration_for(machine.gpu and machine.gpu.name)
+    micro = plan_from_recipe(training, sections.data.max_seq_length, machine.processes).micro_batch_size
+    # the recipe and its data read as the run reads them: their errors stop here
     request, _ = request_from_recipe(recipe, machine.processes, machine.memory_gib, machine.gpu, overrides=overrides,
                                      auto_precision=precision, host_memory_gib=machine.host_memory_gib,
-                                     nodes=machine.nodes, calibrations=calibrations, cpu_processes=machine.cpu)
-    micro = plan_from_recipe(training, sections.data.max_seq_length, machine.processes).micro_batch_size
-    plan = make_plan(replace(request, micro_batch_size=micro))
+                                     nodes=machine.nodes, cpu_processes=machine.cpu,
+                                     calibrations=calibration_for(machine.gpu and machine.gpu.name))
+    try:
+        plan = make_plan(replace(request, micro_batch_size=micro))
+    except RecipeError as error:  # a model the estimator cannot read: a named strategy still launches, unplanned
+        if named in (None, "auto") and not training.get("deepspeed"):
+            raise RecipeError(f"`strategy: auto` needs a plan, and none could be made: {error} Name a strategy "
+                              "(`--strategy zero2`, ...) to launch without one.") from None
+        return _unplanned_launch(training, named, machine), {
+            "strategy": named, "chosen_by": "named; not planned", "plan_error": str(error),
+            "device": machine.describe(), "processes": machine.processes, "nodes": machine.nodes}, overrides
     rejected = []
     if training.get("deepspeed"):
         chosen, how, key = plan["your_strategy"], f"the recipe's DeepSpeed config ({training['deepspeed']})", None
@@ -166,6 +175,12 @@ def predicted_per_rank(row: dict, machine: Machine) -> dict:
     }
 
 
+def _unplanned_launch(training: dict, named: str | None, machine: Machine) -> Launch | None:
+    if training.get("deepspeed"):
+        return Launch(_deepspeed_launch_config(machine), str(training["deepspeed"]))
+    return _launch_of(named, machine)
+
+
 def _deepspeed_launch_config(machine: Machine) -> str:
     return SHIPPED_BY_NAME["zero2"].launch(cpu=machine.cpu).config_file
 
@@ -228,6 +243,10 @@ def _gib(num_bytes: float) -> str:
 
 
 def print_launch_plan(plan: dict) -> None:
+    if "plan_error" in plan:
+        print(f"warning: no plan for this launch ({plan['plan_error']}); launching the named strategy "
+              f"{plan['strategy']} on {plan['device']} without one.")
+        return
     predicted = plan["predicted"]
     total = predicted["total_bytes"] + predicted["calibration_bytes"]
     verdict = "fits" if plan["fits"] else f"does NOT fit ({plan['shortfall']})"
@@ -248,6 +267,7 @@ def memory_against_plan(records: list[dict], plan: dict | None) -> dict | None:
     included) against their prediction. `over`: the ranks above the prediction by more than `MARGIN`."""
     ranks = []
     what = None
+    plan = plan if plan and plan.get("predicted") else None  # an unplanned launch: the run's own prediction
     for record in records:
         measured, own = record.get("measured") or {}, record.get("predicted") or {}
         if not measured:

@@ -208,3 +208,20 @@ def test_a_self_launch_runs_as_the_same_launch_typed_by_hand(self_launched, deep
     assert [rank["rank"] for rank in check["ranks"]] == [0, 1] and check["over"] == []
     assert all(rank["ratio"] == pytest.approx(1.0, abs=0.02) for rank in check["ranks"])
     assert not (cache / "plan_calibration.json").exists()  # CPU processes calibrate nothing
+
+
+def test_a_model_the_estimator_cannot_read_launches_a_named_strategy_unplanned_but_not_auto(tmp_path, capsys):
+    from finetune import presets
+
+    model = tmp_path / "mystery"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "mystery"}')
+    assert main(["train", "recipes/demo.yaml", "--gpus", "2", "--model_name_or_path", str(model), "--dry-run"]) == 2
+    assert "has no tokenizer this machine can load" in capsys.readouterr().err  # one line, no traceback
+    presets.build_tokenizer().save_pretrained(model)
+    out, command = dry_run(capsys, "--gpus", "2", "--model_name_or_path", str(model))
+    assert "warning: no plan for this launch (cannot read the config of" in out
+    assert option(command, "--deepspeed_config_file") == "deepspeed_configs/zero2.json"
+    assert main(["train", "recipes/demo.yaml", "--gpus", "2", "--strategy", "auto", "--model_name_or_path",
+                 str(model), "--dry-run"]) == 2
+    assert "`strategy: auto` needs a plan, and none could be made" in capsys.readouterr().err
