@@ -3,7 +3,9 @@ Accelerate's launcher with the shipped config. Real 2-process self-launches are 
 `accelerate launch` (the shared `deepspeed_runs`); the choices, commands and refusals are checked by dry runs."""
 
 import json
+import os
 import shlex
+import subprocess
 
 import pytest
 from gpu_simulation import A100, simulate_gpus
@@ -225,3 +227,34 @@ def test_a_model_the_estimator_cannot_read_launches_a_named_strategy_unplanned_b
     assert main(["train", "recipes/demo.yaml", "--gpus", "2", "--strategy", "auto", "--model_name_or_path",
                  str(model), "--dry-run"]) == 2
     assert "`strategy: auto` needs a plan, and none could be made" in capsys.readouterr().err
+
+
+def test_without_gpus_and_without_gpus_asked_for_the_recipe_runs_here_in_one_process(monkeypatch):
+    from finetune.plan.launch import launch_or_run_here
+
+    monkeypatch.setattr("os.execve", lambda *args: pytest.fail(f"launched: {args[1]}"))
+    assert launch_or_run_here("recipes/demo.yaml", ["--max_steps", "1"]) == ["--max_steps", "1"]
+    assert LAUNCH_PLAN_ENV not in os.environ  # nothing planned for one process here
+
+
+@pytest.mark.distributed
+def test_two_nodes_on_loopback_meet_and_train_from_the_same_command(tmp_path):
+    """`finetune train` on each of 2 "nodes" (one CPU process each, on loopback) with its rank: they meet, then each
+    becomes Accelerate's launcher for its machine; one run of world size 2 under the recipe's ZeRO-2."""
+    from finetune.launch.commands import free_port
+
+    port = free_port()
+    nodes = [subprocess.Popen(finetune_command(
+        "train", "recipes/demo.yaml", "--nnodes", "2", "--node-rank", str(rank), "--main-addr", "127.0.0.1",
+        "--main-port", str(port), "--gpus", "1", *DEMO_SHORT_RUN, "--save_strategy", "no", "--output_dir",
+        str(tmp_path / f"node{rank}")), cwd=PROJECT_ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "FINETUNE_CACHE": str(tmp_path / "cache")})
+        for rank in (0, 1)]
+    logs = [node.communicate(timeout=400)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs[0][-4000:] + logs[1][-4000:]
+    for rank, log in enumerate(logs):
+        assert "launch: all 2 nodes arrived" in log
+        assert f"--num_machines 2 --machine_rank {rank} --main_process_ip 127.0.0.1" in log
+    effective = json.loads((tmp_path / "node0" / "effective_config.json").read_text())
+    assert effective["values"]["world_size"]["value"] == 2 and effective["strategy"]["running"]["zero_stage"] == 2
+    assert effective["plan"]["nodes"] == 2 and effective["plan"]["processes"] == 2
