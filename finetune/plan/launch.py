@@ -73,6 +73,7 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
     """The strategy to launch (None: one process, run here), its plan record, and the overrides to launch with
     (naming the strategy `auto` chose, so every rank checks it runs that one)."""
     from finetune.launch.devices import training_precision_here
+    from finetune.memory.shapes import model_shape
     from finetune.plan.calibration import calibration_for
     from finetune.plan.from_recipe import request_from_recipe
     from finetune.recipe.batch_plan import plan_from_recipe
@@ -94,7 +95,7 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
                                      nodes=machine.nodes, cpu_processes=machine.cpu,
                                      calibrations=calibration_for(machine.gpu and machine.gpu.name))
     try:
-        plan = make_plan(replace(request, micro_batch_size=micro))
+        model_shape(request.model)
     except RecipeError as error:  # a model the estimator cannot read: a named strategy still launches, unplanned
         if named in (None, "auto") and not training.get("deepspeed"):
             raise RecipeError(f"`strategy: auto` needs a plan, and none could be made: {error} Name a strategy "
@@ -102,6 +103,7 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
         return _unplanned_launch(training, named, machine), {
             "strategy": named, "chosen_by": "named; not planned", "plan_error": str(error),
             "device": machine.describe(), "processes": machine.processes, "nodes": machine.nodes}, overrides
+    plan = make_plan(replace(request, micro_batch_size=micro))
     rejected = []
     if training.get("deepspeed"):
         chosen, how, key = plan["your_strategy"], f"the recipe's DeepSpeed config ({training['deepspeed']})", None
