@@ -103,19 +103,28 @@ class LaunchedOnRead(Mapping):
 BF16_RUNS = ["zero2", "zero3"]
 # The fp32 ZeRO-3 run also leaves a checkpoint (ZeRO shards) for the export tests.
 EXTRA_ARGS = {"zero3": ("--save_strategy", "steps", "--save_steps", "3")}
+SELF_LAUNCHED = {"zero3"}  # launched by `finetune train --strategy zero3` itself, not typed
 
 
 @pytest.fixture(scope="session")
 def deepspeed_runs(tmp_path_factory):
-    """`deepspeed_runs[key]`: the run's effective config, losses, log history and output_dir; keys are the CPU-runnable
-    DeepSpeed configs and `zero2_bf16`, `zero3_bf16`."""
-    from support import CPU_RUNNABLE_DEEPSPEED, assert_succeeded, launch_demo
+    """`deepspeed_runs[key]`: the run's effective config, losses, log history, output_dir and launcher output; keys
+    are the CPU-runnable DeepSpeed configs and `zero2_bf16`, `zero3_bf16`. Each is typed as `accelerate launch`, but
+    `zero3`, which `finetune train --gpus 2 --strategy zero3` launches itself (tests/launch/test_self_launch.py)."""
+    from support import CPU_RUNNABLE_DEEPSPEED, DEMO_SHORT_RUN, assert_succeeded, launch_demo, run
+
+    from finetune.launch.commands import finetune_command
 
     def launcher(name: str, key: str, extra: tuple[str, ...]):
         def launch() -> dict:
             output_dir = tmp_path_factory.mktemp(key)
-            result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, *extra,
-                                 *EXTRA_ARGS.get(key, ()), deepspeed_json=f"deepspeed_configs/{name}.json")
+            if key in SELF_LAUNCHED:
+                result = run(finetune_command("train", "recipes/demo.yaml", "--gpus", "2", "--strategy", name,
+                                              "--output_dir", str(output_dir), *DEMO_SHORT_RUN, *extra,
+                                              *EXTRA_ARGS.get(key, ())))
+            else:
+                result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, *extra,
+                                     *EXTRA_ARGS.get(key, ()), deepspeed_json=f"deepspeed_configs/{name}.json")
             assert_succeeded(result)
             state = json.loads((output_dir / "trainer_state.json").read_text())
             return {
@@ -123,6 +132,7 @@ def deepspeed_runs(tmp_path_factory):
                 "losses": [entry["loss"] for entry in state["log_history"] if "loss" in entry],
                 "log_history": state["log_history"],
                 "output_dir": output_dir,
+                "output": result.output,
             }
         return launch
 

@@ -292,7 +292,7 @@ class FinetuneTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "How `finetune train` launches itself when no launcher started it: a shipped strategy (ddp, "
                           "zero1, zero2, zero2_offload, zero3, zero3_offload, zero3_nvme, fsdp_full_shard, "
-                          "fsdp_shard_grad_op; `finetune train --strategy NAME --dry-run` prints its launch), or auto: "
+                          "fsdp_shard_grad_op; `--dry-run` prints the launch without running it), or auto: "
                           "the first in the decision tree that `finetune plan` finds fits this recipe, its data and "
                           "these GPUs. Default: auto on GPUs, one process without. Under `accelerate launch` the "
                           "launch decides, and a strategy named here must be the one it runs."},
