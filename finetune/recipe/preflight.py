@@ -63,9 +63,12 @@ def check_named_strategy(name: str | None, launched: Strategy, world_size: int, 
     one given on this very command line (`--strategy`, as a self-launch passes it) stops the run."""
     from finetune.launch.self_launch import under_a_launcher
 
-    if name in (None, "auto") or not under_a_launcher():  # one process without a launcher: nothing to pick
+    if name in (None, "auto"):
         return
-    asked = shipped(name).strategy.for_world_size(world_size)
+    row = shipped(name)  # an unknown name is refused wherever the recipe runs
+    if not under_a_launcher():  # one process without a launcher: nothing to pick
+        return
+    asked = row.strategy.for_world_size(world_size)
     running = launched.for_world_size(world_size)
     fields = ("kind", "zero_stage", "offload_optimizer", "offload_param")
     if all(getattr(asked, key) == getattr(running, key) for key in fields) and (

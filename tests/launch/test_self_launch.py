@@ -149,16 +149,21 @@ def test_a_gpu_machine_launches_every_gpu_and_several_nodes_meet_through_slurms_
 
 
 def test_a_strategy_named_on_the_command_line_must_be_what_a_typed_launch_runs(monkeypatch, capsys):
+    from finetune.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="no shipped strategy `zero5`"):  # one process here checks the name too
+        parse_recipe("recipes/demo.yaml", ["--strategy", "zero5", "--max_steps", "1"])
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "deepspeed_configs/zero2.json")
-    from finetune.errors import RecipeError
-
     with pytest.raises(RecipeError, match="asks for deepspeed_zero3, but this launch runs deepspeed_zero2"):
         parse_recipe("recipes/demo.yaml", ["--strategy", "zero3", "--max_steps", "1"])
-    # The recipe file's own strategy gives way to the typed launch's config, said once.
-    recipe = parse_recipe("recipes/demo.yaml", ["--strategy", "auto", "--max_steps", "1"])
-    assert recipe.strategy.zero_stage == 2
+    capsys.readouterr()
+    # The recipe file's own strategy (demo.yaml: zero2) gives way to the typed launch's config, said once.
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "deepspeed_configs/zero3.json")
+    assert parse_recipe("recipes/demo.yaml", ["--max_steps", "1"]).strategy.zero_stage == 3
+    out = capsys.readouterr().out
+    assert out.count("warning: `strategy: zero2` asks for deepspeed_zero2, but this launch runs deepspeed_zero3") == 1
 
 
 @pytest.fixture(scope="module")
