@@ -1,6 +1,6 @@
 """The launch half of `finetune train RECIPE.yaml` with no launcher around it: this machine (its GPUs, or CPU processes
-standing in for them, and its place among several nodes), the shipped config files of a strategy, and Accelerate's
-own launcher started with them.
+standing in for them, and its place among several nodes), the options that say so, and Accelerate's own launcher
+that this process becomes.
 
 The command (`finetune.plan.launch` chooses the strategy, plans it and builds the command with the shipped files) is
 what a user could type by hand, `accelerate launch --config_file ... -m finetune train RECIPE.yaml ...`; it is
