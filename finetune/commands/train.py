@@ -63,11 +63,10 @@ def train_command(args) -> int:
 
         print(RecipeParser().format_help())
         return 0
-    from finetune.launch.self_launch import launch_tokens
     from finetune.plan.launch import launch_or_run_here
 
     recipe, overrides = recipe_and_overrides(args)
-    overrides = launch_or_run_here(recipe, [*launch_tokens(args), *overrides])
+    overrides = launch_or_run_here(recipe, overrides, given=args)
     if overrides is None:  # --dry-run: the plan and the command were printed
         return 0
     from finetune.train.run import train_command as run

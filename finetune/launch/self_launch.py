@@ -70,20 +70,11 @@ def launch_options_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def launch_tokens(namespace: argparse.Namespace) -> list[str]:
-    """Launch options parsed before the recipe (`finetune train --gpus 2 R.yaml`), as command-line tokens again."""
-    tokens = []
-    for action in launch_options_parser()._actions:
-        value = getattr(namespace, action.dest, action.default)
-        if value is None or value == action.default:
-            continue
-        tokens += [action.option_strings[0]] if value is True else [action.option_strings[0], str(value)]
-    return tokens
-
-
-def split_launch_options(overrides: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The self-launch options among the recipe overrides, and the overrides without them."""
-    options, rest = launch_options_parser().parse_known_args(overrides)
+def split_launch_options(overrides: list[str], given: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+    """The self-launch options among the recipe overrides, and the overrides without them; `given`: those already
+    parsed before the recipe (`finetune train --gpus 2 R.yaml`), which argparse keeps unless repeated."""
+    options, rest = launch_options_parser().parse_known_args(overrides, namespace=given)
     for name in ("gpus", "nnodes"):
         value = getattr(options, name)
         if value is not None and value < 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,11 @@ class Strategy:
         if self.kind == "ddp" and world_size == 1:
             return Strategy("single", nodes=self.nodes, source=self.source)
         return self
+
+    def runs_as(self, other: Strategy) -> bool:
+        """The same strategy, whatever the node count or where each was read (the fields compared are the
+        dataclass's own)."""
+        return replace(self, nodes=other.nodes) == other
 
     @property
     def shards_parameters(self) -> bool:

@@ -29,10 +29,10 @@ def calibration_path() -> Path:
     return outputs.user_cache_dir() / CALIBRATION_FILE
 
 
-def compare(output_dir) -> dict:
+def compare(output_dir, records: list[dict] | None = None) -> dict:
     """Per rank and part (params, grads, optimizer, peak): predicted, measured and their ratio; on a GPU run the
-    overhead beyond the prediction."""
-    records = load_memory_report(output_dir)
+    overhead beyond the prediction. `records`: the run's memory report when already in hand (else read)."""
+    records = load_memory_report(output_dir) if records is None else records
     ranks = []
     for record in records:
         predicted, measured = record.get("predicted") or {}, record.get("measured") or {}
@@ -88,13 +88,13 @@ def save_overhead(gpu_name: str, comparison: dict) -> Path:
     return outputs.write_record(calibration_path().parent, CALIBRATION_FILE, calibrations)
 
 
-def learn_from_run(output_dir, gpu_name: str | None) -> Path | None:
+def learn_from_run(output_dir, gpu_name: str | None, records: list[dict] | None = None) -> Path | None:
     """At the end of a run: a GPU run's measured overhead goes into the store for its GPU and strategy (the memory
     report's comparison, as `finetune plan --calibrate OUTPUT_DIR --save-calibration` stores it); a CPU run, a run
     without a GPU name or without a prediction stores nothing. Returns the store's path when written."""
     if gpu_name is None:
         return None
-    comparison = compare(output_dir)
+    comparison = compare(output_dir, records)
     if comparison["overhead_bytes"] is None:
         return None
     return save_overhead(gpu_name, comparison)

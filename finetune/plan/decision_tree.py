@@ -304,19 +304,30 @@ def inter_node_traffic(request: PlanRequest, shape, trainable: int) -> dict:
             "inter_node_gbps": request.inter_node_gbps, "compute_seconds": compute, "strategies": rows}
 
 
+def planned_total(row: dict) -> int:
+    """A strategy's predicted bytes per GPU with the calibration measured on this GPU added: what `fits` holds
+    against the usable memory."""
+    return row["estimate"].total_bytes + row["overhead_bytes"]
+
+
+def why_not(row: dict, plan: dict) -> str:
+    """Why the plan passed a strategy over (its `shortfall`), in words."""
+    usable = usable_bytes(plan["gpu_memory_gib"], plan["device_context_bytes"])
+    return {"gpu": f"{_size(planned_total(row))} > {_size(usable)} usable",
+            "host offload": "host RAM short for offload",
+            "host load": "host RAM short while every rank loads the model"}[row.get("shortfall") or "gpu"]
+
+
 def decision_path(plan: dict) -> list[str]:
     """The decision tree as walked for this plan: each strategy tried in order, with its predicted GiB per GPU
     against the usable memory, up to the first that fits."""
     usable = usable_bytes(plan["gpu_memory_gib"], plan["device_context_bytes"])
     lines = []
     for row in plan["strategies"]:
-        total = row["estimate"].total_bytes + row["overhead_bytes"]
         if row["fits"]:
-            lines.append(f"{row['name']}: {_size(total)} ≤ {_size(usable)} usable → recommended")
+            lines.append(f"{row['name']}: {_size(planned_total(row))} ≤ {_size(usable)} usable → recommended")
             return lines
-        reason = {"gpu": f"{_size(total)} > {_size(usable)} usable", "host offload": "host RAM short for offload",
-                  "host load": "host RAM short while every rank loads the model"}[row.get("shortfall") or "gpu"]
-        lines.append(f"{row['name']}: {reason} → next")
+        lines.append(f"{row['name']}: {why_not(row, plan)} → next")
     lines.append("nothing fits: more or larger GPUs, LoRA/QLoRA, gradient checkpointing or shorter sequences")
     return lines
 

@@ -36,17 +36,17 @@ def your_strategy(training: dict, config: str | None):
 
 def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu | None = None,
                         config: str | None = None, batch_options: dict | None = None,
-                        overrides: list[str] | None = None, auto_precision: str | None = None,
-                        **hardware) -> tuple[PlanRequest, dict]:
+                        overrides: list[str] | None = None, sections=None, **hardware) -> tuple[PlanRequest, dict]:
     """The plan request for `recipe` (with its `--key value` `overrides`) on `gpus` GPUs, and its data summary.
     `batch_options` (global_batch_size, max_micro_batch_size, learning_rate, base_batch_size, lr_scaling) given on
-    the command line win over the recipe's and are passed on in the launch command; `auto_precision`: what `bf16:
-    auto` means (default: the planned GPU's half precision); `hardware`: the other `PlanRequest` fields (host
-    memory...)."""
+    the command line win over the recipe's and are passed on in the launch command; `sections`: the recipe as
+    `read_recipe` already read it (else read here, `bf16: auto` as the planned GPU's half precision); `hardware`: the
+    other `PlanRequest` fields (host memory...)."""
     from finetune.memory.callback import optimizer_kind
     from finetune.recipe.parse import read_recipe
 
-    sections = read_recipe(recipe, overrides, auto_precision=auto_precision or default_precision(gpu))
+    if sections is None:
+        sections = read_recipe(recipe, overrides, auto_precision=default_precision(gpu))
     training, data, lora = sections.training_inputs, sections.data, sections.lora
     # the lengths the method's data will have (None: planned at `max_seq_length`, as for pairs TRL tokenizes later)
     lengths, summary = sections.method.plan_data(sections)

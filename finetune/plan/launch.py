@@ -28,20 +28,20 @@ from finetune.launch.self_launch import (
     under_a_launcher,
 )
 from finetune.launch.strategies import SHIPPED_BY_NAME, shipped
-from finetune.plan.decision_tree import HEADROOM, decision_path, make_plan, usable_bytes
+from finetune.memory.callback import STATE_KEYS
+from finetune.plan.decision_tree import HEADROOM, decision_path, make_plan, planned_total, usable_bytes, why_not
 
 # A run may exceed its prediction by what the plan leaves free of the usable memory before it says so: the headroom
 # `finetune plan` keeps (10% of the GPU) over the 90% a prediction may fill.
 MARGIN = 1 / HEADROOM - 1
-STATES = ("params_bytes", "grads_bytes", "optimizer_bytes")
 
 
-def launch_or_run_here(recipe: str, overrides: list[str]) -> list[str] | None:
+def launch_or_run_here(recipe: str, overrides: list[str], given=None) -> list[str] | None:
     """Launches the recipe when no launcher started this process and there is something to launch (GPUs, `--gpus`,
     several nodes): this process becomes Accelerate's launcher and never returns. Returns None after `--dry-run`, or
     the overrides (without the launch options) to run here: under a launcher, or as one process on a machine without
-    GPUs and without `--gpus`."""
-    options, overrides = split_launch_options(overrides)
+    GPUs and without `--gpus`. `given`: launch options parsed before the recipe."""
+    options, overrides = split_launch_options(overrides, given)
     if under_a_launcher():
         if launch_requested(options):
             raise RecipeError("`--gpus`, `--gpu-memory`, `--nnodes`, ... are for `finetune train` started without a "
@@ -82,50 +82,49 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
     precision = training_precision_here() if machine.gpu is not None else "fp32"  # what `bf16: auto` runs as here
     sections = read_recipe(recipe, overrides, auto_precision=precision)
     training = sections.training_inputs
-    named = training.get("strategy")
-    if named not in (None, "auto"):
-        shipped(named)  # an unknown name stops here, with the choices
-        if training.get("deepspeed"):
+    named = training.get("strategy") if training.get("strategy") != "auto" else None
+    if training.get("deepspeed"):
+        if named is not None:
             raise RecipeError(f"the recipe names `strategy: {named}` and a DeepSpeed config (`deepspeed: "
                               f"{training['deepspeed']}`), which would win in Trainer: keep one.")
+        launch, how = Launch(_deepspeed_launch_config(machine), str(training["deepspeed"])), \
+            f"the recipe's DeepSpeed config ({training['deepspeed']})"
+    elif named is not None:
+        shipped(named)  # an unknown name stops here, with the choices
+        launch, how = _launch_of(named, machine), f"named by the {sections.sources.get('strategy', 'recipe')}"
     micro = plan_from_recipe(training, sections.data.max_seq_length, machine.processes).micro_batch_size
     # the recipe and its data read as the run reads them: their errors stop here
     request, _ = request_from_recipe(recipe, machine.processes, machine.memory_gib, machine.gpu, overrides=overrides,
-                                     auto_precision=precision, host_memory_gib=machine.host_memory_gib,
+                                     sections=sections, host_memory_gib=machine.host_memory_gib,
                                      nodes=machine.nodes, cpu_processes=machine.cpu,
                                      calibrations=calibration_for(machine.gpu and machine.gpu.name))
+    chosen_by_auto = named is None and not training.get("deepspeed")
     try:
         model_shape(request.model)
     except RecipeError as error:  # a model the estimator cannot read: a named strategy still launches, unplanned
-        if named in (None, "auto") and not training.get("deepspeed"):
+        if chosen_by_auto:
             raise RecipeError(f"`strategy: auto` needs a plan, and none could be made: {error} Name a strategy "
                               "(`--strategy zero2`, ...) to launch without one.") from None
-        return _unplanned_launch(training, named, machine), {
-            "strategy": named, "chosen_by": "named; not planned", "plan_error": str(error),
-            "device": machine.describe(), "processes": machine.processes, "nodes": machine.nodes}, overrides
+        return launch, {"strategy": named, "chosen_by": "named; not planned", "plan_error": str(error),
+                        "device": machine.describe(), "processes": machine.processes, "nodes": machine.nodes}, overrides
     plan = make_plan(replace(request, micro_batch_size=micro))
     rejected = []
-    if training.get("deepspeed"):
-        chosen, how, key = plan["your_strategy"], f"the recipe's DeepSpeed config ({training['deepspeed']})", None
-        launch = Launch(_deepspeed_launch_config(machine), str(training["deepspeed"]))
-    elif named not in (None, "auto"):
-        chosen = next((row for row in plan["strategies"] if row["key"] == named), plan["your_strategy"])
-        how, key = f"named by the {sections.sources.get('strategy', 'recipe')}", named
-        launch = _launch_of(named, machine)
+    if not chosen_by_auto:
+        # the table's row when the name is among the tree's candidates here, else the plan's "yours" row for it
+        chosen = next((row for row in plan["strategies"] if named and row["key"] == named), plan["your_strategy"])
     else:
         if plan["recommended"] is None:
             raise RecipeError(f"`strategy: auto`: no strategy fits {machine.describe()} at {machine.memory_gib:g} GiB "
                               f"each ({machine.memory_source}): " + "; ".join(decision_path(plan)) + ".")
         index = next(i for i, row in enumerate(plan["strategies"]) if row["name"] == plan["recommended"])
-        chosen, key = plan["strategies"][index], plan["strategies"][index]["key"]
-        how = "auto: the first in the decision tree that fits"
-        rejected = [{"strategy": row["name"], "key": row["key"], "reason": reason.split(": ", 1)[1].removesuffix(
-                        " → next"), "predicted_bytes": row["estimate"].total_bytes + row["overhead_bytes"]}
-                    for row, reason in zip(plan["strategies"][:index], decision_path(plan))]
-        launch = _launch_of(key, machine)
-        overrides = [*without_option(overrides, "--strategy"), "--strategy", key]  # every rank checks it runs it
+        chosen, named, how = plan["strategies"][index], plan["strategies"][index]["key"], \
+            "auto: the first in the decision tree that fits"
+        rejected = [{"strategy": row["name"], "key": row["key"], "reason": why_not(row, plan),
+                     "predicted_bytes": planned_total(row)} for row in plan["strategies"][:index]]
+        launch = _launch_of(named, machine)
+        overrides = [*without_option(overrides, "--strategy"), "--strategy", named]  # every rank checks it runs it
     record = {
-        "strategy": key or (chosen["estimate"].setup.strategy if chosen else None),
+        "strategy": named or chosen["estimate"].setup.strategy,
         "label": chosen["name"].removeprefix("yours: "),
         "chosen_by": how,
         "device": machine.describe(),
@@ -140,8 +139,7 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
         "shortfall": chosen["shortfall"],
         "rejected": rejected,
         "candidates": [{"strategy": row["name"], "key": row["key"], "fits": row["fits"],
-                        "predicted_bytes": row["estimate"].total_bytes + row["overhead_bytes"]}
-                       for row in plan["strategies"]],
+                        "predicted_bytes": planned_total(row)} for row in plan["strategies"]],
         "predicted": predicted_per_rank(chosen, machine),
     }
     return launch, record, overrides
@@ -169,18 +167,12 @@ def predicted_per_rank(row: dict, machine: Machine) -> dict:
     return {
         **per_gpu,
         "offloaded_per_rank": offloaded,
-        "model_states_bytes": sum(per_gpu[key] + offloaded.get(key, 0) for key in STATES),
+        "model_states_bytes": sum(per_gpu[key] + offloaded.get(key, 0) for key in STATE_KEYS),
         "calibration_bytes": row["overhead_bytes"],
         "calibrated_by": row["calibrated_by"],
         "host_load_bytes": {"rank 0": estimate.host_load_bytes_of_rank(0, device_is_host=machine.cpu),
                             "other ranks": estimate.host_load_bytes_of_rank(1, device_is_host=machine.cpu)},
     }
-
-
-def _unplanned_launch(training: dict, named: str | None, machine: Machine) -> Launch | None:
-    if training.get("deepspeed"):
-        return Launch(_deepspeed_launch_config(machine), str(training["deepspeed"]))
-    return _launch_of(named, machine)
 
 
 def _deepspeed_launch_config(machine: Machine) -> str:
@@ -192,9 +184,9 @@ def _launch_of(key: str, machine: Machine) -> Launch | None:
     launcher)."""
     row = SHIPPED_BY_NAME[key]
     if key == "single":
-        if machine.processes > 1:
-            raise RecipeError(f"`strategy: single` runs one process, but {machine.processes} are launched: give "
-                              "`--gpus 1`, or a strategy for several (ddp, zero2, ...).")
+        from finetune.memory.estimate import Setup
+
+        Setup(strategy="single", num_gpus=machine.processes).check()  # one process: the estimator's own rule
         return None
     launch = row.launch(cpu=machine.cpu)
     if row.deepspeed_file is not None and launch.deepspeed_json is None:
@@ -279,8 +271,8 @@ def memory_against_plan(records: list[dict], plan: dict | None) -> dict | None:
             want = (plan["predicted"]["total_bytes"] + plan["predicted"]["calibration_bytes"]) if plan \
                 else own.get("peak_bytes")
         else:
-            what, got = "model states", sum(measured.get(key, 0) for key in STATES)
-            want = plan["predicted"]["model_states_bytes"] if plan else sum(own.get(key, 0) for key in STATES)
+            what, got = "model states", sum(measured.get(key, 0) for key in STATE_KEYS)
+            want = plan["predicted"]["model_states_bytes"] if plan else sum(own.get(key, 0) for key in STATE_KEYS)
         if got and want:
             ranks.append({"rank": record["rank"], "measured_bytes": int(got), "predicted_bytes": int(want),
                           "ratio": got / want})

@@ -70,9 +70,7 @@ def check_named_strategy(name: str | None, launched: Strategy, world_size: int, 
         return
     asked = row.strategy.for_world_size(world_size)
     running = launched.for_world_size(world_size)
-    fields = ("kind", "zero_stage", "offload_optimizer", "offload_param")
-    if all(getattr(asked, key) == getattr(running, key) for key in fields) and (
-            asked.kind != "fsdp" or asked.fsdp_sharding == running.fsdp_sharding):
+    if asked.runs_as(running):
         return
     message = (f"`strategy: {name}` asks for {asked.label}, but this launch runs {running.label} "
                f"({running.source or 'the launcher'})")

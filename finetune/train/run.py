@@ -125,7 +125,7 @@ def learn_from_memory(records: list[dict], args) -> dict:
 
     learned = {"memory_against_plan": memory_against_plan(records, launch_plan())}
     gpu = visible_gpu()
-    saved = learn_from_run(args.output_dir, gpu.name) if args.save_calibration and gpu is not None else None
+    saved = learn_from_run(args.output_dir, gpu.name, records) if args.save_calibration and gpu is not None else None
     if saved is not None:
         learned["calibration_saved"] = str(saved)
         print(f"calibration: this run's overhead beyond the prediction is stored for {gpu.name} in {saved}; "
