@@ -27,7 +27,7 @@ from finetune.data.tokenize import PreparedData
 from finetune.errors import RecipeError
 
 # Bump when tokenizing, masking or packing change the rows they write: older caches then read as stale.
-PIPELINE_VERSION = 1
+PIPELINE_VERSION = 2
 KEY_FILE = "key.json"
 DATASETS = "datasets"
 GENERATION_EXAMPLES = "generation_examples.json"
@@ -35,6 +35,7 @@ GENERATION_EXAMPLES = "generation_examples.json"
 NOT_IN_KEY = {
     "preprocessed_dir": "where the cache lives, not what it holds",
     "padding_free": "a collator choice: the tokenized rows are the same",
+    "dataset_num_proc": "how many processes tokenize, not what they write",
     "generation_max_new_tokens": "read while generating, after the data is prepared",
     "generation_eval_samples": "the cache keeps the prompts of every eval example; the first N are scored",
 }

@@ -1,9 +1,11 @@
 """Batching: padded to the longest example, packed rows, or padding-free flattened micro-batches.
 
-- `packing: true` packs tokenized examples into rows of at most `max_seq_length` tokens by best-fit
-  decreasing (the strategy TRL calls "bfd"): `position_ids` restart at 0 for each example and the first label
-  of each example is -100, so no token is predicted across a boundary. Rows of a micro-batch are evened out
-  with a filler segment (its own positions, no labels), never with an attention mask.
+- `packing: true` packs tokenized examples into rows of at most `max_seq_length` tokens with TRL's
+  `pack_dataset` (Arrow-native best-fit decreasing over the whole dataset; `packing_strategy: bfd_split` cuts
+  over-long examples into row-long pieces instead of truncating them). A row keeps TRL's `seq_lengths`; the
+  collators turn them into `position_ids` restarting at 0 for each example and -100 as each example's first label,
+  so no token is predicted across a boundary. Rows of a micro-batch are evened out with a filler segment (its own
+  positions, no labels), never with an attention mask.
 - `padding_free: true` flattens each micro-batch into one row (Transformers' `DataCollatorWithFlattening`).
 
 Transformers turns restarting `position_ids` into per-example attention (`masking_utils`'
@@ -22,13 +24,15 @@ attention path is needed, with two traps:
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import replace
 
+import numpy as np
+import pyarrow.compute as pc
 import torch
 from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 from transformers.utils.generic import is_flash_attention_requested
+from trl.data_utils import pack_dataset
 
 from finetune.data.tokenize import IGNORE_INDEX
 from finetune.errors import RecipeError
@@ -37,51 +41,58 @@ from finetune.errors import RecipeError
 PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
-def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Indices grouped into bins of total length ≤ capacity: longest first, each into the fullest bin it fits."""
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (free space, bin index), sorted
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        length = lengths[index]
-        at = bisect.bisect_left(free, (length, -1))
-        if at == len(free):
-            bins.append([index])
-            bisect.insort(free, (capacity - length, len(bins) - 1))
-            continue
-        space, target = free.pop(at)
-        bins[target].append(index)
-        bisect.insort(free, (space - length, target))
-    return bins
+# Packing strategies of `trl.pack_dataset` a recipe may ask for (`packing_strategy`): `bfd` keeps every example whole
+# (SFT); `bfd_split` cuts an example longer than a row into row-long pieces that are packed like examples
+# (continued pre-training: no token lost). TRL's `wrapped` cuts every example anywhere and is not offered.
+PACKING_STRATEGIES = ("bfd", "bfd_split")
+PACKED_COLUMNS = ("input_ids", "labels")
 
 
-def pack_examples(dataset: Dataset, max_length: int) -> Dataset:
-    """Rows of whole examples, at most `max_length` tokens each, with per-example `position_ids`."""
-    input_ids, labels = dataset["input_ids"], dataset["labels"]
-    rows = {"input_ids": [], "labels": [], "position_ids": []}
-    for members in best_fit_decreasing([len(ids) for ids in input_ids], max_length):
-        row_ids, row_labels, row_positions = [], [], []
-        for index in members:
-            row_ids += input_ids[index]
-            row_labels += [IGNORE_INDEX] + labels[index][1:]  # never predict across a boundary
-            row_positions += list(range(len(input_ids[index])))
-        rows["input_ids"].append(row_ids)
-        rows["labels"].append(row_labels)
-        rows["position_ids"].append(row_positions)
-    return Dataset.from_dict(rows)
+def pack_examples(dataset: Dataset, max_length: int, strategy: str = "bfd") -> Dataset:
+    """Rows of at most `max_length` tokens: `trl.pack_dataset` over the WHOLE dataset in one Arrow batch (one
+    best-fit-decreasing binning of every example, not one per thousand), keeping `input_ids` and `labels` and TRL's
+    per-row `seq_lengths`, from which the collators build per-example `position_ids` and the boundary labels."""
+    if strategy not in PACKING_STRATEGIES:
+        raise RecipeError(f"`packing_strategy: {strategy}` is not one of {', '.join(PACKING_STRATEGIES)}.")
+    dataset = dataset.select_columns(list(PACKED_COLUMNS))
+    return pack_dataset(dataset, max_length, strategy,
+                        map_kwargs={"batch_size": max(len(dataset), 1), "desc": f"packing ({strategy})"})
 
 
-def pack_prepared(data, max_length: int):
+def packing_summary(examples: int, rows: Dataset, max_length: int) -> dict:
+    """Examples in, rows out and how full the rows are, counted from the Arrow column (no Python lists)."""
+    lengths = rows.with_format("arrow")["seq_lengths"]
+    tokens = pc.sum(pc.list_flatten(lengths)).as_py() or 0
+    return {"examples": examples, "rows": len(rows), "row_length": max_length,
+            "fill": round(tokens / (len(rows) * max_length), 4) if len(rows) else 0.0}
+
+
+def pack_prepared(data, max_length: int, strategy: str = "bfd"):
     """The prepared data with train and eval packed into rows; the summary notes rows and fill."""
-    packed = {"train": pack_examples(data.train, max_length)}
+    packed = {"train": pack_examples(data.train, max_length, strategy)}
     if data.eval is not None:
-        packed["eval"] = pack_examples(data.eval, max_length)
+        packed["eval"] = pack_examples(data.eval, max_length, strategy)
     for split, rows in packed.items():
-        tokens = sum(len(ids) for ids in rows["input_ids"])
         data.summary.setdefault("packing", {})[split] = {
-            "examples": len(getattr(data, split)), "rows": len(rows), "row_length": max_length,
-            "fill": round(tokens / (len(rows) * max_length), 4),
-        }
+            **packing_summary(len(getattr(data, split)), rows, max_length), "strategy": strategy}
     return replace(data, train=packed["train"], eval=packed.get("eval", data.eval))
+
+
+def row_segments(seq_lengths) -> list[tuple[int, int]]:
+    """`[start, end)` of each example (or piece of one) in a packed row, from its `seq_lengths`."""
+    ends = np.cumsum(seq_lengths).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _unpacked(feature: dict) -> tuple[list[int], list[int], list[int]]:
+    """A packed row's `input_ids`, its labels with -100 at every example's first token (no token is predicted
+    across a boundary, whatever made the row) and `position_ids` restarting at 0 for each example."""
+    labels = list(feature["labels"])
+    positions = []
+    for start, end in row_segments(feature["seq_lengths"]):
+        labels[start] = IGNORE_INDEX
+        positions += range(end - start)
+    return list(feature["input_ids"]), labels, positions
 
 
 class PackedRowsCollator:
@@ -94,24 +105,25 @@ class PackedRowsCollator:
         longest = max(len(feature["input_ids"]) for feature in features)
         batch = {"input_ids": [], "labels": [], "position_ids": []}
         for feature in features:
-            fill = longest - len(feature["input_ids"])
-            batch["input_ids"].append(list(feature["input_ids"]) + [self.pad_token_id] * fill)
-            batch["labels"].append(list(feature["labels"]) + [IGNORE_INDEX] * fill)
-            batch["position_ids"].append(list(feature["position_ids"]) + list(range(fill)))
+            input_ids, labels, positions = _unpacked(feature)
+            fill = longest - len(input_ids)
+            batch["input_ids"].append(input_ids + [self.pad_token_id] * fill)
+            batch["labels"].append(labels + [IGNORE_INDEX] * fill)
+            batch["position_ids"].append(positions + list(range(fill)))
         return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
 
 
 class FlattenedRowsCollator:
     """Concatenates the packed rows of a micro-batch into one row, for flash attention (see module doc): no filler,
-    `position_ids` restarting at each example as packed, and -100 as the first label of every row, as `pack_examples`
-    puts at every example's start, so no token is predicted across a boundary whatever made the rows."""
+    `position_ids` restarting at each example, and -100 as the first label of every example."""
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         batch = {"input_ids": [], "labels": [], "position_ids": []}
         for feature in features:
-            batch["input_ids"] += list(feature["input_ids"])
-            batch["labels"] += [IGNORE_INDEX] + list(feature["labels"])[1:]
-            batch["position_ids"] += list(feature["position_ids"])
+            input_ids, labels, positions = _unpacked(feature)
+            batch["input_ids"] += input_ids
+            batch["labels"] += labels
+            batch["position_ids"] += positions
         return {key: torch.tensor([value], dtype=torch.long) for key, value in batch.items()}
 
 

@@ -1,8 +1,10 @@
 """Where the raw examples come from: the embedded synthetic set, local files (JSONL, JSON, CSV, Parquet), a
-directory written by `datasets`' `save_to_disk`, several files mixed with weights, or a hub dataset id.
+directory written by `datasets`' `save_to_disk`, several files mixed with weights, a hub dataset id (a configuration
+and split of it), or a `dataset_mixture` of several (finetune.data.mixture).
 
-Files and hub ids go through `datasets.load_dataset`, so a local file and a hub dataset take the same path.
-The eval split is a given file, the source's own validation/test split, or `eval_split_ratio` of train.
+Files and hub ids go through `datasets.load_dataset`, so a local file, a local dataset folder laid out as a hub
+repository and a hub dataset take the same path. The eval split is a given file, the named `eval_split`, the
+source's own eval/validation/test split, or `eval_split_ratio` of train.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, concatenate_datasets, interleave_datasets, load_dataset, load_from_disk
 
 from finetune import presets
 from finetune.errors import RecipeError
@@ -25,12 +27,22 @@ class Source:
     name: str
     train: Dataset
     eval: Dataset | None = None
+    format: str | None = None  # this source's own dataset_format (a mixture's entry); None: the recipe's
 
 
 @dataclass
 class RawData:
     sources: list[Source]
     weights: list[float] | None = None  # sampling probabilities when several sources are mixed
+
+    def mixed(self, trains: list[Dataset], seed: int) -> Dataset:
+        """The sources' (prepared) training rows as one set: drawn by `weights` until one runs out (`mix_files`), or
+        concatenated (a `dataset_mixture`, whose rows per source are already chosen)."""
+        if len(trains) == 1:
+            return trains[0]
+        if self.weights is not None:
+            return interleave_datasets(trains, probabilities=self.weights, seed=seed)
+        return concatenate_datasets(trains)
 
 
 def _builder_for(path: str, key: str) -> str:
@@ -115,7 +127,11 @@ def _load_file(path: str, key: str) -> Dataset:
     return _load(path, builder, data_files={"train": path})["train"]
 
 
-def _load_named(dataset: str) -> DatasetDict:
+def _saved_to_disk(path: Path) -> bool:
+    return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _load_named(dataset: str, config: str | None = None, **kwargs) -> DatasetDict:
     if dataset == presets.SYNTHETIC_DATASET:
         directory = presets.synthetic_data_dir()
         files = {"train": str(directory / "train.jsonl"), "eval": str(directory / "eval.jsonl")}
@@ -123,15 +139,100 @@ def _load_named(dataset: str) -> DatasetDict:
     path = Path(dataset)
     if path.is_file():
         return DatasetDict(train=_load_file(dataset, "dataset"))
-    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+    if _saved_to_disk(path):
         loaded = load_from_disk(dataset)  # written by save_to_disk
         return loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded)
-    return _load(dataset, dataset)  # a local dataset directory or a hub id
+    return _load(dataset, dataset, name=config, **kwargs)  # a local dataset directory or a hub id
+
+
+def _pick_split(splits: DatasetDict, split: str, source: str, load_slice) -> Dataset:
+    """`split` of `splits`; a slice (`train[:10%]`) loaded by `load_slice`; a missing one named with those found."""
+    if split in splits:
+        return splits[split]
+    if "[" in split and split.split("[")[0] in splits:
+        return load_slice(split)
+    raise RecipeError(f"dataset `{source}` has no `{split}` split (found: {', '.join(splits)}).")
+
+
+def _load_split(dataset: str, config: str | None, split: str, data_files=None, data_dir=None) -> Dataset:
+    """One split of a dataset: a file (its rows are the `train` split), a `save_to_disk` folder, or a local folder
+    or hub id through `load_dataset(path, name=config, split=split)`."""
+    path = Path(dataset)
+    if path.is_file():
+        rows = _load_file(dataset, "dataset_mixture")
+        if split != "train":
+            raise RecipeError(f"`{dataset}` is a file: its rows are the `train` split, not `{split}`.")
+        return rows
+    if _saved_to_disk(path) or data_files is None and data_dir is None:
+        splits = _load_named(dataset, config)
+        return _pick_split(splits, split, dataset, lambda name: _load(dataset, dataset, name=config, split=name))
+    return _load(dataset, dataset, name=config, split=split, data_files=data_files, data_dir=data_dir)
+
+
+def _load_mixture(data_args) -> list[Source]:
+    """Each dataset of `dataset_mixture` as a source: its split, columns renamed and kept, its rows chosen, and its
+    share of `test_split_size` held out for eval (in proportion to its rows)."""
+    from finetune.data.mixture import kept_rows
+
+    mixture = data_args.mixture
+    loaded = []
+    for entry in mixture.entries:
+        rows = _load_split(entry.path, entry.config, entry.split, entry.data_files, entry.data_dir)
+        if entry.rename:
+            missing = [column for column in entry.rename if column not in rows.column_names]
+            if missing:
+                raise RecipeError(f"`dataset_mixture` dataset {entry.name} has no column `{missing[0]}` to rename "
+                                  f"(columns: {', '.join(rows.column_names)}).")
+            rows = rows.rename_columns(entry.rename)
+        if entry.columns:
+            missing = [column for column in entry.columns if column not in rows.column_names]
+            if missing:
+                raise RecipeError(f"`dataset_mixture` dataset {entry.name} has no column `{missing[0]}` (`columns`; it "
+                                  f"has {', '.join(rows.column_names)}).")
+            rows = rows.select_columns(list(entry.columns))
+        loaded.append(rows)
+    sources = []
+    for entry, rows, keep in zip(mixture.entries, loaded, kept_rows(mixture, [len(rows) for rows in loaded])):
+        if entry.weight is not None:  # the handbook's: a random fraction of the rows, seeded
+            rows = rows.shuffle(seed=mixture.seed).select(range(keep))
+        else:
+            rows = rows.select(range(keep))
+        sources.append(Source(entry.name, rows, format=entry.format))
+    size = mixture.test_split_size
+    if size is not None:
+        total = sum(len(source.train) for source in sources)
+        for source in sources:
+            held = size if isinstance(size, float) else round(size * len(source.train) / total)
+            if held:
+                split = _split_off(source, held, f"dataset_mixture's `test_split_size: {size}`", mixture.seed)
+                source.train, source.eval = split["train"], split["test"]
+    return sources
+
+
+def _split_off(source: Source, size, key: str, seed: int = 0) -> DatasetDict:
+    try:
+        return source.train.train_test_split(test_size=size, seed=seed)
+    except ValueError as error:  # datasets' own check: one side of the split would be empty
+        raise RecipeError(f"{key} cannot split the {len(source.train)} example(s) of {source.name} into a "
+                          f"train and an eval part ({str(error).splitlines()[0]}): give more examples, an "
+                          "`eval_file`, or no split.") from None
+
+
+def _eval_of(splits: DatasetDict, data_args) -> Dataset | None:
+    wanted = data_args.eval_split
+    if wanted is None:
+        return next((splits[name] for name in ("eval", "validation", "test") if name in splits), None)
+    if wanted.lower() == "none":
+        return None
+    return _pick_split(splits, wanted, data_args.dataset, lambda name: _load(
+        data_args.dataset, data_args.dataset, name=data_args.dataset_config, split=name))
 
 
 def load_raw_data(data_args) -> RawData:
     """Every training source with its eval split (when there is one), and the mixing weights."""
-    if data_args.mix_files:
+    if data_args.mixture is not None:
+        sources, weights = _load_mixture(data_args), None
+    elif data_args.mix_files:
         sources = [Source(Path(path).name, _load_file(path, "mix_files")) for path in data_args.mix_files]
         weights = data_args.mix_weights or [1.0] * len(sources)
         total = sum(weights)
@@ -139,25 +240,20 @@ def load_raw_data(data_args) -> RawData:
     else:
         if data_args.train_file is not None:
             splits = DatasetDict(train=_load_file(data_args.train_file, "train_file"))
+            train = splits["train"]
         else:
-            splits = _load_named(data_args.dataset)
-        if "train" not in splits:
-            raise RecipeError(f"dataset `{data_args.dataset}` has no `train` split (found: {', '.join(splits)}).")
-        eval_split = next((splits[name] for name in ("eval", "validation", "test") if name in splits), None)
-        sources, weights = [Source(data_args.train_file or data_args.dataset, splits["train"], eval_split)], None
+            splits = _load_named(data_args.dataset, data_args.dataset_config)
+            train = _pick_split(splits, data_args.dataset_split, data_args.dataset, lambda name: _load(
+                data_args.dataset, data_args.dataset, name=data_args.dataset_config, split=name))
+        sources, weights = [Source(data_args.train_file or data_args.dataset, train, _eval_of(splits, data_args))], None
     if data_args.eval_file is not None:
         sources[0].eval = _load_file(data_args.eval_file, "eval_file")
     for source in sources:
         if len(source.train) == 0:
             raise RecipeError(f"the `train` split of {source.name} is empty.")
         if source.eval is None and data_args.eval_split_ratio > 0:
-            try:
-                split = source.train.train_test_split(test_size=data_args.eval_split_ratio, seed=0)
-            except ValueError as error:  # datasets' own check: one side of the split would be empty
-                raise RecipeError(f"`eval_split_ratio: {data_args.eval_split_ratio}` cannot split the "
-                                  f"{len(source.train)} example(s) of {source.name} into a train and an eval part "
-                                  f"({str(error).splitlines()[0]}): give more examples, an `eval_file`, or "
-                                  "`eval_split_ratio: 0`.") from None
+            ratio = data_args.eval_split_ratio
+            split = _split_off(source, ratio if ratio < 1 else int(ratio), f"`eval_split_ratio: {ratio}`")
             source.train, source.eval = split["train"], split["test"]
         if source.eval is not None and len(source.eval) == 0:
             raise RecipeError(f"the eval split of {source.name} is empty.")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.compute as pc
-from datasets import Dataset, concatenate_datasets, interleave_datasets
+from datasets import Dataset, concatenate_datasets
 from trl.data_utils import is_conversational
 
 from finetune.data.formats import openai_message, sharegpt_message
@@ -166,7 +166,7 @@ def load_preference_data(data_args, seed: int) -> PreferenceData:
                              "dropped": dropped | {"overlong": 0, "no_answer_tokens": 0}}
             (trains if split == "train" else evals).append(pairs)
         sources.append(record)
-    train = interleave_datasets(trains, probabilities=raw.weights, seed=seed) if len(trains) > 1 else trains[0]
+    train = raw.mixed(trains, seed)
     evaluation = (concatenate_datasets(evals) if len(evals) > 1 else evals[0]) if evals else None
     summary = {"sources": sources, "train_rows": len(train),
                "eval_rows": 0 if evaluation is None else len(evaluation)}

@@ -36,7 +36,7 @@ def tokenize_data(recipe, tokenizer) -> PreparedData:
     `finetune preprocess` runs this same function ahead of a launch."""
     data = prepare_datasets(load_raw_data(recipe.data), tokenizer, recipe.data, recipe.training)
     if recipe.data.packing:
-        data = pack_prepared(data, recipe.data.max_seq_length)
+        data = pack_prepared(data, recipe.data.max_seq_length, recipe.data.packing_strategy)
     data.summary["train_fingerprint"] = fingerprint(data.train)
     return data
 
@@ -81,5 +81,5 @@ def example_lengths(sections) -> tuple[tuple[int, ...], dict]:
     seed = int(sections.training_inputs.get("seed") or 42)
     data = prepare_datasets(load_raw_data(sections.data), tokenizer, sections.data, _OneProcess(seed))
     if sections.data.packing:
-        data = pack_prepared(data, sections.data.max_seq_length)
+        data = pack_prepared(data, sections.data.max_seq_length, sections.data.packing_strategy)
     return tuple(len(ids) for ids in data.train["input_ids"]), data.summary

@@ -34,7 +34,7 @@ def fingerprint(dataset) -> str:
     shuffles with the seed): equal exactly when Trainer would see the same rows. Hashes the Arrow values, so a
     million rows of 512 tokens take about a second."""
     digest = hashlib.sha256()
-    columns = [name for name in ("input_ids", "labels", "position_ids") if name in dataset.column_names]
+    columns = [name for name in ("input_ids", "labels", "seq_lengths") if name in dataset.column_names]
     if not columns:  # preference pairs (finetune.data.pairs), which TRL tokenizes later: their text
         for row in dataset:
             digest.update(json.dumps(row, sort_keys=True, default=str).encode())

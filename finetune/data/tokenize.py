@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from datasets import Dataset, concatenate_datasets, interleave_datasets
+from datasets import Dataset, concatenate_datasets
 from jinja2.exceptions import TemplateError
 
 from finetune import presets
@@ -235,12 +235,18 @@ def encode_messages(messages: list[dict], tokenizer, max_seq_length: int,
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
 
 
+def splits_overlong(data_args) -> bool:
+    """Whether packing cuts an over-long example into row-long pieces (`packing_strategy: bfd_split`) instead of
+    `overlong_policy` truncating, dropping or refusing it."""
+    return bool(getattr(data_args, "packing", False)) and getattr(data_args, "packing_strategy", "bfd") == "bfd_split"
+
+
 def apply_length_policies(input_ids: list[int], labels: list[int], data_args, where: str
                           ) -> tuple[list[int], list[int], str]:
     """The example as training sees it under `overlong_policy` and `unlabeled_policy`: `(input_ids, labels,
     drop)`, `drop` the reason it is left out (`overlong`, `no_answer_tokens`) or empty; `where` names it in errors."""
     max_length, length, drop = data_args.max_seq_length, len(input_ids), ""
-    if length > max_length:
+    if length > max_length and not splits_overlong(data_args):
         if data_args.overlong_policy == "error":
             raise RecipeError(f"{where} has {length} tokens, more than `max_seq_length: {max_length}` "
                               f"(`overlong_policy: error`; or truncate, drop).")
@@ -280,7 +286,10 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
                 "labelled": sum(label != IGNORE_INDEX for label in labels)}
 
     started = time.time()
-    encoded = split.map(encode, with_indices=True, remove_columns=split.column_names, desc=f"tokenizing {name}")
+    num_proc = getattr(data_args, "dataset_num_proc", None)
+    num_proc = num_proc if (num_proc or 1) > 1 else None
+    encoded = split.map(encode, with_indices=True, remove_columns=split.column_names, desc=f"tokenizing {name}",
+                        num_proc=min(num_proc, len(split)) if num_proc else None)
     # Another rank (or an earlier run) wrote the cache file this map read: it did not tokenize again.
     from_cache = bool(encoded.cache_files) and Path(encoded.cache_files[0]["filename"]).stat().st_mtime < started
     lengths = np.asarray(encoded["original_length"])
@@ -288,7 +297,7 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
     is_kept = np.asarray(reasons) == ""
     kept = encoded.filter(lambda drop: drop == "", input_columns="drop")
     kept = kept.remove_columns(["original_length", "drop", "labelled"])
-    kept_lengths = np.minimum(lengths[is_kept], max_length)
+    kept_lengths = lengths[is_kept] if splits_overlong(data_args) else np.minimum(lengths[is_kept], max_length)
     summary = {
         "rows": len(split),
         "rows_kept": len(kept),
@@ -297,7 +306,8 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
         "length_percentiles": {f"p{q}": int(np.percentile(lengths, q)) for q in (50, 90, 99)}
         | {"max": int(lengths.max())},
         "truncated_rows": int(((lengths > max_length) & is_kept).sum())
-        if data_args.overlong_policy == "truncate" else 0,
+        if data_args.overlong_policy == "truncate" and not splits_overlong(data_args) else 0,
+        **({"split_rows": int(((lengths > max_length) & is_kept).sum())} if splits_overlong(data_args) else {}),
         "dropped": {reason: reasons.count(reason) for reason in ("overlong", "no_answer_tokens") if reason in reasons},
         "from_cache": from_cache,
     }
@@ -329,7 +339,8 @@ def prepare_datasets(raw, tokenizer, data_args, training_args) -> PreparedData:
     trains, evals, examples, sources = [], [], [], []
     with training_args.main_process_first(desc="tokenizing the dataset"):
         for source in raw.sources:
-            dataset_format = detect_format(source.train.column_names, data_args.dataset_format)
+            wanted = source.format if source.format not in (None, "auto") else data_args.dataset_format
+            dataset_format = detect_format(source.train.column_names, wanted)
             train, train_summary = _tokenize_split(source.train, "train", tokenizer, data_args, dataset_format)
             record = {"name": source.name, "format": dataset_format, "train": train_summary, "eval": None}
             trains.append(train)
@@ -348,10 +359,7 @@ def prepare_datasets(raw, tokenizer, data_args, training_args) -> PreparedData:
             raise RecipeError(f"no training example of {record['name']} is left after the data policies "
                               f"({record['train']['dropped']}); raise `max_seq_length: {data_args.max_seq_length}` "
                               f"or check the data.")
-    if len(trains) > 1:  # draw from each source with its probability until one runs out
-        train = interleave_datasets(trains, probabilities=raw.weights, seed=training_args.seed)
-    else:
-        train = trains[0]
+    train = raw.mixed(trains, training_args.seed)
     evaluation = (concatenate_datasets(evals) if len(evals) > 1 else evals[0]) if evals else None
     summary = {"sources": sources, "weights": raw.weights, "train_rows": len(train),
                "eval_rows": len(evaluation) if evaluation is not None else 0}

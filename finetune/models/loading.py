@@ -26,7 +26,42 @@ def check_local_path(name: str, key: str) -> None:
                           "writes it), or a hub id such as `Qwen/Qwen2.5-0.5B`.")
 
 
+# Chat templates a recipe may name instead of writing one out (`chat_template: chatml`).
+NAMED_TEMPLATES = {
+    "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+               "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+               "{% endif %}"),
+}
+TOKENIZER_DEFAULT = "tokenizer_default"  # the tokenizer's own template (axolotl's name for it)
+
+
+def chat_template_text(value: str) -> str | None:
+    """The Jinja text `chat_template` asks for: written out, in a file, or named (`chatml`); None for the tokenizer's
+    own (`tokenizer_default`)."""
+    if value == TOKENIZER_DEFAULT:
+        return None
+    if value in NAMED_TEMPLATES:
+        return NAMED_TEMPLATES[value]
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise RecipeError(f"`chat_template: {value:.80}` is neither a Jinja template (text with `{{{{ }}}}` or `{{% %}}`), "
+                      f"a file holding one, nor one of {', '.join([*NAMED_TEMPLATES, TOKENIZER_DEFAULT])}.")
+
+
 def load_tokenizer(model_args):
+    """The tokenizer, with a pad token and a chat template: the recipe's `chat_template`, else its own, else the
+    default for base models."""
+    tokenizer = _tokenizer(model_args)
+    template = chat_template_text(model_args.chat_template) if getattr(model_args, "chat_template", None) else None
+    if template is not None:
+        tokenizer.chat_template = template  # saved with the tokenizer, so chat and serving render as training did
+    return tokenizer
+
+
+def _tokenizer(model_args):
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if name == presets.TINY_MODEL:
         return presets.build_tokenizer()

@@ -14,6 +14,7 @@ few Trainer keys that recipes still carry (`warmup_ratio`: a `warmup_steps` belo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from finetune.errors import RecipeError
@@ -27,6 +28,9 @@ SCRIPT_ARGUMENTS = "ScriptArguments"
 DATASET_MIXTURE = "DatasetMixtureConfig"
 TRL_PARSER = "TrlParser"
 TRANSFORMERS_4 = "Transformers 4"  # TrainingArguments keys removed in Transformers 5
+AXOLOTL = "axolotl"
+LLAMA_FACTORY = "LLaMA-Factory"
+NAMED_OWNERS = (TRANSFORMERS_4, AXOLOTL, LLAMA_FACTORY)  # every other origin is one of TRL's configs
 GIVEN_AS = "given as "  # in the source of a key given under another name: `recipe R.yaml (given as TRL's max_length)`
 
 
@@ -48,12 +52,18 @@ class TrlKey:
     """What finetune does instead: said in the note, or in the refusal with the fix."""
     convert: Callable[[Any], Any] | None = None
     """Turns the value into ours (raising `ValueError` with the reason when it cannot); None: taken as it is."""
+    expand: Callable[[Any, dict], dict] | None = None
+    """Reads the value (and the recipe's other values) into our keys, `{key: value}`, raising `ValueError` with the
+    reason when it cannot; an empty answer for a value that asks for something is noted with `why`."""
+
+    @property
+    def owner(self) -> str:
+        return self.origin if self.origin in NAMED_OWNERS else "TRL"
 
     @property
     def given_as(self) -> str:
         """How the source of a renamed key names it: `given as TRL's max_length`."""
-        owner = TRANSFORMERS_4 if self.origin == TRANSFORMERS_4 else "TRL"
-        return f"{GIVEN_AS}{owner}'s {self.name}"
+        return f"{GIVEN_AS}{self.owner}'s {self.name}"
 
 
 def warmup_fraction(value: Any) -> float:
@@ -64,6 +74,14 @@ def warmup_fraction(value: Any) -> float:
         raise ValueError(f"a fraction of the training steps must be in [0, 1), got {value}: give a count of steps as "
                          "`warmup_steps` instead")
     return fraction
+
+
+def held_out_size(value: Any) -> float:
+    """A held-out size as `train_test_split` reads it: below 1 a fraction, from 1 a count of rows."""
+    size = float(value)
+    if size < 0 or (size >= 1 and size != int(size)):
+        raise ValueError(f"a held-out size is a fraction below 1 or a whole count of rows, got {value}")
+    return size if size < 1 else int(size)
 
 
 TRL_KEYS = (
@@ -78,8 +96,6 @@ TRL_KEYS = (
     TrlKey("assistant_only_loss", SFT_CONFIG, kept=(True,),
            why="finetune learns only the assistant turns of a conversation (see them with `finetune labels`); to "
                "learn every token, write the examples as one `text` column"),
-    TrlKey("packing_strategy", SFT_CONFIG, kept=("bfd",),
-           why="`packing: true` packs whole examples best-fit decreasing (TRL's `bfd`); drop the key"),
     TrlKey("truncation_mode", SFT_CONFIG, kept=("keep_start",),
            why="an overlong example keeps its start (`overlong_policy: truncate`), or is dropped or refused with "
                "`overlong_policy: drop` or `error`"),
@@ -94,16 +110,13 @@ TRL_KEYS = (
            why="activations are not offloaded; save activation memory with `gradient_checkpointing: true`"),
     TrlKey("model_init_kwargs", SFT_CONFIG, kept=(None,),
            why="give the loading keys by name: `torch_dtype`, `attn_implementation`, `trust_remote_code`"),
-    TrlKey("chat_template_path", SFT_CONFIG, kept=(None,),
-           why="the tokenizer's own chat template is used; put yours in a tokenizer directory and give it as "
-               "`tokenizer_name_or_path`"),
+    TrlKey("chat_template_path", SFT_CONFIG, ours="chat_template"),
     TrlKey("eos_token", SFT_CONFIG, kept=(None,),
            why="each answer ends with the tokenizer's EOS or the chat template's end of turn; drop the key"),
     TrlKey("pad_token", SFT_CONFIG, kept=(None,),
            why="the tokenizer's pad token is used (its EOS when it has none); drop the key"),
     TrlKey("dataset_kwargs", SFT_CONFIG, kept=(None,),
            why="the dataset is always prepared (formats, chat template, labels); drop the key"),
-    TrlKey("dataset_num_proc", SFT_CONFIG, ignored=True, why="examples are tokenized in the launching process"),
     TrlKey("shuffle_dataset", SFT_CONFIG, ignored=True,
            why="Trainer's sampler shuffles the training data every epoch, seeded by `seed`"),
     TrlKey("pad_to_multiple_of", SFT_CONFIG, ignored=True, why="each micro-batch is padded to its longest row"),
@@ -128,24 +141,18 @@ TRL_KEYS = (
            why="the 4-bit storage dtype follows the strategy: the compute dtype under FSDP or ZeRO-3, so they shard"),
     # ScriptArguments
     TrlKey("dataset_name", SCRIPT_ARGUMENTS, ours="dataset"),
-    TrlKey("dataset_config", SCRIPT_ARGUMENTS, kept=(None,),
-           why="the dataset's default configuration is loaded; save the one you want with `save_to_disk` (or as "
-               "JSONL) and give that path as `dataset`"),
-    TrlKey("dataset_train_split", SCRIPT_ARGUMENTS, kept=("train",),
-           why="training uses the `train` split; save the split you want as `train` (or as a JSONL `train_file`)"),
-    TrlKey("dataset_test_split", SCRIPT_ARGUMENTS, ignored=True,
-           why="evaluation uses the first of the `eval`, `validation`, `test` splits the dataset has, else "
-               "`eval_file` or `eval_split_ratio`"),
+    TrlKey("dataset_train_split", SCRIPT_ARGUMENTS, ours="dataset_split"),
+    TrlKey("dataset_test_split", SCRIPT_ARGUMENTS, ours="eval_split"),
     TrlKey("dataset_streaming", SCRIPT_ARGUMENTS, kept=(False,),
            why="datasets are read whole (map-style) so that they can be counted, packed and planned"),
     TrlKey("ignore_bias_buffers", SCRIPT_ARGUMENTS, ignored=True,
            why="a DDP debugging switch of TRL's scripts; finetune's DDP needs none"),
     # DatasetMixtureConfig
-    TrlKey("datasets", DATASET_MIXTURE, kept=(None,),
-           why="mix local files with `mix_files` and `mix_weights`"),
+    TrlKey("datasets", DATASET_MIXTURE, expand=lambda value, values: {"dataset_mixture": {"datasets": value}},
+           why="read into our `dataset_mixture` (each dataset's path, name, split, columns, fraction)"),
     TrlKey("streaming", DATASET_MIXTURE, kept=(False,),
            why="datasets are read whole (map-style) so that they can be counted, packed and planned"),
-    TrlKey("test_split_size", DATASET_MIXTURE, ours="eval_split_ratio"),
+    TrlKey("test_split_size", DATASET_MIXTURE, ours="eval_split_ratio", convert=held_out_size),
     # TrlParser
     TrlKey("env", TRL_PARSER, kept=(None,),
            why="set environment variables in the shell or the launcher, before any library reads them"),
@@ -167,24 +174,51 @@ def note_for(key: TrlKey, value: Any) -> str:
 
 @dataclass
 class Translation:
-    """What became of TRL's keys in one place (the recipe file or the command line)."""
+    """What became of TRL's (or another tool's) keys in one place (the recipe file or the command line)."""
 
     renamed: dict[str, TrlKey] = field(default_factory=dict)
     """Our key → the key it was given as."""
     notes: list[str] = field(default_factory=list)
-    """One `key: value (why)` per TRL key accepted without effect."""
+    """One `key: value (why)` per key accepted without effect."""
+    tool: str | None = None
+    """The tool whose config the file is (finetune.recipe.peers), None for a finetune or TRL recipe."""
+    read_into: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Their key → the keys of ours its value was read into (`adapter: qlora` → `{use_qlora: true}`)."""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    """The tool's own defaults applied for keys its config left out (our key → value)."""
+
+    def record(self) -> dict[str, Any]:
+        """What `effective_config.json` lists under `foreign_keys`."""
+        return {"read_as": f"{self.tool} config" if self.tool else "finetune / TRL recipe",
+                "renamed": {key.name: ours for ours, key in self.renamed.items()},
+                "read_into": self.read_into, "tool_defaults": self.defaults, "noted": self.notes}
 
 
-def translate_values(values: dict[str, Any], where: str, method: type[Method] | None = None
-                     ) -> tuple[dict[str, Any], Translation]:
-    """A recipe file's values with TRL's keys answered (as the config of `method` declares them): renamed to ours,
-    or dropped with a note, or refused."""
-    translation, translated = Translation(), {}
+# Values that ask for nothing: a key read into ours that gives none of them is not noted.
+NOTHING = (None, "", False, [], {})
+
+
+def translate_values(values: dict[str, Any], where: str, method: type[Method] | None = None,
+                     recipe_dir: Path | None = None) -> tuple[dict[str, Any], Translation]:
+    """A recipe file's values with TRL's keys answered (as the config of `method` declares them), or, for another
+    tool's config, that tool's keys (finetune.recipe.peers): renamed to ours, read into ours, dropped with a note, or
+    refused."""
+    from finetune.recipe.peers import RECIPE_DIR, TOOL_KEYS, detect_tool, tool_defaults
+
+    translation = Translation(tool=detect_tool(values, where))
+    tool_keys, context, translated = TOOL_KEYS.get(translation.tool, {}), {**values, RECIPE_DIR: recipe_dir}, {}
     for name, value in values.items():
-        target = _answer(name, value, where, translation, method)
+        key = tool_keys.get(name) or method_trl_key(name, method)
+        if key is not None and key.expand is not None:
+            translated.update(_read_into(key, value, context, where, translation, values))
+            continue
+        target = _answer(name, value, where, translation, method, key)
         if target is not None:
-            translated[target] = _converted(name, value, where)
+            translated[target] = _converted(key, value, where)
     _refuse_both(translation, set(values), where)
+    for ours, value in tool_defaults(translation.tool, values).items():
+        if ours not in translated:
+            translated[ours] = translation.defaults[ours] = value
     lora_targets = translated.get("lora_target_modules")
     if isinstance(lora_targets, str):  # TRL writes one name or `all-linear` as a string; our key is a list
         translated["lora_target_modules"] = [lora_targets]
@@ -207,7 +241,8 @@ def translate_command_line(tokens: list[str], method: type[Method] | None = None
         if target == name:
             translated += [option, *values]
         elif target is not None:
-            converted = [str(_converted(name, given, "the command line")) for given in (inline or values)]
+            key = method_trl_key(name, method)
+            converted = [str(_converted(key, given, "the command line")) for given in (inline or values)]
             translated += [f"--{target}", *converted]
     _refuse_both(translation, given, "the command line")
     return translated, translation
@@ -232,9 +267,28 @@ def _other_method_wanting(name: str, method: type[Method] | None) -> tuple[type[
     return None
 
 
-def _answer(name: str, value: Any, where: str, translation: Translation, method: type[Method] | None) -> str | None:
+def _read_into(key: TrlKey, value: Any, context: dict, where: str, translation: Translation,
+               given: dict) -> dict[str, Any]:
+    """Our keys the value of `key` is read into; a value that asks for something and is read into nothing is noted."""
+    try:
+        produced = key.expand(value, context)
+    except (TypeError, ValueError) as error:
+        raise RecipeError(f"{key.owner}'s `{key.name}` in {where}: {error}.") from None
+    for ours, value_of_ours in produced.items():
+        if ours in given and given[ours] != value_of_ours:
+            raise RecipeError(f"{where} gives `{ours}: {shown(given[ours])}` and {key.owner}'s `{key.name}`, which "
+                              f"means `{ours}: {shown(value_of_ours)}`; keep one.")
+    if produced:
+        translation.read_into[key.name] = produced
+    elif value not in NOTHING:
+        translation.notes.append(note_for(key, value))
+    return produced
+
+
+def _answer(name: str, value: Any, where: str, translation: Translation, method: type[Method] | None,
+            key: TrlKey | None = None) -> str | None:
     """The key `name` goes to (itself when it is not TRL's), or None when it is accepted without effect."""
-    key = method_trl_key(name, method)
+    key = key or method_trl_key(name, method)
     if key is None:
         wanting = _other_method_wanting(name, method)
         if wanting is None:
@@ -249,23 +303,22 @@ def _answer(name: str, value: Any, where: str, translation: Translation, method:
     ours = key.ours
     if ours is not None:
         if value is None:
-            raise RecipeError(f"`{name}: null` in {where}: finetune's `{ours}` (TRL's `{name}`) needs a value.")
+            raise RecipeError(f"`{name}: null` in {where}: finetune's `{ours}` ({key.owner}'s `{name}`) needs a value.")
         translation.renamed[ours] = key
         return ours
     if key.ignored or _normalised(value) in [_normalised(kept) for kept in key.kept]:
         translation.notes.append(note_for(key, value))
         return None
-    raise RecipeError(f"TRL's `{name}: {shown(value)}` in {where} is not supported: {key.why}.")
+    raise RecipeError(f"{key.owner}'s `{name}: {shown(value)}` in {where} is not supported: {key.why}.")
 
 
-def _converted(name: str, value: Any, where: str) -> Any:
-    key = TRL_KEYS_BY_NAME.get(name)
+def _converted(key: TrlKey | None, value: Any, where: str) -> Any:
     if key is None or key.convert is None:
         return value
     try:
         return key.convert(value)
     except (TypeError, ValueError) as error:
-        raise RecipeError(f"`{name}: {shown(value)}` in {where}: {error}.") from None
+        raise RecipeError(f"`{key.name}: {shown(value)}` in {where}: {error}.") from None
 
 
 def _refuse_both(translation: Translation, given: set[str], where: str) -> None:

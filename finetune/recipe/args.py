@@ -43,8 +43,18 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run model code shipped with a hub repository. Off unless you trust it."}
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "The chat template conversations are rendered with, instead of the tokenizer's own: the "
+                          "Jinja text, a file holding it, `chatml`, or `tokenizer_default`. Saved with the "
+                          "tokenizer and recorded in effective_config.json."},
+    )
 
     def __post_init__(self):
+        if self.chat_template is not None:
+            from finetune.models.loading import chat_template_text
+
+            chat_template_text(self.chat_template)  # a bad value stops here, before any process starts
         if self.torch_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise RecipeError(
                 f"`torch_dtype: {self.torch_dtype}` is not one of auto, float32, bfloat16, float16."
@@ -65,6 +75,28 @@ class DataArguments:
         default=None, metadata={"help": "Local training file (.jsonl, .json, .csv, .parquet); overrides `dataset`."}
     )
     eval_file: str | None = field(default=None, metadata={"help": "Local evaluation file, same formats."})
+    dataset_config: str | None = field(
+        default=None,
+        metadata={"help": "The configuration (subset) of `dataset` to load (`load_dataset(dataset, name=...)`); the "
+                          "dataset's default when unset."},
+    )
+    dataset_split: str = field(
+        default="train",
+        metadata={"help": "The split of `dataset` to train on (`train_sft`, `train[:10%]`, ...)."},
+    )
+    eval_split: str | None = field(
+        default=None,
+        metadata={"help": "The split of `dataset` to evaluate on; unset: the first of `eval`, `validation`, `test` "
+                          "the dataset has. `none` evaluates on no split of it."},
+    )
+    dataset_mixture: str | None = field(
+        default=None,
+        metadata={"help": "Several datasets mixed, as the alignment-handbook writes it: `datasets:` (each `id` or "
+                          "`path`, `config`, `split`, `columns`, `data_files`, and one of `weight` (the fraction of "
+                          "its rows kept, shuffled with `seed`), `fraction` (its share of the mixture) or `rows`), "
+                          "`seed` and `test_split_size` (a fraction, or a count of rows held out for eval). A mapping "
+                          "in the recipe, or a YAML/JSON file."},
+    )
     mix_files: list[str] | None = field(
         default=None, metadata={"help": "Several local training files to mix (each may have its own format)."}
     )
@@ -74,7 +106,9 @@ class DataArguments:
                           "drawn with these probabilities until one file runs out."},
     )
     eval_split_ratio: float = field(
-        default=0.0, metadata={"help": "Hold out this fraction of train for evaluation when no eval split exists."}
+        default=0.0,
+        metadata={"help": "Hold out this fraction of train (or, 1 and more, this many rows) for evaluation when no "
+                          "eval split exists."},
     )
     dataset_format: Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text"] = field(
         default="auto",
@@ -94,10 +128,21 @@ class DataArguments:
                           "position_ids restarting per example, no padding inside a row; attention stays within "
                           "each example. per_device_train_batch_size then counts rows."},
     )
+    packing_strategy: Literal["bfd", "bfd_split"] = field(
+        default="bfd",
+        metadata={"help": "With `packing`: bfd keeps every example whole (over-long ones follow `overlong_policy`); "
+                          "bfd_split cuts an example longer than max_seq_length into row-long pieces packed like "
+                          "examples, so no token is lost (continued pre-training)."},
+    )
     padding_free: bool = field(
         default=False,
         metadata={"help": "Flatten each micro-batch into one row without padding (Transformers' "
                           "DataCollatorWithFlattening); per_device_train_batch_size still counts examples."},
+    )
+    dataset_num_proc: int | None = field(
+        default=None,
+        metadata={"help": "Processes that tokenize (datasets' `map(num_proc=...)`, as TRL's key); one when unset. Pays "
+                          "on large data, not on a few thousand rows (start-up of each process)."},
     )
     max_seq_length: int = field(
         default=1024, metadata={"help": "Examples are truncated to this many tokens (prompt and response)."}
@@ -133,10 +178,22 @@ class DataArguments:
                                              or min(self.mix_weights) <= 0):
             raise RecipeError(f"`mix_weights` needs one positive weight per file of `mix_files` "
                               f"({len(self.mix_files or [])}), got {self.mix_weights}.")
+        if self.packing_strategy != "bfd" and not self.packing:
+            raise RecipeError(f"`packing_strategy: {self.packing_strategy}` needs `packing: true`.")
         if self.packing and self.padding_free:
             raise RecipeError("choose `packing` (rows of max_seq_length) or `padding_free` (one row per micro-batch).")
-        if not 0 <= self.eval_split_ratio < 1:
-            raise RecipeError(f"`eval_split_ratio` must be in [0, 1), got {self.eval_split_ratio}.")
+        if self.eval_split_ratio < 0 or (self.eval_split_ratio >= 1 and self.eval_split_ratio != int(
+                self.eval_split_ratio)):
+            raise RecipeError(f"`eval_split_ratio` is a fraction in [0, 1) or a whole count of rows, got "
+                              f"{self.eval_split_ratio}.")
+        if self.dataset_mixture is not None:
+            from finetune.data.mixture import parse_mixture
+
+            self.mixture = parse_mixture(self.dataset_mixture)
+            if self.train_file or self.mix_files or self.dataset != presets.SYNTHETIC_DATASET:
+                raise RecipeError("give `dataset_mixture` or one of `dataset`, `train_file`, `mix_files`, not both.")
+        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
+            raise RecipeError(f"`dataset_num_proc` must be 1 or more, got {self.dataset_num_proc}.")
         if self.max_seq_length <= 0:
             raise RecipeError(f"`max_seq_length` must be positive, got {self.max_seq_length}.")
         if self.generation_eval_samples is None:
@@ -144,10 +201,13 @@ class DataArguments:
         if self.generation_eval_samples < 0:
             raise RecipeError(f"`generation_eval_samples` must be 0 or more, got {self.generation_eval_samples}.")
 
+    mixture = None  # the parsed `dataset_mixture` (finetune.data.mixture.Mixture), set by __post_init__
+
     @property
     def uses_synthetic_tasks(self) -> bool:
         """Training and evaluating on the embedded tasks (reverse, sort, add), whose answers can be matched exactly."""
-        return self.dataset == presets.SYNTHETIC_DATASET and not (self.train_file or self.mix_files or self.eval_file)
+        return self.dataset == presets.SYNTHETIC_DATASET and not (self.train_file or self.mix_files or self.eval_file
+                                                                  or self.dataset_mixture)
 
 
 @dataclass

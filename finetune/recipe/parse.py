@@ -58,6 +58,7 @@ class Recipe:
     batch_plan: BatchPlan | None = None
     strategy: Strategy = field(default_factory=Strategy)  # what the launcher and the recipe ask for
     deepspeed_config: dict | None = None  # the DeepSpeed config as written (file or inline keys), "auto" values kept
+    foreign_keys: dict | None = None  # what became of TRL's or another tool's keys (effective_config.json)
 
     @property
     def sections(self) -> tuple:
@@ -143,6 +144,7 @@ class RecipeSections:
     sources: dict[str, str]
     values: dict[str, Any]  # the YAML's own values
     overrides: list[str]
+    foreign_keys: dict | None = None  # what became of TRL's or another tool's keys (aliases.Translation.record)
 
 
 def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
@@ -174,7 +176,8 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     training_type, method_inputs = sections.method.training_arguments(data)  # TRL's config, where the method has one
     training = _build(training_type, {**training_inputs, **method_inputs}, sections.values, sections.overrides)
     return Recipe(model=model, data=data, lora=lora, training=training, method=sections.method,
-                  sources=sources, batch_plan=batch_plan, strategy=strategy, deepspeed_config=deepspeed_config)
+                  sources=sources, batch_plan=batch_plan, strategy=strategy, deepspeed_config=deepspeed_config,
+                  foreign_keys=sections.foreign_keys)
 
 
 def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None,
@@ -186,7 +189,11 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     source = f"recipe `{recipe_path}`" if recipe_path is not None else "the recipe"
     file_values = load_recipe_file(recipe_path) if recipe_path is not None else {}
     method = requested_method(file_values, list(overrides or []))  # TRL's keys mean what that method's config says
-    values, from_file = translate_values(file_values, source, method)
+    recipe_dir = Path(recipe_path).parent if recipe_path is not None else None
+    values, from_file = translate_values(file_values, source, method, recipe_dir)
+    if values.get("method") not in (None, method.name):  # another tool's config named it (LLaMA-Factory's `stage`)
+        method = requested_method(values, list(overrides or []))
+        values, from_file = translate_values(file_values, source, method, recipe_dir)
     overrides, from_command_line = translate_command_line(list(overrides or []), method)
     known = parser.known_keys()
     for key in values:
@@ -202,6 +209,12 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     sources = {key: f"recipe {recipe_path}" for key in values}
     sources.update({_option_name(token): COMMAND_LINE for token in overrides if token.startswith("--")})
     _name_the_aliases(sources, from_file, from_command_line)
+    for theirs, produced in from_file.read_into.items():
+        for key in produced:
+            sources.setdefault(key, f"recipe {recipe_path}")
+            sources[key] = f"{sources[key]} (read from {from_file.tool or 'TRL'}'s {theirs})"
+    for key in from_file.defaults:
+        sources[key] = f"{from_file.tool}'s default (its config leaves `{key}` out)"
     if resolved_auto:
         for key in ("bf16", "fp16"):
             sources[key] = f"{sources.get('bf16', 'the recipe')}: {resolved_auto}"
@@ -215,7 +228,9 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
                                                             overrides)
     chosen = method(settings)
     chosen.check_data_keys(data)
-    return RecipeSections(model, data, lora, chosen, inputs[FinetuneTrainingArguments], sources, values, overrides)
+    return RecipeSections(model, data, lora, chosen, inputs[FinetuneTrainingArguments], sources, values, overrides,
+                          foreign_keys=from_file.record() if from_file.tool or from_file.renamed or from_file.notes
+                          or from_file.read_into else None)
 
 
 def _refuse_other_methods_keys(method: type[Method], inputs: dict[type, dict[str, Any]]) -> None:

@@ -11,6 +11,7 @@ partitioned under ZeRO-3, optimizer states really on CPU under offload, FSDP rea
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -24,7 +25,7 @@ from finetune.errors import RecipeError
 from finetune.launch.self_launch import launch_plan
 from finetune.launch.strategies import Strategy, running_strategy
 from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
-from finetune.models.loading import trainable_dtype
+from finetune.models.loading import chat_template_text, trainable_dtype
 from finetune.recipe.aliases import GIVEN_AS
 from finetune.recipe.batch_plan import BatchPlan
 from finetune.recipe.preflight import warmup_warning
@@ -94,6 +95,12 @@ def describe_effective_config(trainer, recipe) -> dict:
         if GIVEN_AS in source and key not in values:
             add(key, next(getattr(section, key) for section in recipe.sections if hasattr(section, key)), source)
     add("global_batch_size", BatchPlan.running(args).global_batch_size, "micro-batch × processes × accumulation")
+    if recipe.model.chat_template is not None:  # the template conversations were rendered with, and where it came from
+        add("chat_template", recipe.model.chat_template, sources.get("chat_template", "recipe"))
+        values["chat_template"]["sha256"] = hashlib.sha256(
+            (chat_template_text(recipe.model.chat_template) or "").encode()).hexdigest()[:16]
+    if recipe.data.mixture is not None:
+        add("dataset_mixture", recipe.data.mixture.to_dict(), sources.get("dataset_mixture", "recipe"))
 
     warnings = []
     default_config = unnamed_accelerate_config()
@@ -108,6 +115,8 @@ def describe_effective_config(trainer, recipe) -> dict:
         "warnings": warnings,
         "deepspeed_mismatches": [m.lstrip("- ") for m in mismatches],
     }
+    if recipe.foreign_keys is not None:  # each key given in TRL's or another tool's name, and what became of it
+        effective["foreign_keys"] = recipe.foreign_keys
     plan = launch_plan()
     if plan is not None:  # a self-launch's choice, what it rejected and the bytes it predicted (finetune.plan.launch)
         effective["plan"] = plan
@@ -120,7 +129,8 @@ def print_effective_config(effective: dict, console: Console | None = None) -> N
     for column in ("setting", "value", "source"):
         table.add_column(column)
     for name, entry in effective["values"].items():
-        table.add_row(name, str(entry["value"]), entry["source"])
+        shown = str(entry["value"])
+        table.add_row(name, shown if len(shown) <= 120 else f"{shown[:117]}...", entry["source"])
     console.print(table)
     for warning in effective["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {warning}")

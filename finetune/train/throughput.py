@@ -88,21 +88,17 @@ ATTENTION_SAMPLE_ROWS = 10_000
 def attention_span(dataset, rows: int = ATTENTION_SAMPLE_ROWS) -> float | None:
     """The token-weighted mean example length ΣL²/ΣL of (the first `rows` rows of) a tokenized training set: the
     context a token's attention FLOPs grow with. A packed row holds several examples, each attending only to itself
-    (its `position_ids` restart at 0), so a row's length would overcount them. None for data it cannot read. Read
-    from the Arrow columns, not row by row: a rank's start-up pays milliseconds for it."""
+    (its `seq_lengths` list them), so a row's length would overcount them. None for data it cannot read. Read from
+    the Arrow columns, not row by row: a rank's start-up pays milliseconds for it."""
     columns = getattr(dataset, "column_names", None) or []
-    column = "position_ids" if "position_ids" in columns else "input_ids" if "input_ids" in columns else None
+    column = "seq_lengths" if "seq_lengths" in columns else "input_ids" if "input_ids" in columns else None
     if column is None or not hasattr(dataset, "with_format"):
         return None
     values = dataset.with_format("arrow")[:rows][column].combine_chunks()
-    row_lengths = pc.list_value_length(values).fill_null(0).to_numpy().astype(np.int64)
-    if column == "position_ids":  # an example starts where its positions restart at 0, and at each row's start
-        starts = pc.equal(values.flatten(), 0).fill_null(False).to_numpy(zero_copy_only=False)
-        row_starts = np.cumsum(row_lengths) - row_lengths
-        starts[row_starts[row_lengths > 0]] = True
-        lengths = np.diff(np.append(np.flatnonzero(starts), len(starts)))
+    if column == "seq_lengths":  # a packed row: the length of each example in it
+        lengths = values.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
     else:
-        lengths = row_lengths
+        lengths = pc.list_value_length(values).fill_null(0).to_numpy().astype(np.int64)
     tokens = int(lengths.sum())
     return float((lengths * lengths).sum()) / tokens if tokens else None
 

@@ -255,6 +255,13 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
             self.loss_is_scaled_for_ga = False
             self.model_accepts_loss_kwargs = False
 
+    def _set_signature_columns_if_needed(self) -> None:
+        """The model's inputs, and the packed rows' `seq_lengths` that the collator turns into `position_ids`
+        (finetune.data.collate): Trainer would drop a column the model's forward does not name."""
+        super()._set_signature_columns_if_needed()
+        if "seq_lengths" not in self._signature_columns:
+            self._signature_columns.append("seq_lengths")
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The loss of one micro-batch.
 

@@ -13,10 +13,10 @@ from finetune.data import encode_messages, to_messages
 from finetune.data.collate import (
     FlattenedRowsCollator,
     PackedRowsCollator,
-    best_fit_decreasing,
     data_collator,
     pack_examples,
     prepare_model_for_packing,
+    row_segments,
 )
 from finetune.data.tokenize import IGNORE_INDEX
 from finetune.errors import RecipeError
@@ -46,9 +46,12 @@ def examples(tokenizer):
 def packed(examples):
     """The packed rows, and the examples in the order the rows hold them (the packer's own bins)."""
     rows = pack_examples(Dataset.from_list(examples), ROW_LENGTH)
-    bins = best_fit_decreasing([len(example["input_ids"]) for example in examples], ROW_LENGTH)
-    assert len(rows) >= 2 and any(len(members) > 1 for members in bins)  # several rows, several examples a row
-    return [rows[i] for i in range(len(rows))], [examples[i] for members in bins for i in members]
+    assert len(rows) >= 2 and any(len(row) > 1 for row in rows["seq_lengths"])  # several rows, several a row
+    by_tokens = {tuple(example["input_ids"]): example for example in examples}
+    in_order = [by_tokens[tuple(row["input_ids"][start:end])] for row in rows
+                for start, end in row_segments(row["seq_lengths"])]
+    assert len(in_order) == len(examples)
+    return [rows[i] for i in range(len(rows))], in_order
 
 
 def model_with(tokenizer, attention: str):
@@ -97,8 +100,7 @@ def test_sdpa_and_eager_keep_their_rows_and_each_example_sees_only_itself(tokeni
     with torch.no_grad():
         together = model(**batch).logits
         for row_index, row in enumerate(rows):
-            starts = [i for i, position in enumerate(row["position_ids"]) if position == 0]
-            for start, end in zip(starts, starts[1:] + [len(row["input_ids"])]):
+            for start, end in row_segments(row["seq_lengths"]):
                 alone = model(input_ids=torch.tensor([row["input_ids"][start:end]])).logits[0]
                 torch.testing.assert_close(together[row_index, start:end], alone, atol=1e-5, rtol=1e-5)
 
@@ -145,7 +147,7 @@ def test_through_transformers_flash_path_flattened_examples_match_alone_and_rows
             start += len(logits)
         # The same rows unflattened: the flash path runs plain causal attention over each whole row.
         leaky = model(**PackedRowsCollator(tokenizer.pad_token_id)(rows)).logits
-        second_start = rows[0]["position_ids"].index(0, 1)
+        second_start = row_segments(rows[0]["seq_lengths"])[1][0]
         second_length = len(in_order[1]["input_ids"])
         assert (leaky[0, second_start:second_start + second_length] - alone[1]).abs().max() > 0.01
 

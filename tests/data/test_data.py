@@ -8,7 +8,7 @@ from datasets import Dataset, DatasetDict
 
 from finetune import presets
 from finetune.data import detect_format, encode_example, encode_messages, load_raw_data, load_raw_splits, to_messages
-from finetune.data.collate import best_fit_decreasing, data_collator, pack_examples, prepare_model_for_packing
+from finetune.data.collate import data_collator, pack_examples, prepare_model_for_packing, row_segments
 from finetune.data.tokenize import IGNORE_INDEX, _tokenize_split, prepare_datasets
 from finetune.errors import RecipeError
 from finetune.recipe.args import DataArguments
@@ -272,8 +272,8 @@ def test_packed_rows_give_the_same_per_example_losses_as_unpacked(tokenizer):
     starts = []
     for feature in features:
         for row, ids in enumerate(rows["input_ids"]):
-            at = next((i for i in range(len(ids)) if ids[i:i + len(feature["input_ids"])] == feature["input_ids"]
-                       and rows["position_ids"][row][i] == 0), None)
+            at = next((start for start, _ in row_segments(rows["seq_lengths"][row])
+                       if ids[start:start + len(feature["input_ids"])] == feature["input_ids"]), None)
             if at is not None:
                 starts.append((row, at))
                 break
@@ -291,11 +291,37 @@ def test_padding_free_batch_gives_the_same_per_example_losses_as_unpacked(tokeni
     per_example_losses_match(model, batch, features, [(0, offset) for offset in offsets])
 
 
-def test_best_fit_decreasing_fills_rows():
-    bins = best_fit_decreasing([5, 4, 3, 3, 2, 2, 1], capacity=8)
+def _rows_of(lengths: list[int]) -> Dataset:
+    """Examples whose tokens name them (example i holds i+1 repeated), labels equal to their tokens."""
+    ids = [[index + 1] * length for index, length in enumerate(lengths)]
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * n for n in lengths], "labels": ids})
+
+
+def test_packing_bins_the_whole_dataset_best_fit_decreasing_and_the_collator_marks_each_boundary(tokenizer):
     lengths = [5, 4, 3, 3, 2, 2, 1]
-    assert sorted(i for members in bins for i in members) == list(range(7))
-    assert all(sum(lengths[i] for i in members) <= 8 for members in bins) and len(bins) == 3
+    rows = pack_examples(_rows_of(lengths), max_length=8)
+    assert rows.column_names == ["input_ids", "labels", "seq_lengths"]  # no attention mask: the collator's job
+    assert sorted(map(sum, rows["seq_lengths"])) == [4, 8, 8]  # 20 tokens: two full rows and the rest
+    assert sorted(n for row in rows["seq_lengths"] for n in row) == sorted(lengths)  # every example, whole
+    batch = data_collator(tokenizer, packing=True)([rows[i] for i in range(len(rows))])
+    for row, ids, labels, positions in zip(rows, batch["input_ids"].tolist(), batch["labels"].tolist(),
+                                           batch["position_ids"].tolist()):
+        filled = sum(row["seq_lengths"])
+        starts = [i for i, position in enumerate(positions[:filled]) if position == 0]
+        assert starts == [start for start, _ in row_segments(row["seq_lengths"])]
+        assert all(labels[i] == (IGNORE_INDEX if i in starts else ids[i]) for i in range(filled))  # no token
+        assert set(labels[filled:]) <= {IGNORE_INDEX}  # is predicted across a boundary; the filler learns nothing
+
+
+def test_bfd_split_cuts_an_overlong_example_into_row_long_pieces_and_loses_no_token(tokenizer):
+    lengths = [20, 3, 2]
+    rows = pack_examples(_rows_of(lengths), max_length=8, strategy="bfd_split")
+    assert sum(map(len, rows["input_ids"])) == sum(lengths)  # `bfd` would have kept 8 of the 20
+    assert sorted(n for row in rows["seq_lengths"] for n in row) == [2, 3, 4, 8, 8]
+    truncated = pack_examples(_rows_of(lengths), max_length=8)
+    assert sum(map(len, truncated["input_ids"])) == 8 + 3 + 2
+    with pytest.raises(RecipeError, match="`packing_strategy: wrapped` is not one of bfd, bfd_split"):
+        pack_examples(_rows_of(lengths), max_length=8, strategy="wrapped")
 
 
 def test_packing_without_prepare_would_mix_examples_so_it_is_required(tokenizer):

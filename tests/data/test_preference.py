@@ -357,8 +357,6 @@ def test_the_dpo_loss_types_are_those_of_the_installed_trl():
                               "where it is our `dpo_loss_weights`"),
     (["--method", "dpo", "--loss_type", "ipo", "--dpo_loss_type", "ipo"], "gives both `dpo_loss_type` and "
                                                                           "`loss_type`"),
-    (["--method", "dpo", "--max_prompt_length", "512"], "TRL's `max_prompt_length: 512` in the command line is not "
-                                                          "supported: TRL 1.16 has no separate prompt limit"),
 ])
 def test_trls_dpo_loss_keys_are_refused_by_name_under_sft_or_given_twice(overrides, message):
     with pytest.raises(RecipeError, match=re.escape(message)):

@@ -25,6 +25,9 @@ RENAMED = {
     "load_in_4bit": ("false", False),
     "lora_modules_to_save": (None, None),  # needs use_lora: tested apart
     "dataset_name": ("synthetic", "synthetic"),
+    "dataset_train_split": ("train_sft", "train_sft"),
+    "dataset_test_split": ("test_sft", "test_sft"),
+    "chat_template_path": (None, None),  # needs a template file: tested with the chat template (tests/data)
     "test_split_size": ("0.1", 0.1),
     "warmup_ratio": ("0.1", 0.1),
     "evaluation_strategy": ("steps", "steps"),
@@ -82,11 +85,11 @@ def test_a_warmup_ratio_becomes_the_fraction_transformers_5_reads_and_one_or_mor
 
 
 def test_a_key_that_asks_for_what_finetune_does_anyway_is_noted_and_another_value_is_refused(tmp_path, capsys):
-    read_recipe(DEMO, ["--assistant_only_loss", "true", "--dataset_num_proc", "8", "--overwrite_output_dir", "true"])
+    read_recipe(DEMO, ["--assistant_only_loss", "true", "--shuffle_dataset", "false", "--overwrite_output_dir", "true"])
     note = capsys.readouterr().out
     assert "accepted and ignored" in note
     assert "`assistant_only_loss: true` (finetune learns only the assistant turns" in note
-    assert "`dataset_num_proc: 8`" in note and "`overwrite_output_dir: true` (finetune never deletes" in note
+    assert "`shuffle_dataset: false`" in note and "`overwrite_output_dir: true` (finetune never deletes" in note
     with pytest.raises(RecipeError, match=r"TRL's `assistant_only_loss: false` in the command line is not supported: "
                                           r"finetune learns only the assistant turns.*one `text`"):
         read_recipe(DEMO, ["--assistant_only_loss", "false"])

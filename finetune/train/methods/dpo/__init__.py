@@ -108,10 +108,10 @@ class DirectPreferenceOptimization(Method):
         TrlKey("loss_type", DPO_CONFIG, ours="dpo_loss_type"),
         TrlKey("loss_weights", DPO_CONFIG, ours="dpo_loss_weights",
                why="a weight per DPO loss type, our `dpo_loss_weights` under `method: dpo`"),
-        TrlKey("max_prompt_length", f"{DPO_CONFIG} (older TRL)", kept=(None,),
-               why="TRL 1.16 has no separate prompt limit: a pair is cut to `max_seq_length` (TRL's `max_length`) "
-                   "keeping its start, a pair whose prompt alone fills it is dropped, both counted "
-                   "(`overlong_policy`, `unlabeled_policy`); drop the key"),
+        TrlKey("max_prompt_length", f"{DPO_CONFIG} (older TRL)", ignored=True,
+               why="TRL 1.16 has no separate prompt limit (its own scripts ignore the key): a pair is cut to "
+                   "`max_seq_length` (TRL's `max_length`) keeping its start, a pair whose prompt alone fills it is "
+                   "dropped, both counted (`overlong_policy`, `unlabeled_policy`)"),
     )
     # TRL concatenates chosen and rejected in one forward and projects only the answer positions (its fused head)
     memory = MethodTerms(reference_model=True, sequences_per_example=2, logits_held=False)
