@@ -78,7 +78,8 @@ def pack(args) -> None:
         reference = statistics.median(seconds["trl.pack_dataset, whole dataset"])
         for name in ways:
             median = statistics.median(seconds[name])
-            print(f"{name:>48}: {median:7.2f} s  rows {len(rows[name]):>7,}  fill {fill(rows[name], args.row_length):.2%}"
+            filled = fill(rows[name], args.row_length)
+            print(f"{name:>48}: {median:7.2f} s  rows {len(rows[name]):>7,}  fill {filled:.2%}"
                   f"  × TRL whole-dataset time {median / reference:.2f}")
 
 

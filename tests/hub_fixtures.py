@@ -194,3 +194,52 @@ def save_hub_model(directory: Path, family: str = "chatml", dtype: str = "bfloat
     model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return Path(directory)
+
+
+def save_hub_dataset(directory: Path, configs: dict[str, dict[str, list[dict]]]) -> Path:
+    """A dataset repository as the hub serves one, on disk: JSONL files per configuration and split, named in the
+    README's `configs:` header, so `load_dataset(directory, name=config, split=split)` reads it as it would read the
+    hub id (no script, no download)."""
+    import json
+
+    import yaml
+
+    header = []
+    for config, splits in configs.items():
+        files = []
+        for split, rows in splits.items():
+            path = Path("data", config, f"{split}.jsonl")
+            (directory / path).parent.mkdir(parents=True, exist_ok=True)
+            (directory / path).write_text("".join(json.dumps(row) + "\n" for row in rows))
+            files.append({"split": split, "path": str(path)})
+        default = {"default": True} if config == "default" else {}
+        header.append({"config_name": config, "data_files": files, **default})
+    (directory / "README.md").write_text(f"---\n{yaml.safe_dump({'configs': header}, sort_keys=False)}---\n")
+    return directory
+
+
+def conversation_rows(count: int, start: int = 0, tag: str = "") -> list[dict]:
+    """`messages` rows whose answers can be told apart: row i reverses a word naming i (and `tag`)."""
+    rows = []
+    for index in range(start, start + count):
+        word = f"{tag}w{index}"
+        rows.append({"messages": [{"role": "user", "content": f"reverse {word}"},
+                                  {"role": "assistant", "content": word[::-1]}]})
+    return rows
+
+
+def alpaca_rows(count: int, start: int = 0) -> list[dict]:
+    return [{"instruction": f"sort the letters of a{index}cb", "input": "", "output": "".join(sorted(f"a{index}cb"))}
+            for index in range(start, start + count)]
+
+
+def preference_rows(count: int, start: int = 0) -> list[dict]:
+    """Conversational pairs in the shape of UltraFeedback's binarized splits: `chosen` and `rejected` conversations
+    sharing their user turn."""
+    rows = []
+    for index in range(start, start + count):
+        user = {"role": "user", "content": f"reverse w{index}"}
+        rows.append({"prompt": user["content"],
+                     "chosen": [user, {"role": "assistant", "content": f"w{index}"[::-1]}],
+                     "rejected": [user, {"role": "assistant", "content": f"w{index}"}]})
+    return rows

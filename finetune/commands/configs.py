@@ -1,5 +1,5 @@
 """`finetune configs write|check|lint`: the shipped DeepSpeed and Accelerate configs (and, in the project checkout,
-docs/recipes.md and docs/from_trl.md), generated from finetune/configs/ and the recipe dataclasses."""
+docs/recipes.md and docs/from_other_tools.md), generated from finetune/configs/ and the recipe dataclasses."""
 
 from __future__ import annotations
 

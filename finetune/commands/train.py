@@ -15,7 +15,7 @@ def train_command_parser(subparsers) -> None:
         "without GPUs) with the recipe's `strategy` (a shipped one, or auto: the first the plan finds fits), "
         "through Accelerate's launcher and the shipped config, printing that command; under `accelerate launch "
         "--config_file ... -m finetune train RECIPE.yaml` the launcher decides. `finetune train --help-keys` lists "
-        "every recipe key; TRL's key names are read too (docs/from_trl.md).",
+        "every recipe key; TRL's, axolotl's and LLaMA-Factory's key names are read too (docs/from_other_tools.md).",
         add_help=True,
     )
     add_recipe_arguments(parser)

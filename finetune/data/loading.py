@@ -97,7 +97,8 @@ def _check_utf8(splits: DatasetDict, source: str, files: dict) -> None:
 
 def _load(source: str, path: str, **kwargs) -> DatasetDict:
     try:
-        splits = DatasetDict(load_dataset(path, **kwargs))
+        loaded = load_dataset(path, **kwargs)
+        splits = loaded if isinstance(loaded, DatasetDict) else DatasetDict({kwargs.get("split") or "train": loaded})
     except Exception as error:  # datasets raises many types; all mean "this source cannot be read"
         if "corresponds to no data" in str(error):
             raise RecipeError(f"the `train` split of the dataset is empty ({source}).") from None
@@ -165,8 +166,8 @@ def _load_split(dataset: str, config: str | None, split: str, data_files=None, d
         return rows
     if _saved_to_disk(path) or data_files is None and data_dir is None:
         splits = _load_named(dataset, config)
-        return _pick_split(splits, split, dataset, lambda name: _load(dataset, dataset, name=config, split=name))
-    return _load(dataset, dataset, name=config, split=split, data_files=data_files, data_dir=data_dir)
+        return _pick_split(splits, split, dataset, lambda name: _load(dataset, dataset, name=config, split=name)[name])
+    return _load(dataset, dataset, name=config, split=split, data_files=data_files, data_dir=data_dir)[split]
 
 
 def _load_mixture(data_args) -> list[Source]:
@@ -225,7 +226,7 @@ def _eval_of(splits: DatasetDict, data_args) -> Dataset | None:
     if wanted.lower() == "none":
         return None
     return _pick_split(splits, wanted, data_args.dataset, lambda name: _load(
-        data_args.dataset, data_args.dataset, name=data_args.dataset_config, split=name))
+        data_args.dataset, data_args.dataset, name=data_args.dataset_config, split=name)[name])
 
 
 def load_raw_data(data_args) -> RawData:
@@ -244,7 +245,7 @@ def load_raw_data(data_args) -> RawData:
         else:
             splits = _load_named(data_args.dataset, data_args.dataset_config)
             train = _pick_split(splits, data_args.dataset_split, data_args.dataset, lambda name: _load(
-                data_args.dataset, data_args.dataset, name=data_args.dataset_config, split=name))
+                data_args.dataset, data_args.dataset, name=data_args.dataset_config, split=name)[name])
         sources, weights = [Source(data_args.train_file or data_args.dataset, train, _eval_of(splits, data_args))], None
     if data_args.eval_file is not None:
         sources[0].eval = _load_file(data_args.eval_file, "eval_file")

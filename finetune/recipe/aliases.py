@@ -32,6 +32,9 @@ AXOLOTL = "axolotl"
 LLAMA_FACTORY = "LLaMA-Factory"
 NAMED_OWNERS = (TRANSFORMERS_4, AXOLOTL, LLAMA_FACTORY)  # every other origin is one of TRL's configs
 GIVEN_AS = "given as "  # in the source of a key given under another name: `recipe R.yaml (given as TRL's max_length)`
+READ_FROM = "read from "  # in the source of a key read from another's value: `(read from axolotl's adapter)`
+TOOLS_DEFAULT = "'s default (its config leaves "  # the source of a tool's default: `LLaMA-Factory's default (...)`
+FOREIGN = (GIVEN_AS, READ_FROM, TOOLS_DEFAULT)  # sources of keys effective_config.json lists whatever they are
 
 
 @dataclass(frozen=True)
@@ -302,8 +305,9 @@ def _answer(name: str, value: Any, where: str, translation: Translation, method:
                           f"{other.name}`{ours}.")
     ours = key.ours
     if ours is not None:
-        if value is None:
-            raise RecipeError(f"`{name}: null` in {where}: finetune's `{ours}` ({key.owner}'s `{name}`) needs a value.")
+        if value is None:  # YAML's null: unset, as TRL and the other tools read it
+            translation.notes.append(f"`{name}: null` (unset: finetune's `{ours}` keeps its default)")
+            return None
         translation.renamed[ours] = key
         return ours
     if key.ignored or _normalised(value) in [_normalised(kept) for kept in key.kept]:

@@ -82,7 +82,7 @@ class DataArguments:
     )
     dataset_split: str = field(
         default="train",
-        metadata={"help": "The split of `dataset` to train on (`train_sft`, `train[:10%]`, ...)."},
+        metadata={"help": "The split of `dataset` to train on (`train_sft`, a slice such as `train[:1000]`, ...)."},
     )
     eval_split: str | None = field(
         default=None,

@@ -1,6 +1,7 @@
 """Generated documentation, written by `finetune configs write` and checked by `finetune configs check` like the
 configs: `docs/recipes.md` (every recipe key with its default and help, from the recipe dataclasses) and
-`docs/from_trl.md` (what becomes of each TRL and Transformers-4 key, from `finetune.recipe.aliases`)."""
+`docs/from_other_tools.md` (what becomes of each key of TRL, the alignment-handbook, axolotl and LLaMA-Factory, from
+`finetune.recipe.aliases` and `finetune.recipe.peers`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import enum
 
 from transformers import TrainingArguments
 
-from finetune.recipe.aliases import TRL_KEYS, TrlKey, shown
+from finetune.recipe.aliases import AXOLOTL, LLAMA_FACTORY, TRL_KEYS, TrlKey, shown
 from finetune.recipe.args import (
     DataArguments,
     FinetuneTrainingArguments,
@@ -20,7 +21,7 @@ from finetune.recipe.args import (
 from finetune.recipe.methods import all_methods
 
 RECIPE_REFERENCE = "docs/recipes.md"
-FROM_TRL = "docs/from_trl.md"
+FROM_TOOLS = "docs/from_other_tools.md"
 # Trainer's keys a fine-tuning recipe sets most often, shown with Trainer's defaults; all others keep them too.
 COMMON_TRAINER_KEYS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "num_train_epochs", "max_steps",
@@ -126,38 +127,84 @@ def recipe_reference() -> str:
 
 def _answer(key: TrlKey, method: str | None = None) -> str:
     under = f"under `method: {method}`: " if method is not None else ""
+    if key.expand is not None:
+        return under + "read into our keys (the note or `effective_config.json` says which)"
     if key.ours is not None:
-        return under + f"renamed to `{key.ours}`" + (" (a fraction below 1)" if key.convert is not None else "")
+        converted = {"warmup_fraction": " (a fraction below 1)", "held_out_size": " (a fraction below 1, or a count)"}
+        return under + f"renamed to `{key.ours}`" + converted.get(getattr(key.convert, "__name__", ""), "")
     if key.ignored:
         return under + "any value: noted and ignored"
     return under + "accepted with " + " or ".join(f"`{shown(value)}`" for value in key.kept) + ", refused otherwise"
 
 
-def from_trl_guide() -> str:
+def _key_table(rows) -> list[str]:
+    return ["| key | from | answer | what finetune does |", "| --- | --- | --- | --- |",
+            *[f"| `{key.name}` | {key.origin} | {_answer(key, method)} | {_cell(key.why) or '–'} |"
+              for key, method in rows], ""]
+
+
+def from_tools_guide() -> str:
+    """docs/from_other_tools.md: what becomes of each key of TRL, the alignment-handbook, axolotl and LLaMA-Factory."""
+    from finetune.recipe.peers import AXOLOTL_KEYS, LLAMA_FACTORY_KEYS, MARKERS
+
     lines = [
         "# Coming from TRL, the alignment-handbook, axolotl or LLaMA-Factory",
         "",
-        "Generated from `finetune/recipe/aliases.py` by `finetune configs write`; `finetune configs check` fails when "
-        "this",
-        "file differs.",
+        "Generated from `finetune/recipe/aliases.py` and `finetune/recipe/peers.py` by `finetune configs write`;",
+        "`finetune configs check` fails when this file differs.",
         "",
-        "`finetune train` (and `finetune preprocess`) take the recipe after `--config`, as `trl sft` does, or as their",
-        "first argument; `--key value` pairs after it win over the file either way. Trainer's keys keep Trainer's",
-        "names and meaning. The keys",
-        "below are TRL's (its configs, `ModelConfig`, `ScriptArguments`, `DatasetMixtureConfig`, `TrlParser`, as of",
-        "trl 1.16) and Trainer keys that Transformers 5 removed but recipes still carry; a key means what the config",
-        "of the recipe's `method` says (a method's own rows, last, win under that method; under another, a value that",
-        "asks for something is refused, naming the method). Each is renamed to ours",
-        "(`effective_config.json` records it as `given as TRL's max_length`), accepted with a note when it asks for",
-        "what finetune does anyway, or refused in one line that names the key and the fix. A key given under both",
-        "names is refused.",
+        "`finetune train` (and `finetune preprocess`) take another tool's config as it is, after `--config` (as `trl "
+        "sft`",
+        "does) or as their first argument; `--key value` pairs after it win over the file either way, in finetune's "
+        "names.",
+        "Each key of the other tool is renamed to ours, read into ours when its value needs reading (`adapter: qlora` "
+        "→",
+        "`use_qlora: true`), accepted with a note when it asks for what finetune does anyway, or refused in one line "
+        "that",
+        "names the key and the fix. `effective_config.json` lists every such key under `foreign_keys` (`renamed`,",
+        "`read_into`, `tool_defaults`, `noted`), and the source of each value says `given as axolotl's sequence_len`. "
+        "A",
+        "key given under both names is refused. A key given as null (`key:` with nothing after it) is unset: it keeps "
+        "its",
+        "default, as TRL and the other tools read it.",
         "",
-        "| key | from | answer | what finetune does |",
-        "| --- | --- | --- | --- |",
+        "## TRL and the alignment-handbook",
+        "",
+        "A `trl sft --config` recipe, or an alignment-handbook recipe, is read in TRL's names (its `SFTConfig`,",
+        "`DPOConfig`, `ModelConfig`, `ScriptArguments`, `DatasetMixtureConfig`, `TrlParser`, as of trl 1.16) and",
+        "Trainer's; a key means what the config of the recipe's `method` says (a method's own rows, last). The",
+        "handbook's own keys are finetune's too: `dataset_mixture` (its `datasets` with `id`, `config`, `split`,",
+        "`columns`, `weight`, and `seed`, `test_split_size`: docs/recipes.md) and `chat_template` (the Jinja text,",
+        "applied to the tokenizer, saved with it, recorded in `effective_config.json`). Trainer keys that",
+        "Transformers 5 removed are answered here too.",
+        "",
+        *_key_table([(key, None) for key in TRL_KEYS]
+                    + [(key, method.name) for method in all_methods() for key in method.trl_keys]),
+        "Recipes in these shapes that train with only the model and the data overridden: "
+        "`tests/fixtures/trl_sft_recipe.yaml`,",
+        "`tests/fixtures/peers/handbook_*.yaml` (tests/recipe/test_peer_recipes.py).",
+        "",
+        "## axolotl",
+        "",
+        f"A config holding any of {', '.join(f'`{key}`' for key in MARKERS[AXOLOTL])} is read as axolotl's. Its",
+        "`datasets:` become a `dataset_mixture` (`type: alpaca`, `chat_template` (with `field_messages` and ShareGPT's",
+        "`from`/`value`), `completion` → finetune's alpaca, messages, sharegpt and text formats); `val_set_size` up",
+        "to 1 is a fraction, above 1 a count of rows; `lora_dropout` left out is 0, as in axolotl.",
+        "",
+        *_key_table([(key, None) for key in AXOLOTL_KEYS]),
+        "A config in this shape that trains: `tests/fixtures/peers/axolotl_lora.yml`.",
+        "",
+        "## LLaMA-Factory",
+        "",
+        f"A config holding any of {', '.join(f'`{key}`' for key in MARKERS[LLAMA_FACTORY])} is read as",
+        "LLaMA-Factory's. Its `dataset` names are looked up in `dataset_dir`'s `dataset_info.json` (from the",
+        "working directory, as LLaMA-Factory reads it, else beside the config): `file_name` or `hf_hub_url`,",
+        "`subset`, `split`, `formatting` alpaca (its `columns` renamed to `instruction`, `input`, `output`) or",
+        "sharegpt (`from`/`value`, or `role`/`content` tags as messages); `max_samples` keeps each dataset's first",
+        "rows. Where its defaults decide what trains and differ from ours, its defaults apply: LoRA",
+        "(`finetuning_type` left out), rank 8, alpha twice the rank, no dropout.",
+        "",
+        *_key_table([(key, None) for key in LLAMA_FACTORY_KEYS]),
+        "A config in this shape that trains: `tests/fixtures/peers/llamafactory_lora_sft.yaml`.",
     ]
-    lines += [f"| `{key.name}` | {key.origin} | {_answer(key)} | {_cell(key.why) or '–'} |" for key in TRL_KEYS]
-    lines += [f"| `{key.name}` | {key.origin} | {_answer(key, method.name)} | {_cell(key.why) or '–'} |"
-              for method in all_methods() for key in method.trl_keys]
-    lines += ["", "A TRL recipe that trains unchanged: `tests/fixtures/trl_sft_recipe.yaml` "
-              "(`finetune train --config tests/fixtures/trl_sft_recipe.yaml`)."]
     return "\n".join(lines).rstrip() + "\n"

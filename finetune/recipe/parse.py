@@ -19,7 +19,7 @@ from transformers import HfArgumentParser
 
 from finetune.errors import RecipeError, did_you_mean, launched_rank
 from finetune.launch.strategies import Strategy
-from finetune.recipe.aliases import Translation, translate_command_line, translate_values
+from finetune.recipe.aliases import READ_FROM, TOOLS_DEFAULT, Translation, translate_command_line, translate_values
 from finetune.recipe.args import (
     RECIPE_SECTIONS,
     DataArguments,
@@ -199,6 +199,9 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     for key in values:
         if key not in known:
             raise RecipeError(f"unknown key `{key}` in {source}{did_you_mean(key, known)}.")
+    for key in _unset(parser, values):  # YAML's null (`key:` with no value): unset, as TRL and the other tools read it
+        from_file.notes.append(f"`{key}: null` (unset: the default, {parser.get_default(key)})")
+        del values[key]
     _check_value_shapes(parser, values, source)
     resolved_auto = _resolve_auto_precision(values, overrides, auto_precision)
     parser.set_defaults(**{key: _as_argparse_default(value) for key, value in values.items()})
@@ -212,9 +215,9 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     for theirs, produced in from_file.read_into.items():
         for key in produced:
             sources.setdefault(key, f"recipe {recipe_path}")
-            sources[key] = f"{sources[key]} (read from {from_file.tool or 'TRL'}'s {theirs})"
+            sources[key] = f"{sources[key]} ({READ_FROM}{from_file.tool or 'TRL'}'s {theirs})"
     for key in from_file.defaults:
-        sources[key] = f"{from_file.tool}'s default (its config leaves `{key}` out)"
+        sources[key] = f"{from_file.tool}{TOOLS_DEFAULT}`{key}` out)"
     if resolved_auto:
         for key in ("bf16", "fp16"):
             sources[key] = f"{sources.get('bf16', 'the recipe')}: {resolved_auto}"
@@ -263,18 +266,21 @@ def _check_value_shapes(parser: RecipeParser, values: dict[str, Any], source: st
     Trainer fail later with a TypeError), named by its key. Keys that take text may take structures too (`report_to`
     a list, `deepspeed` a mapping), as Trainer allows."""
     actions = {action.dest: action for action in parser._actions}
-    fields = {field.name: field for section in RECIPE_SECTIONS for field in dataclasses.fields(section)}
     for key, value in values.items():
         action = actions[key]
-        if value is None and key in fields and not _takes_null(fields[key]):  # YAML's null (`key:` with no value)
-            raise RecipeError(f"`{key}: null` in {source}: `{key}` takes a value (default {action.default}); remove "
-                              "the line to keep the default.")
         scalar = action.nargs in (None, "?") and (action.type in (int, float)
                                                   or getattr(action.type, "__name__", "") == "string_to_bool")
         if scalar and isinstance(value, (list, dict)):
             kind = "a list" if isinstance(value, list) else "a mapping"
             raise RecipeError(f"`{key}` in {source} is {kind} ({value!r}); it takes one "
                               f"{'true/false' if action.type not in (int, float) else action.type.__name__}.")
+
+
+def _unset(parser: RecipeParser, values: dict[str, Any]) -> list[str]:
+    """Keys given as null that cannot hold null: they keep their default."""
+    sections = RECIPE_SECTIONS + method_sections()
+    fields = {field.name: field for section in sections for field in dataclasses.fields(section)}
+    return [key for key, value in values.items() if value is None and key in fields and not _takes_null(fields[key])]
 
 
 def _takes_null(field: dataclasses.Field) -> bool:

@@ -130,9 +130,13 @@ def _axolotl_chat_template(value: Any, values: dict) -> dict:
 
 
 def _per_epoch(kind: str):
+    """axolotl's `evals_per_epoch`/`saves_per_epoch` as Trainer's strategy: once an epoch is `epoch`; more often, a
+    `steps` interval given as a fraction of the run (Trainer reads a value below 1 so)."""
     def expand(value: Any, values: dict) -> dict:
         if not value:
             return {}
+        if float(value) == 1:
+            return {f"{kind}_strategy": "epoch"}
         epochs = float(values.get("num_epochs") or 1)
         return {f"{kind}_strategy": "steps", f"{kind}_steps": round(1 / (float(value) * epochs), 6)}
     return expand

@@ -26,7 +26,7 @@ from finetune.launch.self_launch import launch_plan
 from finetune.launch.strategies import Strategy, running_strategy
 from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
 from finetune.models.loading import chat_template_text, trainable_dtype
-from finetune.recipe.aliases import GIVEN_AS
+from finetune.recipe.aliases import FOREIGN
 from finetune.recipe.batch_plan import BatchPlan
 from finetune.recipe.preflight import warmup_warning
 
@@ -92,7 +92,7 @@ def describe_effective_config(trainer, recipe) -> dict:
             source = f"{requested.source} ({DEEPSPEED_KEYS[key]}={deepspeed_value}); Trainer has {getattr(args, key)}"
         add(key, getattr(args, key), source)
     for key, source in sources.items():  # keys given under another name: the source says which (recipe.aliases)
-        if GIVEN_AS in source and key not in values:
+        if any(mark in source for mark in FOREIGN) and key not in values:
             add(key, next(getattr(section, key) for section in recipe.sections if hasattr(section, key)), source)
     add("global_batch_size", BatchPlan.running(args).global_batch_size, "micro-batch × processes × accumulation")
     if recipe.model.chat_template is not None:  # the template conversations were rendered with, and where it came from

@@ -2,6 +2,8 @@
 `FinetuneTrainer` is Trainer with them; each training method's trainer (finetune/train/methods/) is TRL's with them.
 
 - `FinetuneTrainer.compute_loss`: how the loss of a micro-batch is normalised (`loss_normalization`).
+- `FinetuneTrainer._set_signature_columns_if_needed`: packed rows keep their `seq_lengths`, which the collator turns
+  into `position_ids` (Trainer drops the columns the model's forward does not name).
 - `_save_checkpoint`: a checkpoint counts as complete only once every rank saved it; rotation then keeps the
   `save_total_limit` newest complete ones and the best one (finetune.checkpoints.complete), on every node's disk under
   `save_on_each_node`.

@@ -18,7 +18,7 @@ from finetune.checkpoints.complete import (
 from finetune.data.tokenize import IGNORE_INDEX, encode_conversation
 from finetune.errors import RecipeError
 from finetune.presets import build_tokenizer
-from finetune.recipe.parse import load_recipe_file, parse_recipe
+from finetune.recipe.parse import load_recipe_file, parse_recipe, read_recipe
 
 DEMO = PROJECT_ROOT / "recipes" / "demo.yaml"
 
@@ -231,14 +231,14 @@ def test_an_eval_strategy_without_an_eval_split_is_refused_naming_the_key(tmp_pa
         train(recipe)
 
 
-def test_a_null_where_a_value_belongs_is_named_as_null(tmp_path):
+def test_a_null_where_a_value_belongs_keeps_the_default_and_says_so(tmp_path, capsys):
+    """YAML's null (`key:` with nothing after it) is "unset", as TRL, axolotl and LLaMA-Factory configs write it."""
     recipe = tmp_path / "null.yaml"
-    recipe.write_text("model_name_or_path: tiny\ntorch_dtype: null\n")
-    with pytest.raises(RecipeError, match=r"^`torch_dtype: null` in recipe `.*null\.yaml`: `torch_dtype` takes a "
-                                          r"value \(default auto\); remove the line to keep the default") as refused:
-        parse_recipe(recipe, [])
-    assert "None" not in str(refused.value)
-
+    recipe.write_text("model_name_or_path: tiny\ntorch_dtype: null\nlearning_rate:\n")
+    sections = read_recipe(recipe, [])
+    assert sections.model.torch_dtype == "auto" and sections.training_inputs["learning_rate"] == 5e-05
+    note = capsys.readouterr().out
+    assert "`torch_dtype: null` (unset: the default, auto)" in note and "`learning_rate: null` (unset" in note
 
 def test_non_utf8_bytes_in_the_recipe_are_named_with_their_line(tmp_path):
     recipe = one_line_file(tmp_path, "latin1.yaml", b"model_name_or_path: tiny\nmax_steps: 2\n# caf\xe9\n")

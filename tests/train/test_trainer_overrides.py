@@ -16,11 +16,12 @@ from finetune.train.trainer import FinetuneTrainer, FinetuneTrainerMixin
 # Each toolkit class, the library class it extends, and the library methods it overrides. The private ones carry the
 # guarantees: complete checkpoints (_save_checkpoint), resume (_load_optimizer_and_scheduler), the data policies on
 # TRL's tokenized pairs (_prepare_dataset), no telemetry (_send_telemetry), ddp_timeout on gloo (_setup_devices), the
-# token count summed when read rather than at every micro-step (_track_num_input_tokens, log).
+# token count summed when read rather than at every micro-step (_track_num_input_tokens, log), packed rows' lengths
+# kept for the collator (_set_signature_columns_if_needed).
 OVERRIDES = [
     (FinetuneTrainerMixin, Trainer, ("create_accelerator_and_postprocess", "_save_checkpoint", "save_model", "_save",
                                      "_load_optimizer_and_scheduler", "train", "_track_num_input_tokens", "log")),
-    (FinetuneTrainer, Trainer, ("compute_loss",)),
+    (FinetuneTrainer, Trainer, ("compute_loss", "_set_signature_columns_if_needed")),
     (FinetuneTrainerMixin, DPOTrainer, ("create_accelerator_and_postprocess", "_save_checkpoint", "save_model",
                                         "_save", "_load_optimizer_and_scheduler", "train", "_track_num_input_tokens",
                                         "log")),

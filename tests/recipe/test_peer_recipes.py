@@ -1,0 +1,199 @@
+"""Recipes of other tools, loaded as they are: the alignment-handbook's SFT and DPO recipes (zephyr, smollm2), an
+axolotl config and a LLaMA-Factory config, each written for these tests in its tool's shape (tests/fixtures/peers).
+Each trains with only the model and the data overridden: the model by a hub-shaped local checkpoint (bf16
+safetensors, BPE tokenizer with ChatML's special tokens), the data by local folders in the hub's layout standing in
+for the hub ids (the recipe's own mixture, each `id` replaced). What became of each key is read back from
+`effective_config.json`."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hub_fixtures import alpaca_rows, conversation_rows, preference_rows, save_hub_dataset
+from support import PROJECT_ROOT
+
+from finetune.cli import main
+from finetune.errors import RecipeError
+from finetune.recipe.parse import read_recipe
+
+PEERS = PROJECT_ROOT / "tests" / "fixtures" / "peers"
+
+
+@pytest.fixture(scope="module")
+def hub_data(tmp_path_factory):
+    """Local stand-ins for the hub datasets the recipes name, in the hub's layout."""
+    root = tmp_path_factory.mktemp("hub_data")
+    return {
+        "HuggingFaceH4/ultrachat_200k": save_hub_dataset(root / "ultrachat", {"default": {
+            "train_sft": conversation_rows(40, tag="u"), "test_sft": conversation_rows(16, start=40, tag="u")}}),
+        "HuggingFaceH4/ultrafeedback_binarized": save_hub_dataset(root / "ultrafeedback", {"default": {
+            "train_prefs": preference_rows(24), "test_prefs": preference_rows(8, start=24)}}),
+        "HuggingFaceTB/smoltalk": save_hub_dataset(root / "smoltalk", {"all": {
+            "train": conversation_rows(32, tag="s"), "test": conversation_rows(8, start=32, tag="s")}}),
+        "teknium/GPT4-LLM-Cleaned": save_hub_dataset(root / "gpt4llm", {"default": {"train": alpaca_rows(40)}}),
+    }
+
+
+def local_mixture(recipe: Path, hub_data: dict, **changes) -> str:
+    """The recipe's own dataset mixture (as finetune reads it) with each hub id replaced by its local stand-in."""
+    mixture = read_recipe(recipe, []).data.mixture.to_dict()
+    for entry in mixture["datasets"]:
+        entry["path"] = str(hub_data[entry["path"]])
+    return json.dumps({**mixture, **changes})
+
+
+def train(recipe: Path, output_dir: Path, *overrides: str) -> dict:
+    assert main(["train", str(recipe), "--output_dir", str(output_dir), *overrides]) == 0
+    effective = json.loads((output_dir / "effective_config.json").read_text())
+    losses = [entry.get("loss", entry.get("train_loss")) for entry in json.loads(
+        (output_dir / "trainer_state.json").read_text())["log_history"] if "loss" in entry or "train_loss" in entry]
+    assert losses and all(0 < loss < 20 for loss in losses)
+    return effective
+
+
+def saved_template(output_dir: Path) -> str:
+    jinja = output_dir / "chat_template.jinja"
+    return jinja.read_text() if jinja.is_file() else json.loads(
+        (output_dir / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def recipe_value(recipe: Path, key: str):
+    import yaml
+
+    return yaml.safe_load(recipe.read_text())[key]
+
+
+def test_handbook_zephyr_sft_trains_with_its_template_and_mixture(tmp_path, hub_model_dir, hub_data, capsys):
+    recipe = PEERS / "handbook_zephyr_sft.yaml"
+    effective = train(recipe, tmp_path, "--model_name_or_path", str(hub_model_dir),
+                      "--dataset_mixture", local_mixture(recipe, hub_data, test_split_size=8))
+    values = effective["values"]
+    template = recipe_value(recipe, "chat_template")
+    assert values["chat_template"]["value"] == template and len(values["chat_template"]["sha256"]) == 16
+    assert saved_template(tmp_path) == template  # chat and serving render as training did
+    assert [entry["split"] for entry in values["dataset_mixture"]["value"]["datasets"]] == ["train_sft", "test_sft"]
+    summary = json.loads((tmp_path / "data_summary.json").read_text())
+    assert summary["train_rows"] == 48 and summary["eval_rows"] == 8  # 40 + 16 pooled, 8 held out
+    assert "'s warmup_ratio" in values["warmup_steps"]["source"]
+    assert effective["foreign_keys"]["renamed"]["warmup_ratio"] == "warmup_steps"
+    assert any(note.startswith("`overwrite_output_dir: true`") for note in effective["foreign_keys"]["noted"])
+
+
+@pytest.mark.parametrize("name", ["handbook_zephyr_dpo.yaml", "handbook_smollm2_dpo.yaml"])
+def test_handbook_dpo_recipes_train_on_their_mixture(tmp_path, hub_model_dir, hub_data, name):
+    recipe = PEERS / name
+    effective = train(recipe, tmp_path, "--model_name_or_path", str(hub_model_dir),
+                      "--dataset_mixture", local_mixture(recipe, hub_data, test_split_size=8))
+    assert effective["values"]["max_seq_length"]["value"] == 1024
+    assert any(note.startswith("`max_prompt_length: 512` (TRL 1.16 has no separate prompt limit")
+               for note in effective["foreign_keys"]["noted"])
+    summary = json.loads((tmp_path / "data_summary.json").read_text())
+    assert summary["train_rows"] == 24 and summary["eval_rows"] == 8
+
+
+def test_handbook_smollm2_sft_trains_on_a_configuration_and_named_splits(tmp_path, hub_model_dir, hub_data):
+    recipe = PEERS / "handbook_smollm2_sft.yaml"
+    effective = train(recipe, tmp_path, "--model_name_or_path", str(hub_model_dir),
+                      "--dataset_name", str(hub_data["HuggingFaceTB/smoltalk"]))
+    renamed = effective["foreign_keys"]["renamed"]
+    assert renamed["dataset_train_split"] == "dataset_split" and renamed["dataset_test_split"] == "eval_split"
+    summary = json.loads((tmp_path / "data_summary.json").read_text())
+    assert summary["train_rows"] == 32 and summary["eval_rows"] == 8  # config `all`, splits train and test
+    assert saved_template(tmp_path) == recipe_value(recipe, "chat_template")
+
+
+def test_an_axolotl_config_trains_with_its_keys_read_into_ours(tmp_path, hub_model_dir, hub_data):
+    recipe = PEERS / "axolotl_lora.yml"
+    effective = train(recipe, tmp_path, "--model_name_or_path", str(hub_model_dir),
+                      "--dataset_mixture", local_mixture(recipe, hub_data))
+    foreign, values = effective["foreign_keys"], effective["values"]
+    assert foreign["read_as"] == "axolotl config"
+    assert {"sequence_len": "max_seq_length", "micro_batch_size": "per_device_train_batch_size",
+            "num_epochs": "num_train_epochs", "sample_packing": "packing", "optimizer": "optim",
+            "lr_scheduler": "lr_scheduler_type", "val_set_size": "eval_split_ratio"}.items() <= foreign[
+        "renamed"].items()
+    assert foreign["read_into"]["adapter"] == {"use_lora": True}
+    assert foreign["read_into"]["evals_per_epoch"] == {"eval_strategy": "steps", "eval_steps": 0.25}
+    assert foreign["read_into"]["datasets"]["dataset_mixture"]["datasets"][0]["format"] == "alpaca"
+    noted = " ".join(foreign["noted"])
+    assert "`special_tokens: {'pad_token': '<|end_of_text|>'}` (the tokenizer's pad token" in noted
+    assert "`model_type: AutoModelForCausalLM`" in noted and "`loss_watchdog_threshold: 5.0`" in noted
+    assert values["max_seq_length"]["value"] == 2048 and "given as axolotl's sequence_len" in values[
+        "max_seq_length"]["source"]
+    assert (tmp_path / "adapter_config.json").is_file()
+    summary = json.loads((tmp_path / "data_summary.json").read_text())
+    assert summary["eval_rows"] == 4 and summary["packing"]["train"]["examples"] == 36
+
+
+def factory_data(folder: Path) -> Path:
+    """LLaMA-Factory's `data` folder: dataset_info.json naming two alpaca files, one with columns of its own."""
+    folder.mkdir()
+    (folder / "identity.json").write_text(json.dumps(alpaca_rows(12)))
+    renamed = [{"question": row["instruction"], "answer": row["output"]} for row in alpaca_rows(30, start=12)]
+    (folder / "alpaca_en_demo.json").write_text(json.dumps(renamed))
+    (folder / "dataset_info.json").write_text(json.dumps({
+        "identity": {"file_name": "identity.json"},
+        "alpaca_en_demo": {"file_name": "alpaca_en_demo.json", "columns": {"prompt": "question", "response": "answer"}},
+    }))
+    return folder
+
+
+def test_a_llama_factory_config_trains_with_its_datasets_and_defaults(tmp_path, hub_model_dir, monkeypatch):
+    factory_data(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)  # `dataset_dir: data`, from the working directory, as LLaMA-Factory reads it
+    effective = train(PEERS / "llamafactory_lora_sft.yaml", tmp_path / "out",
+                      "--model_name_or_path", str(hub_model_dir))
+    foreign, values = effective["foreign_keys"], effective["values"]
+    assert foreign["read_as"] == "LLaMA-Factory config"
+    assert {"cutoff_len": "max_seq_length", "lora_rank": "lora_r", "lora_target": "lora_target_modules",
+            "val_size": "eval_split_ratio", "preprocessing_num_workers": "dataset_num_proc"}.items() <= foreign[
+        "renamed"].items()
+    assert foreign["read_into"]["finetuning_type"] == {"use_lora": True}
+    entries = foreign["read_into"]["dataset"]["dataset_mixture"]["datasets"]
+    assert [entry["rows"] for entry in entries] == [1000, 1000]
+    assert entries[1]["rename"] == {"question": "instruction", "answer": "output"}
+    assert foreign["tool_defaults"] == {"lora_alpha": 16, "lora_dropout": 0.0}  # LLaMA-Factory's: twice the rank
+    assert values["lora_alpha"]["source"].startswith("LLaMA-Factory's default")
+    assert any(note.startswith("`template: llama3` (the tokenizer's own chat template") for note in foreign["noted"])
+    adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
+    summary = json.loads((tmp_path / "out" / "data_summary.json").read_text())
+    assert summary["train_rows"] + summary["eval_rows"] == 42
+
+
+@pytest.mark.parametrize("text, message", [
+    ("base_model: x\nadapter: ia3\n", "axolotl's `adapter` in .*: finetune trains LoRA .* `ia3` is not one of them"),
+    ("base_model: x\ndatasets:\n  - path: d\n    type: oasst\n", "has `type: oasst`; finetune reads alpaca, "
+                                                                    "chat_template, completion"),
+    ("base_model: x\nspecial_tokens:\n  bos_token: <s>\n", "`bos_token` would add or change a special token"),
+    ("base_model: x\nload_in_8bit: true\n", "axolotl's `load_in_8bit: true` .* is not supported: an 8-bit base"),
+    ("stage: ppo\n", "LLaMA-Factory's `stage` in .*: finetune trains `sft` and `dpo`; stage `ppo`"),
+    ("stage: sft\nfinetuning_type: freeze\n", "`freeze` is not supported"),
+    ("stage: sft\ndataset: nowhere\ndataset_dir: missing\n", "need `missing/dataset_info.json`"),
+    ("base_model: x\ncutoff_len: 512\n", "mixes keys of axolotl \\(base_model\\) and LLaMA-Factory \\(cutoff_len\\)"),
+    ("base_model: x\nadapter: lora\nuse_lora: false\n", "gives `use_lora: false` and axolotl's `adapter`"),
+])
+def test_a_key_finetune_cannot_honour_is_refused_naming_the_tool_and_the_reason(tmp_path, text, message):
+    recipe = tmp_path / "config.yaml"
+    recipe.write_text(text)
+    with pytest.raises(RecipeError, match=message):
+        read_recipe(recipe, [])
+
+
+def test_dataset_info_columns_and_sharegpt_tags_become_our_formats(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "dataset_info.json").write_text(json.dumps({
+        "chats": {"file_name": "chats.json", "formatting": "sharegpt", "columns": {"messages": "conversations"}},
+        "ultra": {"hf_hub_url": "HuggingFaceH4/ultrachat_200k", "split": "train_sft", "formatting": "sharegpt",
+                  "columns": {"messages": "messages"},
+                  "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                           "assistant_tag": "assistant"}},
+    }))
+    recipe = tmp_path / "config.yaml"
+    recipe.write_text(f"stage: sft\ndataset: chats, ultra\ndataset_dir: {folder}\nfinetuning_type: full\n")
+    sections = read_recipe(recipe, [])
+    chats, ultra = sections.data.mixture.entries
+    assert (chats.format, chats.path) == ("sharegpt", str(folder / "chats.json"))
+    assert (ultra.format, ultra.path, ultra.split) == ("messages", "HuggingFaceH4/ultrachat_200k", "train_sft")
+    assert sections.lora.use_lora is False  # `finetuning_type: full`
