@@ -41,6 +41,9 @@ def preprocess_command(args) -> int:
     if recipe.method.preprocess_refusal is not None:
         raise RecipeError("`finetune preprocess` is for supervised fine-tuning data: "
                           f"{recipe.method.preprocess_refusal}; launch `finetune train` with this recipe directly.")
+    if recipe.data.streaming:
+        raise RecipeError("`streaming: true` tokenizes the data as training reads it: there is nothing to preprocess; "
+                          "drop `streaming` to tokenize the whole dataset ahead of the launch.")
     output_dir = recipe.training.output_dir
     directory = check_cache_dir(cache_dir(recipe.data, output_dir), output_dir)  # before the work, not after
     tokenizer = load_tokenizer(recipe.model)

@@ -22,6 +22,10 @@ def prepare_data(recipe, tokenizer, model) -> PreparedData:
     args = recipe.training
     if recipe.data.packing or recipe.data.padding_free:
         prepare_model_for_packing(model)
+    if recipe.data.streaming:  # tokenized as it is read (finetune.data.streaming)
+        from finetune.data.streaming import prepare_stream
+
+        return prepare_stream(recipe, tokenizer)
     data = read_preprocessed(recipe, tokenizer) or tokenize_data(recipe, tokenizer)
     # Which ranks read tokenized data (the preprocessed cache, or the `datasets` cache rank 0 wrote under
     # main_process_first) instead of tokenizing.
@@ -79,7 +83,18 @@ def example_lengths(sections) -> tuple[tuple[int, ...], dict]:
 
     tokenizer = load_tokenizer(sections.model)
     seed = int(sections.training_inputs.get("seed") or 42)
-    data = prepare_datasets(load_raw_data(sections.data), tokenizer, sections.data, _OneProcess(seed))
+    if sections.data.streaming:  # a stream's first rows stand for it (finetune.data.streaming)
+        from datasets import DatasetDict
+
+        from finetune.data.loading import RawData, Source
+        from finetune.data.streaming import SAMPLE_ROWS, _first_rows, open_stream
+
+        name = sections.data.train_file or sections.data.dataset
+        sample = _first_rows(open_stream(sections.data, sections.data.dataset_split), SAMPLE_ROWS, name)
+        raw = RawData([Source(name, DatasetDict(train=sample)["train"])])
+    else:
+        raw = load_raw_data(sections.data)
+    data = prepare_datasets(raw, tokenizer, sections.data, _OneProcess(seed))
     if sections.data.packing:
         data = pack_prepared(data, sections.data.max_seq_length, sections.data.packing_strategy)
     return tuple(len(ids) for ids in data.train["input_ids"]), data.summary

@@ -75,6 +75,11 @@ def print_data_summary(summary: dict) -> None:
                           f"{stats['truncated_rows']:,}", dropped or "–")
     console = Console()
     console.print(table)
+    if summary.get("streaming"):
+        stream = summary["streaming"]
+        console.print(f"Streamed: the train row above describes the first {stream['sampled_rows']:,} examples of the "
+                      f"stream (split {stream['split']}); it is tokenized{' and packed' if stream['packing'] else ''} "
+                      "as training reads it, each process reading its own rows.")
     if summary["weights"]:
         mix = ", ".join(f"{s['name']} {w:.0%}" for s, w in zip(summary["sources"], summary["weights"]))
         console.print(f"Mixed: {mix} → {summary['train_rows']:,} training rows.")

@@ -270,21 +270,33 @@ class PreparedData:
     summary: dict
 
 
-def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_format: str) -> tuple[Dataset, dict]:
-    max_length = data_args.max_seq_length
+class Encoder:
+    """One raw example (and its index) → its tokens, labels, length before the policies and why it is dropped (or
+    ""): what `datasets.map` runs over a split, or over a stream as it is read."""
 
-    def encode(example, index):
-        where = f"{name} example {index + 1}"
+    def __init__(self, name: str, tokenizer, data_args, dataset_format: str):
+        self.name, self.tokenizer, self.data_args, self.dataset_format = name, tokenizer, data_args, dataset_format
+
+    def __call__(self, example: dict, index: int) -> dict:
+        where = f"{self.name} example {index + 1}"
         try:
-            input_ids, labels = encode_example(example, dataset_format, tokenizer)
+            input_ids, labels = encode_example(example, self.dataset_format, self.tokenizer)
         except RecipeError as error:
             raise RecipeError(f"{where}: {error}") from None
         length = len(input_ids)
-        input_ids, labels, drop = apply_length_policies(input_ids, labels, data_args, where)
+        input_ids, labels, drop = apply_length_policies(input_ids, labels, self.data_args, where)
         return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels,
                 "original_length": length, "drop": drop,
                 "labelled": sum(label != IGNORE_INDEX for label in labels)}
 
+
+# The columns `Encoder` adds that training does not read.
+ENCODER_RECORDS = ["original_length", "drop", "labelled"]
+
+
+def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_format: str) -> tuple[Dataset, dict]:
+    max_length = data_args.max_seq_length
+    encode = Encoder(name, tokenizer, data_args, dataset_format)
     started = time.time()
     num_proc = getattr(data_args, "dataset_num_proc", None)
     num_proc = num_proc if (num_proc or 1) > 1 else None
@@ -296,7 +308,7 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
     reasons = encoded["drop"]
     is_kept = np.asarray(reasons) == ""
     kept = encoded.filter(lambda drop: drop == "", input_columns="drop")
-    kept = kept.remove_columns(["original_length", "drop", "labelled"])
+    kept = kept.remove_columns(ENCODER_RECORDS)
     kept_lengths = lengths[is_kept] if splits_overlong(data_args) else np.minimum(lengths[is_kept], max_length)
     summary = {
         "rows": len(split),

@@ -146,15 +146,12 @@ TRL_KEYS = (
     TrlKey("dataset_name", SCRIPT_ARGUMENTS, ours="dataset"),
     TrlKey("dataset_train_split", SCRIPT_ARGUMENTS, ours="dataset_split"),
     TrlKey("dataset_test_split", SCRIPT_ARGUMENTS, ours="eval_split"),
-    TrlKey("dataset_streaming", SCRIPT_ARGUMENTS, kept=(False,),
-           why="datasets are read whole (map-style) so that they can be counted, packed and planned"),
+    TrlKey("dataset_streaming", SCRIPT_ARGUMENTS, ours="streaming"),
     TrlKey("ignore_bias_buffers", SCRIPT_ARGUMENTS, ignored=True,
            why="a DDP debugging switch of TRL's scripts; finetune's DDP needs none"),
     # DatasetMixtureConfig
     TrlKey("datasets", DATASET_MIXTURE, expand=lambda value, values: {"dataset_mixture": {"datasets": value}},
            why="read into our `dataset_mixture` (each dataset's path, name, split, columns, fraction)"),
-    TrlKey("streaming", DATASET_MIXTURE, kept=(False,),
-           why="datasets are read whole (map-style) so that they can be counted, packed and planned"),
     TrlKey("test_split_size", DATASET_MIXTURE, ours="eval_split_ratio", convert=held_out_size),
     # TrlParser
     TrlKey("env", TRL_PARSER, kept=(None,),

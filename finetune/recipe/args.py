@@ -105,6 +105,18 @@ class DataArguments:
         metadata={"help": "Sampling weight of each of `mix_files` (normalised; equal when unset). Examples are "
                           "drawn with these probabilities until one file runs out."},
     )
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "Read the training data as a stream (`load_dataset(..., streaming=True)`): tokenized and "
+                          "packed as it is read, never whole on disk or in memory, each process reading its own rows "
+                          "(Accelerate shards it). Needs `max_steps` or `max_tokens`; the data summary describes the "
+                          "first rows; eval comes from `eval_split` or `eval_file`."},
+    )
+    max_tokens: int | None = field(
+        default=None,
+        metadata={"help": "A token budget instead of epochs or `max_steps`: the steps it takes with every row holding "
+                          "max_seq_length tokens (packed rows nearly do), global_batch_size rows a step."},
+    )
     eval_split_ratio: float = field(
         default=0.0,
         metadata={"help": "Hold out this fraction of train (or, 1 and more, this many rows) for evaluation when no "
@@ -186,6 +198,14 @@ class DataArguments:
                 self.eval_split_ratio)):
             raise RecipeError(f"`eval_split_ratio` is a fraction in [0, 1) or a whole count of rows, got "
                               f"{self.eval_split_ratio}.")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise RecipeError(f"`max_tokens` must be positive, got {self.max_tokens}.")
+        if self.streaming:
+            given = [key for key in ("dataset_mixture", "mix_files") if getattr(self, key)]
+            if given or self.eval_split_ratio:
+                key = given[0] if given else "eval_split_ratio"
+                raise RecipeError(f"`streaming: true` reads one dataset in order and cannot count it, so `{key}` "
+                                  "cannot be honoured; mix or split the data ahead of time, or drop `streaming`.")
         if self.dataset_mixture is not None:
             from finetune.data.mixture import parse_mixture
 

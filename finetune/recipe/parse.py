@@ -168,6 +168,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
     _check_steps_and_accumulation(training_inputs, sources, batch_plan)
     _apply_batch_plan(batch_plan, training_inputs, sources)
+    _steps_of_the_data(data, batch_plan, training_inputs, sources)
     max_steps = int(training_inputs.get("max_steps") or -1)  # -1 (epochs): said once Trainer knows the steps
     warning = warmup_warning(float(training_inputs.get("warmup_steps") or 0), float(training_inputs["learning_rate"]),
                              max_steps)
@@ -347,6 +348,24 @@ def _check_steps_and_accumulation(training_inputs: dict[str, Any], sources: dict
                           "accumulation under `global_batch_size`).")
     if launched_rank() == 0 and "gradient_accumulation_steps" in sources:
         print(f"warning: {contradiction}; the global batch wins.")
+
+
+def _steps_of_the_data(data: DataArguments, plan: BatchPlan, training_inputs: dict[str, Any],
+                       sources: dict[str, str]) -> None:
+    """`max_tokens` as Trainer's `max_steps`; a stream, which has no length, needs one of them."""
+    given_steps = int(training_inputs.get("max_steps") or -1)
+    if data.max_tokens is not None:
+        from_file = sources.get("max_steps", COMMAND_LINE) != COMMAND_LINE
+        overridden = sources.get("max_tokens") == COMMAND_LINE and from_file
+        if given_steps > 0 and not overridden:  # the command line's budget wins over the file's steps, as any key does
+            raise RecipeError(f"give `max_tokens: {data.max_tokens}` or `max_steps: {given_steps}`, not both.")
+        tokens_per_step = plan.global_batch_size * data.max_seq_length
+        training_inputs["max_steps"] = -(-data.max_tokens // tokens_per_step)
+        sources["max_steps"] = (f"max_tokens {data.max_tokens:,} ÷ {tokens_per_step:,} tokens a step "
+                                f"({plan.global_batch_size} rows of max_seq_length {data.max_seq_length})")
+    elif data.streaming and given_steps <= 0:
+        raise RecipeError("`streaming: true` reads a stream of unknown length: give `max_steps` or a token budget "
+                          "`max_tokens` to end the run.")
 
 
 def _apply_batch_plan(plan: BatchPlan, training_inputs: dict[str, Any], sources: dict[str, str]) -> None:

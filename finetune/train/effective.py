@@ -95,6 +95,8 @@ def describe_effective_config(trainer, recipe) -> dict:
         if any(mark in source for mark in FOREIGN) and key not in values:
             add(key, next(getattr(section, key) for section in recipe.sections if hasattr(section, key)), source)
     add("global_batch_size", BatchPlan.running(args).global_batch_size, "micro-batch × processes × accumulation")
+    if "max_steps" in sources:  # given, or a token budget's steps
+        add("max_steps", args.max_steps, sources["max_steps"])
     if recipe.model.chat_template is not None:  # the template conversations were rendered with, and where it came from
         add("chat_template", recipe.model.chat_template, sources.get("chat_template", "recipe"))
         values["chat_template"]["sha256"] = hashlib.sha256(

@@ -92,8 +92,8 @@ def attention_span(dataset, rows: int = ATTENTION_SAMPLE_ROWS) -> float | None:
     the Arrow columns, not row by row: a rank's start-up pays milliseconds for it."""
     columns = getattr(dataset, "column_names", None) or []
     column = "seq_lengths" if "seq_lengths" in columns else "input_ids" if "input_ids" in columns else None
-    if column is None or not hasattr(dataset, "with_format"):
-        return None
+    if column is None or not hasattr(dataset, "with_format") or not hasattr(dataset, "__getitem__"):
+        return None  # a stream (finetune.data.streaming) is not read twice for it
     values = dataset.with_format("arrow")[:rows][column].combine_chunks()
     if column == "seq_lengths":  # a packed row: the length of each example in it
         lengths = values.flatten().to_numpy(zero_copy_only=False).astype(np.int64)

@@ -54,6 +54,8 @@ class SupervisedFineTuning(Method):
         from finetune.checkpoints.complete import recipe_values
         from finetune.data.collate import data_collator
 
+        if recipe.data.streaming:  # each process reads its own rows of the stream (finetune.data.streaming)
+            recipe.training.accelerator_config.dispatch_batches = False
         return self.trainer_class()(
             model=model,
             args=recipe.training,

@@ -129,6 +129,9 @@ class DirectPreferenceOptimization(Method):
         if data_args.packing or data_args.padding_free:
             raise RecipeError("`packing` and `padding_free` are for supervised fine-tuning; TRL's DPO pads each pair "
                               "(drop them with `method: dpo`).")
+        if data_args.streaming:
+            raise RecipeError("`streaming: true` is for supervised fine-tuning; under `method: dpo` TRL's DPOTrainer "
+                              "tokenizes every pair before training: drop `streaming`.")
         if data_args.preprocessed_dir is not None:
             raise RecipeError(f"`preprocessed_dir: {data_args.preprocessed_dir}` names a cache of tokenized SFT data "
                               "(`finetune preprocess`); under `method: dpo` TRL's DPOTrainer tokenizes the pairs "
