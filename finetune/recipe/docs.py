@@ -171,7 +171,7 @@ def from_tools_guide() -> str:
         "## TRL and the alignment-handbook",
         "",
         "A `trl sft --config` recipe, or an alignment-handbook recipe, is read in TRL's names (its `SFTConfig`,",
-        "`DPOConfig`, `ModelConfig`, `ScriptArguments`, `DatasetMixtureConfig`, `TrlParser`, as of trl 1.16) and",
+        "methods' configs, `ModelConfig`, `ScriptArguments`, `DatasetMixtureConfig`, `TrlParser`, as of trl 1.16) and",
         "Trainer's; a key means what the config of the recipe's `method` says (a method's own rows, last). The",
         "handbook's own keys are finetune's too: `dataset_mixture` (its `datasets` with `id`, `config`, `split`,",
         "`columns`, `weight`, and `seed`, `test_split_size`: docs/recipes.md) and `chat_template` (the Jinja text,",

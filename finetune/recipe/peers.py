@@ -218,7 +218,7 @@ AXOLOTL_KEYS = (
     _note("wandb_name", "set `run_name`", kept=(None, "")),
     _note("wandb_watch", "not supported", kept=(None, "", False)),
     _note("wandb_log_model", "not supported", kept=(None, "", False)),
-    _note("rl", "preference training is `method: dpo` with finetune's own preference formats (docs/preference.md)",
+    _note("rl", "preference training is a preference `method` with finetune's own pair formats (docs/preference.md)",
           kept=(None, "")),
     _note("test_datasets", "give the eval data as `eval_file`, or hold rows out with `val_set_size`",
           kept=(None, [])),
@@ -228,11 +228,14 @@ AXOLOTL_KEYS = (
 # ----------------------------------------------------------------------------------------------------- LLaMA-Factory
 
 def _factory_stage(value: Any, values: dict) -> dict:
+    from finetune.recipe.methods import all_methods
+
+    names = [method.name for method in all_methods()]
     if value in (None, "sft"):
         return {}
-    if value == "dpo":
-        return {"method": "dpo"}
-    raise ValueError(f"finetune trains `sft` and `dpo`; stage `{value}` is not supported")
+    if value in names:  # a stage finetune trains under the same name
+        return {"method": value}
+    raise ValueError(f"finetune trains {', '.join(f'`{name}`' for name in names)}; stage `{value}` is not supported")
 
 
 def _factory_finetuning(value: Any, values: dict) -> dict:
@@ -360,7 +363,8 @@ LLAMA_FACTORY_KEYS = (
     _factory_note("mix_strategy", "the datasets are concatenated", kept=("concat",)),
     _factory_note("eval_dataset", "hold rows out with `val_size`, or give the eval data as `eval_file`",
                   kept=(None, "")),
-    _factory_note("pref_loss", "`method: dpo` trains the sigmoid loss unless its `loss_type` says otherwise",
+    _factory_note("pref_loss", "the preference method trains its default (sigmoid) loss unless its `loss_type` says "
+                               "otherwise",
                   kept=("sigmoid",)),
 )
 
