@@ -199,15 +199,23 @@ def _load_mixture(data_args) -> list[Source]:
         else:
             rows = rows.select(range(keep))
         sources.append(Source(entry.name, rows, format=entry.format))
-    size = mixture.test_split_size
-    if size is not None:
-        total = sum(len(source.train) for source in sources)
-        for source in sources:
-            held = size if isinstance(size, float) else round(size * len(source.train) / total)
-            if held:
-                split = _split_off(source, held, f"dataset_mixture's `test_split_size: {size}`", mixture.seed)
-                source.train, source.eval = split["train"], split["test"]
+    if mixture.test_split_size is not None:
+        _hold_out(sources, mixture.test_split_size, f"dataset_mixture's `test_split_size: {mixture.test_split_size}`",
+                  mixture.seed)
     return sources
+
+
+def _hold_out(sources: list[Source], size, key: str, seed: int = 0) -> None:
+    """Eval rows split off each source without an eval split: a fraction of each, or a count of rows shared out in
+    proportion to their rows."""
+    total = sum(len(source.train) for source in sources if source.eval is None)
+    for source in sources:
+        if source.eval is not None:
+            continue
+        held = size if size < 1 else round(int(size) * len(source.train) / total)
+        if held:
+            split = _split_off(source, held, key, seed)
+            source.train, source.eval = split["train"], split["test"]
 
 
 def _split_off(source: Source, size, key: str, seed: int = 0) -> DatasetDict:
@@ -252,10 +260,9 @@ def load_raw_data(data_args) -> RawData:
     for source in sources:
         if len(source.train) == 0:
             raise RecipeError(f"the `train` split of {source.name} is empty.")
-        if source.eval is None and data_args.eval_split_ratio > 0:
-            ratio = data_args.eval_split_ratio
-            split = _split_off(source, ratio if ratio < 1 else int(ratio), f"`eval_split_ratio: {ratio}`")
-            source.train, source.eval = split["train"], split["test"]
+    if data_args.eval_split_ratio > 0:
+        _hold_out(sources, data_args.eval_split_ratio, f"`eval_split_ratio: {data_args.eval_split_ratio}`")
+    for source in sources:
         if source.eval is not None and len(source.eval) == 0:
             raise RecipeError(f"the eval split of {source.name} is empty.")
     return RawData(sources, weights)

@@ -188,3 +188,15 @@ def test_tokenizing_in_two_processes_writes_the_same_rows_and_names_a_bad_exampl
                                                                       {"role": "wizard", "content": "?"}]}])
     with pytest.raises(RecipeError, match="train example 40: "):
         _tokenize_split(broken, "train", tokenizer, DataArguments(max_seq_length=64, dataset_num_proc=2), "messages")
+
+
+def test_trls_top_level_mixture_reads_into_ours_and_a_held_out_count_is_shared_in_proportion(tmp_path, three_sources):
+    hub, saved, _ = three_sources
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text(f"model_name_or_path: tiny\ndatasets:\n  - path: {hub}\n    name: chat\n    split: train_sft\n"
+                      f"  - path: {saved}\ntest_split_size: 7\n")
+    data = read_recipe(recipe, []).data
+    assert [entry.path for entry in data.mixture.entries] == [str(hub), str(saved)]
+    raw = loading.load_raw_data(data)
+    assert [len(source.eval) for source in raw.sources] == [4, 3]  # 7 rows of 70, in proportion to 40 and 30
+    assert sum(len(source.train) for source in raw.sources) == 63
