@@ -87,7 +87,7 @@ def examples_to_show(source, args, data_args, tokenizer) -> list[ShownExample]:
     if args.example > len(split):
         raise RecipeError(f"`--example {args.example}` is past the end of the {args.split} split of {source.name} "
                           f"({len(split)} examples).")
-    dataset_format = detect_format(split.column_names, data_args.dataset_format)
+    dataset_format = detect_format(split.column_names, source.declared_format(data_args))
     shown = []
     for index in range(args.example - 1, min(args.example - 1 + args.num_examples, len(split))):
         where = f"{args.split} example {index + 1}"

@@ -29,6 +29,10 @@ class Source:
     eval: Dataset | None = None
     format: str | None = None  # this source's own dataset_format (a mixture's entry); None: the recipe's
 
+    def declared_format(self, data_args) -> str:
+        """The format this source is read in: its own (a mixture entry's), else the recipe's `dataset_format`."""
+        return self.format if self.format not in (None, "auto") else data_args.dataset_format
+
 
 @dataclass
 class RawData:

@@ -351,8 +351,7 @@ def prepare_datasets(raw, tokenizer, data_args, training_args) -> PreparedData:
     trains, evals, examples, sources = [], [], [], []
     with training_args.main_process_first(desc="tokenizing the dataset"):
         for source in raw.sources:
-            wanted = source.format if source.format not in (None, "auto") else data_args.dataset_format
-            dataset_format = detect_format(source.train.column_names, wanted)
+            dataset_format = detect_format(source.train.column_names, source.declared_format(data_args))
             train, train_summary = _tokenize_split(source.train, "train", tokenizer, data_args, dataset_format)
             record = {"name": source.name, "format": dataset_format, "train": train_summary, "eval": None}
             trains.append(train)
