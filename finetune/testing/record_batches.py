@@ -44,7 +44,6 @@ def recording_collator(*args, **kwargs):
     return collate_and_record
 
 
-collate.data_collator = recording_collator
-
-if __name__ == "__main__":  # then exactly `python -m finetune ...`
+if __name__ == "__main__":  # the collator wrapped in this process only, then exactly `python -m finetune ...`
+    collate.data_collator = recording_collator
     runpy.run_module("finetune", run_name="__main__", alter_sys=True)

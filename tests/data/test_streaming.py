@@ -81,6 +81,13 @@ def test_a_stream_on_two_processes_trains_to_its_budget_on_disjoint_rows_and_res
         assert batches(tmp_path / "resumed_records", rank)[:6] == whole_batches  # same rows trained on
 
 
+def test_importing_the_recorder_leaves_the_collator_of_this_process_alone():
+    import finetune.data.collate as collate
+    import finetune.testing.record_batches as record_batches
+
+    assert collate.data_collator is not record_batches.recording_collator  # wrapped only when run as `-m`
+
+
 def test_a_stream_needs_an_end_and_refuses_what_needs_its_length(tmp_path, stream_file):
     base = ["--train_file", str(stream_file), "--streaming", "true", "--max_steps", "-1"]
     with pytest.raises(RecipeError, match="give `max_steps` or a token budget `max_tokens`"):

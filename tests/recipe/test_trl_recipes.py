@@ -26,6 +26,7 @@ RENAMED = {
     "lora_modules_to_save": (None, None),  # needs use_lora: tested apart
     "dataset_name": ("synthetic", "synthetic"),
     "dataset_train_split": ("train_sft", "train_sft"),
+    "dataset_streaming": ("true", True),
     "dataset_test_split": ("test_sft", "test_sft"),
     "chat_template_path": (None, None),  # needs a template file: tested with the chat template (tests/data)
     "test_split_size": ("0.1", 0.1),
