@@ -150,12 +150,13 @@ def _load_named(dataset: str, config: str | None = None, **kwargs) -> DatasetDic
     return _load(dataset, dataset, name=config, **kwargs)  # a local dataset directory or a hub id
 
 
-def _pick_split(splits: DatasetDict, split: str, source: str, load_slice) -> Dataset:
-    """`split` of `splits`; a slice (`train[:10%]`) loaded by `load_slice`; a missing one named with those found."""
+def _pick_split(splits: DatasetDict, split: str, source: str, config: str | None) -> Dataset:
+    """`split` of `splits` (those of `source`'s `config`); a slice (`train[:1000]`) loaded as `load_dataset` reads it;
+    a missing one named with those found."""
     if split in splits:
         return splits[split]
     if "[" in split and split.split("[")[0] in splits:
-        return load_slice(split)
+        return _load(source, source, name=config, split=split)[split]
     raise RecipeError(f"dataset `{source}` has no `{split}` split (found: {', '.join(splits)}).")
 
 
@@ -170,7 +171,7 @@ def _load_split(dataset: str, config: str | None, split: str, data_files=None, d
         return rows
     if _saved_to_disk(path) or data_files is None and data_dir is None:
         splits = _load_named(dataset, config)
-        return _pick_split(splits, split, dataset, lambda name: _load(dataset, dataset, name=config, split=name)[name])
+        return _pick_split(splits, split, dataset, config)
     return _load(dataset, dataset, name=config, split=split, data_files=data_files, data_dir=data_dir)[split]
 
 
@@ -237,8 +238,7 @@ def _eval_of(splits: DatasetDict, data_args) -> Dataset | None:
         return next((splits[name] for name in ("eval", "validation", "test") if name in splits), None)
     if wanted.lower() == "none":
         return None
-    return _pick_split(splits, wanted, data_args.dataset, lambda name: _load(
-        data_args.dataset, data_args.dataset, name=data_args.dataset_config, split=name)[name])
+    return _pick_split(splits, wanted, data_args.dataset, data_args.dataset_config)
 
 
 def load_raw_data(data_args) -> RawData:
@@ -256,8 +256,7 @@ def load_raw_data(data_args) -> RawData:
             train = splits["train"]
         else:
             splits = _load_named(data_args.dataset, data_args.dataset_config)
-            train = _pick_split(splits, data_args.dataset_split, data_args.dataset, lambda name: _load(
-                data_args.dataset, data_args.dataset, name=data_args.dataset_config, split=name)[name])
+            train = _pick_split(splits, data_args.dataset_split, data_args.dataset, data_args.dataset_config)
         sources, weights = [Source(data_args.train_file or data_args.dataset, train, _eval_of(splits, data_args))], None
     if data_args.eval_file is not None:
         sources[0].eval = _load_file(data_args.eval_file, "eval_file")

@@ -84,14 +84,10 @@ def example_lengths(sections) -> tuple[tuple[int, ...], dict]:
     tokenizer = load_tokenizer(sections.model)
     seed = int(sections.training_inputs.get("seed") or 42)
     if sections.data.streaming:  # a stream's first rows stand for it (finetune.data.streaming)
-        from datasets import DatasetDict
-
         from finetune.data.loading import RawData, Source
-        from finetune.data.streaming import SAMPLE_ROWS, _first_rows, open_stream
+        from finetune.data.streaming import sample_of
 
-        name = sections.data.train_file or sections.data.dataset
-        sample = _first_rows(open_stream(sections.data, sections.data.dataset_split), SAMPLE_ROWS, name)
-        raw = RawData([Source(name, DatasetDict(train=sample)["train"])])
+        raw = RawData([Source(sections.data.train_file or sections.data.dataset, sample_of(sections.data))])
     else:
         raw = load_raw_data(sections.data)
     data = prepare_datasets(raw, tokenizer, sections.data, _OneProcess(seed))

@@ -39,12 +39,12 @@ SHARDS_PER_PROCESS = 4  # shards a `save_to_disk` folder is streamed in, per pro
 def open_stream(data_args, split: str, world_size: int = 1) -> IterableDataset:
     """`split` of the recipe's dataset as a stream."""
     try:
-        if data_args.train_file is not None or data_args.dataset == presets.SYNTHETIC_DATASET:
-            path = data_args.train_file or str(presets.synthetic_data_dir() / f"{split}.jsonl")
-            if data_args.dataset == presets.SYNTHETIC_DATASET and data_args.train_file is None:
-                split = "train"
-            return load_dataset(_builder_for(path, "train_file"), data_files={"train": path}, split=split,
-                                streaming=True)
+        if data_args.train_file is None and data_args.dataset == presets.SYNTHETIC_DATASET:  # one file per split
+            path = str(presets.synthetic_data_dir() / f"{split}.jsonl")
+            return load_dataset("json", data_files={"train": path}, split="train", streaming=True)
+        if data_args.train_file is not None:
+            return load_dataset(_builder_for(data_args.train_file, "train_file"),
+                                data_files={"train": data_args.train_file}, split=split, streaming=True)
         folder = Path(data_args.dataset)
         if folder.is_file() and folder.suffix.lower() in FILE_BUILDERS:
             return load_dataset(_builder_for(str(folder), "dataset"), data_files={"train": str(folder)}, split=split,
@@ -68,12 +68,19 @@ def _first_rows(stream: IterableDataset, count: int, what: str) -> Dataset:
     return Dataset.from_list(rows)
 
 
+def sample_of(data_args, stream: IterableDataset | None = None) -> Dataset:
+    """The first `SAMPLE_ROWS` examples of the training stream: what the data summary and the planner describe it
+    by."""
+    stream = stream if stream is not None else open_stream(data_args, data_args.dataset_split)
+    return _first_rows(stream, SAMPLE_ROWS, data_args.train_file or data_args.dataset)
+
+
 def prepare_stream(recipe, tokenizer) -> PreparedData:
     """The training stream (tokenized, packed), the eval rows and the data summary of a streaming recipe."""
     data_args, args = recipe.data, recipe.training
     name = data_args.train_file or data_args.dataset
     stream = open_stream(data_args, data_args.dataset_split, args.world_size)
-    sample = _first_rows(stream, SAMPLE_ROWS, name)
+    sample = sample_of(data_args, stream)
     dataset_format = detect_format(sample.column_names, data_args.dataset_format)
     _, sampled = _tokenize_split(sample, "train", tokenizer, data_args, dataset_format)
     encoded = stream.map(Encoder("train", tokenizer, data_args, dataset_format), with_indices=True,
