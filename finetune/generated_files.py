@@ -95,6 +95,11 @@ ACCELERATE_CONFIGS = [
     _one_node("fsdp_full_shard", "parameters + gradients + optimizer (FSDP2)", "like ZeRO-3, PyTorch-native"),
     _one_node("fsdp_shard_grad_op", "gradients + optimizer (FSDP2, no reshard after forward)",
               "like ZeRO-2, PyTorch-native"),
+    _one_node("tensor_parallel", "each layer's matrices over 2 GPUs (tensor parallel, the model's TP plan)",
+              "a model too large per GPU even under ZeRO-3 at the node's bandwidth, or activations too large; "
+              "within one node"),
+    _one_node("tensor_parallel_fsdp", "TP over 2 GPUs × FSDP2 over 2: matrices split, the rest sharded",
+              "4 GPUs or more, TP within a node and FSDP2 over the rest"),
     _two_nodes("zero3_zeropp", "ZeRO-3 + ZeRO++ across 2 nodes × 2 GPUs", "many nodes, slow inter-node links"),
     _two_nodes("zero2", "optimizer states + gradients across 2 nodes × 2 GPUs",
                "many nodes, the model fits on one GPU"),
@@ -110,6 +115,11 @@ ACCELERATE_CONFIGS = [
          "`finetune.testing.fsdp_on_cpu` lifts that one refusal and shards for real",
          "tests and `finetune bench --cpu` of FSDP2", use_cpu=True,
          demo=_cpu_demo("fsdp_full_shard")),
+    _acc("cpu_tensor_parallel", "tensor_parallel", "tensor parallel on 2 CPU processes: Accelerate builds the "
+         "parallelism mesh for GPUs only; `finetune.testing.parallelism_on_cpu` lifts that one refusal",
+         "tests and `finetune bench --cpu` of tensor parallelism", use_cpu=True, demo=_cpu_demo("tensor_parallel")),
+    _acc("cpu_tensor_parallel_fsdp", "tensor_parallel_fsdp", "TP 2 × FSDP2 2 on 4 CPU processes (as "
+         "cpu_tensor_parallel.yaml)", "tests of TP × FSDP2", use_cpu=True, demo=_cpu_demo("tensor_parallel_fsdp")),
     _acc("cpu_fsdp_shard_grad_op", "fsdp_shard_grad_op", "FSDP2 shard-grad-op on 2 CPU processes (as cpu_fsdp.yaml)",
          "tests and `finetune bench --cpu` of FSDP2", use_cpu=True, demo=_cpu_demo("fsdp_shard_grad_op")),
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-STRATEGIES = ("single", "ddp", "deepspeed", "fsdp")
+STRATEGIES = ("single", "ddp", "deepspeed", "fsdp", "tensor_parallel")
 FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard")
 MAIN_PROCESS_IP_PLACEHOLDER = "MAIN_NODE_IP"
 
@@ -25,6 +25,7 @@ def accelerate_config(
     fsdp_offload_params: bool = False,
     main_process_port: int = 29500,
     zero3_init: bool = False,
+    parallelism: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """`num_processes` counts every process on every machine, as Accelerate does.
 
@@ -32,13 +33,16 @@ def accelerate_config(
     JSON decides precision, so `mixed_precision` is left out (Accelerate refuses both). `zero3_init`: the JSON is
     ZeRO-3, so the model loads partitioned under `zero.Init`, global rank 0 alone reading the checkpoint (what
     `finetune train` does anyway: TrainingArguments registers the DeepSpeed config before the model loads; the flag
-    says so, and does the same for a script that creates its Accelerator first).
+    says so, and does the same for a script that creates its Accelerator first). `parallelism`: the axes' sizes by
+    their recipe names (finetune.launch.parallelism), written as Accelerate's `parallelism_config` section, which
+    `accelerate launch` exports to every process; `tensor_parallel` launches plain processes that Transformers
+    shards itself while loading the model.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "single":
         distributed_type = "NO"
-    elif strategy == "ddp":
+    elif strategy in ("ddp", "tensor_parallel"):
         # Not MULTI_CPU: without mpirun, `accelerate launch` starts ONE process for it. MULTI_GPU with
         # use_cpu gives N gloo ranks (Trainer must also get use_cpu, which the recipe parser sets).
         distributed_type = "MULTI_GPU"
@@ -78,7 +82,28 @@ def accelerate_config(
                 "parallelism_config_tp_size": 1,
                 "parallelism_config_cp_size": 1,
             }
+    if parallelism:
+        config["parallelism_config"] = parallelism_section(**parallelism)
     return config
+
+
+# The recipe's names of the axes (finetune.launch.parallelism.KEYS) -> Accelerate's config keys.
+PARALLELISM_KEYS = {
+    "dp_replicate_size": "parallelism_config_dp_replicate_size",
+    "dp_shard_size": "parallelism_config_dp_shard_size",
+    "tensor_parallel_size": "parallelism_config_tp_size",
+    "context_parallel_size": "parallelism_config_cp_size",
+    "sequence_parallel_size": "parallelism_config_sp_size",
+}
+
+
+def parallelism_section(**sizes: int) -> dict[str, Any]:
+    """Accelerate's `parallelism_config` keys for the sizes given (1 for the others); sequence parallelism through
+    DeepSpeed Ulysses (`sp_backend: deepspeed`, the one Accelerate has)."""
+    section: dict[str, Any] = {accelerate: int(sizes.get(name, 1)) for name, accelerate in PARALLELISM_KEYS.items()}
+    if section["parallelism_config_sp_size"] > 1:
+        section["parallelism_config_sp_backend"] = "deepspeed"
+    return section
 
 
 def _fsdp_section(sharding: str, offload_params: bool) -> dict[str, Any]:

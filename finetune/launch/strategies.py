@@ -10,6 +10,7 @@ writer, the planner, the estimator's defaults, the bench and the tests read it.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -35,7 +36,8 @@ _FSDP1_SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "h
 
 @dataclass(frozen=True)
 class Strategy:
-    """What a launch runs. `kind` is single, ddp, deepspeed or fsdp; the other fields apply to their kind."""
+    """What a launch runs. `kind` is single, ddp, deepspeed, fsdp or tensor_parallel; the other fields apply to
+    their kind."""
 
     kind: str = "single"
     zero_stage: int | None = None            # DeepSpeed
@@ -44,6 +46,11 @@ class Strategy:
     fsdp_sharding: str | None = None         # FSDP: full_shard, shard_grad_op, hybrid_shard, no_shard
     fsdp_version: int | None = None          # FSDP: 1 or 2
     nodes: int = 1
+    # tensor_parallel: Transformers loads the model sharded (finetune.launch.parallelism): its TP plan over
+    # `tensor_parallel_size` ranks, FSDP2 over `dp_shard_size`, replicas over `dp_replicate_size`
+    tensor_parallel_size: int = 1
+    dp_shard_size: int = 1
+    dp_replicate_size: int = 1
     # DeepSpeed's bucket settings the estimator counts: elements, or None for "auto" (Trainer fills hidden²).
     reduce_bucket_size: int | None = field(default=None, compare=False)
     overlap_comm: bool = field(default=False, compare=False)
@@ -61,6 +68,13 @@ class Strategy:
                    reduce_bucket_size=int(bucket) if isinstance(bucket, (int, float)) else None,
                    overlap_comm=bool(zero.get("overlap_comm", False)),
                    hpz_partition_size=_hpz(zero.get("zero_hpz_partition_size")), source=source)
+
+    @classmethod
+    def from_parallelism(cls, parallelism, source: str, nodes: int = 1) -> Strategy:
+        """A tensor-parallel launch (`finetune.launch.parallelism.Parallelism` with `loads_sharded`)."""
+        return cls("tensor_parallel", nodes=nodes, tensor_parallel_size=parallelism.tensor_parallel_size,
+                   dp_shard_size=parallelism.dp_shard_size, dp_replicate_size=parallelism.dp_replicate_size,
+                   source=source)
 
     @classmethod
     def from_accelerate(cls, config: dict[str, Any], source: str = "Accelerate config") -> Strategy:
@@ -84,21 +98,32 @@ class Strategy:
         gathers them for forward and backward only)."""
         if self.kind == "deepspeed":
             return self.zero_stage == 3
+        if self.kind == "tensor_parallel":
+            return True  # each rank holds its slice of every split matrix
         return self.kind == "fsdp" and self.fsdp_sharding != "no_shard"
 
     @property
     def label(self) -> str:
-        """A short name: `ddp`, `deepspeed_zero3+offload_optimizer=cpu`, `fsdp_full_shard`."""
+        """A short name: `ddp`, `deepspeed_zero3+offload_optimizer=cpu`, `fsdp_full_shard`, `tp2_fsdp2`."""
         if self.kind == "deepspeed":
             offloads = [f"{key}={value}" for key, value in
                         (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)) if value]
             return "+".join([f"deepspeed_zero{self.zero_stage}", *offloads])
+        if self.kind == "tensor_parallel":
+            return "".join([f"tp{self.tensor_parallel_size}",
+                            f"_fsdp{self.dp_shard_size}" if self.dp_shard_size > 1 else "",
+                            f"_replicas{self.dp_replicate_size}" if self.dp_replicate_size > 1 else ""])
         return f"fsdp_{self.fsdp_sharding}" if self.kind == "fsdp" else self.kind
 
     def describe(self) -> str:
-        """How messages name it: `DeepSpeed ZeRO-2`, `FSDP full_shard`, `DDP or one process`."""
+        """How messages name it: `DeepSpeed ZeRO-2`, `FSDP full_shard`, `tensor parallel 2 × FSDP2 2`, `DDP or one
+        process`."""
         if self.kind == "deepspeed":
             return f"DeepSpeed ZeRO-{self.zero_stage}"
+        if self.kind == "tensor_parallel":
+            return " × ".join([f"tensor parallel {self.tensor_parallel_size}",
+                               *([f"FSDP2 {self.dp_shard_size}"] if self.dp_shard_size > 1 else []),
+                               *([f"{self.dp_replicate_size} replicas"] if self.dp_replicate_size > 1 else [])])
         return f"FSDP {self.fsdp_sharding}" if self.kind == "fsdp" else "DDP or one process"
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,6 +134,9 @@ class Strategy:
                           offload_param=self.offload_param)
         if self.kind == "fsdp":
             record.update(fsdp_sharding=self.fsdp_sharding, fsdp_version=self.fsdp_version)
+        if self.kind == "tensor_parallel":
+            record.update(tensor_parallel_size=self.tensor_parallel_size, dp_shard_size=self.dp_shard_size,
+                          dp_replicate_size=self.dp_replicate_size)
         if self.source is not None:
             record["source"] = self.source
         return record
@@ -122,6 +150,8 @@ class Strategy:
                            overlap_comm=self.overlap_comm, hpz_partition_size=self.hpz_partition_size)
         if self.kind == "fsdp":
             options["fsdp_sharding"] = self.fsdp_sharding
+        if self.kind == "tensor_parallel":
+            options.update(tensor_parallel_size=self.tensor_parallel_size, dp_shard_size=self.dp_shard_size)
         return options
 
 
@@ -186,10 +216,13 @@ def read_accelerate(config: dict[str, Any], source: str = "Accelerate config") -
     if kind == "FSDP":
         return _fsdp_strategy(config.get("fsdp_config") or {}, config.get("parallelism_config") or {}, nodes,
                               source), None
-    if kind == "NO":
-        return Strategy("single", nodes=nodes, source=source), None
-    if kind.startswith("MULTI_"):
-        return Strategy("ddp", nodes=nodes, source=source), None
+    if kind == "NO" or kind.startswith("MULTI_"):
+        from finetune.launch.parallelism import from_accelerate_section
+
+        parallelism = from_accelerate_section(config.get("parallelism_config") or {}, source)
+        if parallelism.loads_sharded:
+            return Strategy.from_parallelism(parallelism, source, nodes), None
+        return Strategy("single" if kind == "NO" else "ddp", nodes=nodes, source=source), None
     raise RecipeError(f"{source}: distributed_type {kind} is not one this toolkit runs; use NO, MULTI_GPU, "
                       "DEEPSPEED or FSDP.")
 
@@ -270,6 +303,10 @@ def launched_strategy(deepspeed=None, environ=None) -> tuple[Strategy, dict | No
         replicate = environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE")
         if replicate:
             config["parallelism_config"] = {"parallelism_config_dp_replicate_size": replicate}
+    elif world_size > 1:
+        from finetune.launch.parallelism import launched_section
+
+        config["parallelism_config"] = launched_section(environ)
     if "ACCELERATE_MIXED_PRECISION" in environ:  # set by `accelerate launch` for every process
         source = "Accelerate config"
     else:
@@ -303,6 +340,9 @@ def running_strategy(trainer) -> Strategy:
     import torch
 
     wrapped = trainer.model_wrapped
+    sharded = loaded_sharded(trainer.model)
+    if sharded is not None:
+        return sharded
     if trainer.is_deepspeed_enabled and hasattr(wrapped, "zero_optimization_stage"):
         return Strategy("deepspeed", zero_stage=wrapped.zero_optimization_stage(),
                         offload_optimizer=_offload_device(wrapped.zero_offload_optimizer()),
@@ -313,6 +353,19 @@ def running_strategy(trainer) -> Strategy:
     if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         return Strategy("ddp", source="DistributedDataParallel")
     return Strategy("single", source="an unwrapped model")
+
+
+def loaded_sharded(model) -> Strategy | None:
+    """The tensor-parallel strategy of a model Transformers loaded sharded (`DistributedConfig`), read off the model;
+    None for any other model."""
+    distributed = getattr(getattr(model, "config", None), "distributed_config", None)
+    if (getattr(model, "_tp_size", None) or 1) == 1 or distributed is None:
+        return None
+    from finetune.launch.parallelism import Parallelism
+
+    return Strategy.from_parallelism(Parallelism(
+        tensor_parallel_size=model._tp_size, dp_shard_size=distributed.fsdp_size or 1,
+        dp_replicate_size=distributed.dp_replicate_size or 1), "the model Transformers loaded sharded")
 
 
 def _is_fsdp_sharded(model) -> bool:
@@ -337,6 +390,7 @@ class ShippedStrategy:
     cross_node: tuple[float, float] | None = None  # values through each node's link per (parameter, trained one)
     multinode_file: str | None = None          # the 2-node launch config, when one ships
     cpu: bool = False                          # runs on 2 CPU processes (tests, bench --cpu)
+    parallelism: dict | None = None            # tensor_parallel: the axes' sizes (finetune.launch.parallelism)
 
     @property
     def deepspeed_file(self) -> str | None:
@@ -354,6 +408,9 @@ class ShippedStrategy:
                     "zero3_init": self.deepspeed_json()["zero_optimization"]["stage"] == 3}
         if self.kind == "fsdp":
             return {"strategy": "fsdp", "fsdp_sharding": self.fsdp_sharding}
+        if self.kind == "tensor_parallel":
+            return {"strategy": "tensor_parallel", "parallelism": self.parallelism,
+                    "num_processes": math.prod(self.parallelism.values())}
         return {"strategy": self.kind, **({"num_processes": 1} if self.kind == "single" else {})}
 
     @cached_property
@@ -372,6 +429,9 @@ class ShippedStrategy:
                 raise RecipeError(f"{self.label} does not run on CPU processes.")
             if self.kind == "ddp":
                 return Launch("accelerate_configs/cpu_ddp.yaml")
+            if self.kind == "tensor_parallel":
+                return Launch(f"accelerate_configs/cpu_{self.name}.yaml",
+                              program=("-m", "finetune.testing.parallelism_on_cpu"))
             if self.kind == "fsdp":
                 suffix = "" if self.fsdp_sharding == "full_shard" else f"_{self.fsdp_sharding}"
                 return Launch(f"accelerate_configs/cpu_fsdp{suffix}.yaml",
@@ -427,6 +487,14 @@ SHIPPED = (
     ShippedStrategy("zero3_zeropp", "ZeRO-3 + ZeRO++", "deepspeed",
                     deepspeed=dict(stage=3, zeropp_hpz_partition_size="auto"),
                     cross_node=(0.5, 0.25), multinode_file="accelerate_configs/multinode_deepspeed_zero3_zeropp.yaml"),
+    # Tensor parallelism (the model's own TP plan, loaded sharded by Transformers) within a node; with FSDP2 over
+    # the ranks it leaves. Launched as plain processes; CPU twins through finetune.testing.parallelism_on_cpu.
+    ShippedStrategy("tensor_parallel", "TP", "tensor_parallel",
+                    accelerate_file="accelerate_configs/tensor_parallel.yaml", parallelism=dict(tensor_parallel_size=2),
+                    cpu=True),
+    ShippedStrategy("tensor_parallel_fsdp", "TP × FSDP2", "tensor_parallel",
+                    accelerate_file="accelerate_configs/tensor_parallel_fsdp.yaml",
+                    parallelism=dict(tensor_parallel_size=2, dp_shard_size=2), cpu=True),
     ShippedStrategy("fsdp_hybrid_shard", "FSDP hybrid-shard", "fsdp", fsdp_sharding="hybrid_shard",
                     cross_node=_ALL_REDUCE, multinode_file="accelerate_configs/multinode_fsdp_hybrid_shard.yaml"),
 )

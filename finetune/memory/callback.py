@@ -17,7 +17,13 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from finetune.errors import RecipeError
-from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, fsdp_fills_from_rank_zero, prepared_strategy
+from finetune.launch.strategies import (
+    PURE_BF16_KINDS,
+    Strategy,
+    fsdp_fills_from_rank_zero,
+    loaded_sharded,
+    prepared_strategy,
+)
 from finetune.memory.estimate import MethodTerms, Setup, estimate, precision_of
 from finetune.memory.ledger import (
     GradientProbe,
@@ -52,7 +58,8 @@ def running_setup(args, model, sequence_length: int | None,
     """The strategy Accelerate prepared for this run and the estimator's `Setup` for it."""
     state = AcceleratorState()
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
-    strategy = prepared_strategy(state, args.world_size, nodes=max(1, args.world_size // local_processes))
+    strategy = loaded_sharded(model) or prepared_strategy(state, args.world_size,
+                                                          nodes=max(1, args.world_size // local_processes))
     sub_group_size, sharded_loading = None, True  # ZeRO-3 under `finetune train` loads sharded whatever the plugin says
     if state.distributed_type == DistributedType.DEEPSPEED:
         config = state.deepspeed_plugin.deepspeed_config
@@ -71,6 +78,7 @@ def running_setup(args, model, sequence_length: int | None,
         and bool(trainable_parameters) and all(p.dtype == torch.bfloat16 for p in trainable_parameters)
     return strategy, Setup(
         **strategy.estimator_options(),
+        rank=args.process_index,
         precision=precision,
         pure_bf16=pure_bf16 and strategy.kind in PURE_BF16_KINDS,
         num_gpus=args.world_size,

@@ -37,6 +37,7 @@ transient of its backward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from finetune.configs.deepspeed import BUCKET_SIZE, partition_elements
@@ -86,6 +87,9 @@ class Setup:
     offload_optimizer: str | None = None      # "cpu" or "nvme" (DeepSpeed)
     offload_param: str | None = None          # "cpu" or "nvme" (DeepSpeed ZeRO-3)
     fsdp_sharding: str = "full_shard"
+    tensor_parallel_size: int = 1             # tensor_parallel: the model's TP plan over this many GPUs
+    dp_shard_size: int = 1                    # tensor_parallel: FSDP2 over this many GPUs of the rest
+    rank: int = 0                             # the global rank predicted, where ranks hold unequal shares (TP)
     precision: str = "bf16"                   # "fp32", or mixed "bf16"/"fp16"
     pure_bf16: bool = False                   # trainable weights, gradients and Adam states in bf16 (no fp32 master)
     optimizer: str = "adamw"
@@ -134,6 +138,8 @@ class Setup:
         """Ranks a model state is split over."""
         if self.strategy == "deepspeed" and self.zero_stage > 0:
             return self.num_gpus
+        if self.strategy == "tensor_parallel":
+            return self.dp_shard_size  # FSDP2 over the data-parallel ranks; the TP split is `tensor_parallel_elements`
         if self.strategy == "fsdp" and self.fsdp_sharding == "hybrid_shard":
             return self.gpus_per_node or self.num_gpus  # shard within a node, replicate across nodes
         if self.strategy == "fsdp" and self.fsdp_sharding != "no_shard":
@@ -250,6 +256,9 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     if setup.strategy == "deepspeed":
         params, grads, optimizer, offloaded = _deepspeed_states(trainable, frozen_bytes, setup,
                                                                 shape.largest_layer_parameters)
+    elif setup.strategy == "tensor_parallel":  # full fine-tuning only (finetune.launch.parallelism refuses LoRA)
+        params, grads, optimizer, offloaded = _torch_states(tensor_parallel_elements(shape, setup), 0, setup,
+                                                            shard_degree=1)
     else:
         params, grads, optimizer, offloaded = _torch_states(trainable, frozen_bytes, setup)
     return MemoryEstimate(
@@ -266,6 +275,27 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         loaded_model_bytes=int(loaded_model_bytes(trainable, frozen_bytes, setup)),
         reference_bytes=int(reference_model_bytes(shape, setup)),
     )
+
+
+def tensor_parallel_elements(shape: ModelShape, setup: Setup) -> int:
+    """Parameters `setup.rank` holds under tensor parallelism, FSDP2's shards of them included. The model's TP plan
+    splits the block's linear layers t ways (q, k, v, gate, up by output rows, o and down by input columns) and the
+    vocabulary matrices by rows (the output head `colwise`, the input embedding with it, one matrix when tied);
+    FSDP2 then cuts every tensor by rows over the `dp_shard_size` ranks. Uneven rows are cut as `torch.chunk` cuts
+    them (⌈rows / n⌉ a rank, the rest on the last): the rank's place in the mesh (replicas × shards × TP, TP
+    innermost) decides its share."""
+    t, s = setup.tensor_parallel_size, setup.dp_shard_size
+    tp_rank, shard_rank = setup.rank % t, setup.rank // t % s
+    matrices = 1 if shape.tied_embeddings else 2
+    whole = shape.num_parameters - shape.block_linear_parameters - matrices * shape.vocab_size * shape.hidden_size
+    rows = _chunk(_chunk(shape.vocab_size, t, tp_rank), s, shard_rank)
+    return whole // s + shape.block_linear_parameters // (t * s) + matrices * rows * shape.hidden_size
+
+
+def _chunk(size: int, parts: int, index: int) -> int:
+    """The length of piece `index` when `torch.chunk` cuts `size` into `parts`."""
+    piece = math.ceil(size / parts)
+    return max(0, min(piece, size - index * piece))
 
 
 def reference_model_bytes(shape: ModelShape, setup: Setup) -> float:
@@ -361,10 +391,12 @@ def _trainable_bytes(setup: Setup) -> int:
     return 2 if setup.pure_bf16 else 4
 
 
-def _torch_states(trainable: int, frozen_bytes: float, setup: Setup):
-    """Single GPU, DDP, FSDP: trainable weights fp32 whatever the checkpoint's dtype, adapters too; `pure_bf16`
-    halves weights, gradients and fp32-sized optimizer moments (8-bit states are 8-bit either way)."""
-    n, k, w = setup.shard_degree, OPTIMIZER_STATE_BYTES[setup.optimizer], _trainable_bytes(setup)
+def _torch_states(trainable: int, frozen_bytes: float, setup: Setup, shard_degree: int | None = None):
+    """Single GPU, DDP, FSDP, tensor parallel: trainable weights fp32 whatever the checkpoint's dtype, adapters too;
+    `pure_bf16` halves weights, gradients and fp32-sized optimizer moments (8-bit states are 8-bit either way).
+    `shard_degree`: 1 where the counts are already this rank's share."""
+    n = setup.shard_degree if shard_degree is None else shard_degree
+    k, w = OPTIMIZER_STATE_BYTES[setup.optimizer], _trainable_bytes(setup)
     if setup.pure_bf16 and setup.optimizer == "adamw":
         k = 2 * w
     params = (w * trainable + frozen_bytes) / n

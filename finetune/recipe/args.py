@@ -377,6 +377,33 @@ class FinetuneTrainingArguments(TrainingArguments):
                           "these GPUs. Default: auto on GPUs, one process without. Under `accelerate launch` the "
                           "launch decides, and a strategy named here must be the one it runs."},
     )
+    tensor_parallel_size: int | None = field(
+        default=None,
+        metadata={"help": "Split each layer's matrices over this many processes (tensor parallelism: the model's own "
+                          "TP plan, loaded sharded through Transformers' DistributedConfig); keep it within a node. "
+                          "Must divide the attention and key-value heads. Launched as plain processes, not under a "
+                          "DeepSpeed or FSDP config."},
+    )
+    dp_shard_size: int | None = field(
+        default=None,
+        metadata={"help": "With tensor_parallel_size: the processes each TP group's parameters, gradients and "
+                          "optimizer states are sharded over (FSDP2). Default: the processes the other axes leave."},
+    )
+    dp_replicate_size: int | None = field(
+        default=None,
+        metadata={"help": "With tensor_parallel_size: full replicas of the sharded model (HSDP; e.g. the node count), "
+                          "only the gradient all-reduce crossing them. Default 1."},
+    )
+    sequence_parallel_size: int | None = field(
+        default=None,
+        metadata={"help": "Split each sequence over this many processes (DeepSpeed Ulysses / ALST), for long "
+                          "sequences; under a DeepSpeed config."},
+    )
+    context_parallel_size: int | None = field(
+        default=None,
+        metadata={"help": "Split each sequence's attention over this many GPUs (PyTorch ring attention, FSDP2); GPUs "
+                          "only: refused on CPU processes."},
+    )
     save_calibration: bool = field(
         default=True,
         metadata={"help": "On GPUs, a finished run stores how far its peak exceeded the prediction in the calibration "

@@ -48,11 +48,20 @@ class BatchPlan:
     def running(cls, args) -> BatchPlan:
         """The batch a Trainer's arguments run with (after any plan was applied to them): what callbacks and
         checkpoint markers read, given only `TrainingArguments`."""
-        return cls(micro_batch_size=args.per_device_train_batch_size, world_size=args.world_size,
+        return cls(micro_batch_size=args.per_device_train_batch_size, world_size=data_parallel_size(args),
                    gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "global_batch_size": self.global_batch_size}
+
+
+def data_parallel_size(args) -> int:
+    """Processes that see different batches: the world size over the tensor, sequence and context parallel sizes (the
+    ranks of one such group share a batch), as Trainer's `get_dp_world_size` counts them."""
+    shared = 1
+    for key in ("tensor_parallel_size", "sequence_parallel_size", "context_parallel_size"):
+        shared *= int(getattr(args, key, None) or 1)
+    return args.world_size // shared
 
 
 def _positive(name: str, value) -> None:

@@ -18,6 +18,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from finetune.errors import RecipeError, did_you_mean, launched_rank
+from finetune.launch.parallelism import Parallelism
 from finetune.launch.strategies import Strategy
 from finetune.recipe.aliases import READ_FROM, TOOLS_DEFAULT, Translation, translate_command_line, translate_values
 from finetune.recipe.args import (
@@ -34,6 +35,7 @@ from finetune.recipe.preflight import (
     check_launcher_precision,
     check_lora_adapters,
     check_named_strategy,
+    check_parallelism,
     check_pure_bf16,
     check_qlora,
     preflight_launch,
@@ -57,6 +59,7 @@ class Recipe:
     sources: dict[str, str] = field(default_factory=dict)
     batch_plan: BatchPlan | None = None
     strategy: Strategy = field(default_factory=Strategy)  # what the launcher and the recipe ask for
+    parallelism: Parallelism = field(default_factory=Parallelism)  # tensor, sequence, context axes (all 1: none)
     deepspeed_config: dict | None = None  # the DeepSpeed config as written (file or inline keys), "auto" values kept
     foreign_keys: dict | None = None  # what became of TRL's or another tool's keys (effective_config.json)
 
@@ -158,6 +161,9 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     model, data, lora, training_inputs, sources = (sections.model, sections.data, sections.lora,
                                                    sections.training_inputs, sections.sources)
     strategy, deepspeed_config = preflight_launch(training_inputs)
+    parallelism, strategy = check_parallelism(training_inputs, model, lora.use_lora or lora.use_qlora, strategy)
+    if parallelism.named:  # the resolved sizes, whoever named them, are what TrainingArguments carries
+        training_inputs.update(parallelism.to_dict())
     check_named_strategy(training_inputs.get("strategy"), strategy, int(os.environ.get("WORLD_SIZE", "1")),
                          sources.get("strategy") == COMMAND_LINE)
     if lora.use_qlora:
@@ -165,7 +171,8 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     check_lora_adapters(model, lora)
     check_pure_bf16(training_inputs, strategy)
     check_launcher_precision(training_inputs, sources)
-    batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, int(os.environ.get("WORLD_SIZE", "1")))
+    data_parallel = int(os.environ.get("WORLD_SIZE", "1")) // (parallelism.total // parallelism.data_parallel_size)
+    batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, data_parallel)
     _check_steps_and_accumulation(training_inputs, sources, batch_plan)
     _apply_batch_plan(batch_plan, training_inputs, sources)
     _steps_of_the_data(data, batch_plan, training_inputs, sources)
@@ -177,7 +184,8 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     training_type, method_inputs = sections.method.training_arguments(data)  # TRL's config, where the method has one
     training = _build(training_type, {**training_inputs, **method_inputs}, sections.values, sections.overrides)
     return Recipe(model=model, data=data, lora=lora, training=training, method=sections.method,
-                  sources=sources, batch_plan=batch_plan, strategy=strategy, deepspeed_config=deepspeed_config,
+                  sources=sources, batch_plan=batch_plan, strategy=strategy, parallelism=parallelism,
+                  deepspeed_config=deepspeed_config,
                   foreign_keys=sections.foreign_keys)
 
 

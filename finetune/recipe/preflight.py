@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from finetune.configs.lint import lint_deepspeed
 from finetune.errors import RecipeError, launched_rank
 from finetune.launch.devices import visible_gpu
+from finetune.launch.parallelism import Parallelism, check, requested_on
 from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, is_true, launched_strategy, shipped
 
 
@@ -55,6 +57,25 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
     check_one_process_per_gpu(training_inputs)
     check_precision_on_gpu(training_inputs)
     return strategy, deepspeed
+
+
+def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: bool,
+                      strategy: Strategy) -> tuple[Parallelism, Strategy]:
+    """The parallelism axes the recipe or the launch names, checked against the launch and the model; the strategy
+    becomes tensor parallel when the model is to be loaded sharded."""
+    from finetune.memory.shapes import resolve_config
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    on_gpu = torch.cuda.is_available() and not is_true(training_inputs.get("use_cpu"))
+    model_config = lru_cache(maxsize=1)(lambda: resolve_config(model_args.model_name_or_path))
+    parallelism, sources = requested_on(training_inputs, on_gpu, world_size, model_config)
+    if not parallelism.named:
+        return parallelism, strategy
+    check(parallelism, model_config(), strategy_kind=strategy.kind, use_lora=use_lora)
+    if parallelism.loads_sharded and strategy.kind != "tensor_parallel":
+        source = "the recipe" if "recipe" in sources.values() else (strategy.source or "the launch")
+        strategy = Strategy.from_parallelism(parallelism, source, strategy.nodes)
+    return parallelism, strategy
 
 
 def check_named_strategy(name: str | None, launched: Strategy, world_size: int, from_command_line: bool) -> None:

@@ -167,8 +167,26 @@ def held_bytes(model, optimizer) -> dict:
         base = optimizer_chain(optimizer)[-1]
         states.add([value for state in base.state.values() for value in state.values()
                     if torch.is_tensor(value) and value.dim() > 0])
-    return {"params_bytes": params.total, "optimizer_bytes": states.total,
+    held = {"params_bytes": params.total, "optimizer_bytes": states.total,
             "optimizer_devices": sorted(states.by_device)}
+    split = split_parameters(model)
+    if split is not None:
+        held["split_parameters"] = split
+    return held
+
+
+def split_parameters(model) -> dict | None:
+    """How many parameters are DTensors (split over ranks by tensor parallelism or FSDP2), and one of the first
+    block's with its local and global shapes; None when none is."""
+    from torch.distributed.tensor import DTensor
+
+    names = [name for name, parameter in model.named_parameters() if isinstance(parameter, DTensor)]
+    if not names:
+        return None
+    example = next((name for name in names if ".layers.0." in name), names[0])
+    parameter = model.get_parameter(example)
+    return {"count": len(names), "of": sum(1 for _ in model.parameters()),
+            "example": {"name": example, "local": list(parameter.to_local().shape), "global": list(parameter.shape)}}
 
 
 def comm_hooks(trainer) -> list[str]:

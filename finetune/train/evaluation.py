@@ -20,6 +20,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from finetune.data.summary import trained_as_plain_text
 from finetune.data.tokenize import turn_end_ids
+from finetune.launch.strategies import loaded_sharded
 
 
 def stop_token_ids(tokenizer, generation_config, chat_template: bool = True) -> list[int]:
@@ -55,8 +56,9 @@ def until_stop(ids: list[int], stop_ids: list[int]) -> list[int]:
 
 @torch.no_grad()
 def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int,
-                     batch_size: int = 64) -> list[str]:
-    """Greedy answers for chat prompts, each up to the token that ends it, decoded without special tokens."""
+                     batch_size: int = 64, synced: bool = False) -> list[str]:
+    """Greedy answers for chat prompts, each up to the token that ends it, decoded without special tokens. `synced`:
+    every rank runs each forward together until all are done (a model whose weights are split over the ranks)."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     stop_ids = stop_token_ids(tokenizer, model.generation_config)
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
@@ -74,7 +76,7 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
                 do_sample=False,
                 eos_token_id=stop_ids,
                 pad_token_id=tokenizer.pad_token_id,
-                synced_gpus=is_deepspeed_zero3_enabled() and PartialState().num_processes > 1,
+                synced_gpus=synced or (is_deepspeed_zero3_enabled() and PartialState().num_processes > 1),
             )
             answers += [tokenizer.decode(until_stop(ids, stop_ids), skip_special_tokens=True)
                         for ids in output[:, batch["input_ids"].shape[1] :].tolist()]
@@ -85,12 +87,19 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
 
 
 def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int) -> dict:
-    """`{"per_task": {task: accuracy}, "samples": [...]}` over `examples`, computed across all ranks."""
-    state = PartialState()
-    with state.split_between_processes(list(enumerate(examples)), apply_padding=True) as shard:
-        answers = generate_answers(model, tokenizer, [example["prompt"] for _, example in shard], max_new_tokens)
-        scored = [(index, answer.strip()) for (index, _), answer in zip(shard, answers)]
-    results = dict(gather_object(scored))  # padding repeats the last index; dict() removes it
+    """`{"per_task": {task: accuracy}, "samples": [...]}` over `examples`, computed across all ranks (split between
+    them; a model Transformers loaded sharded, whose every forward needs every rank, answers all of them on each)."""
+    if loaded_sharded(model) is not None:
+        answers = generate_answers(model, tokenizer, [example["prompt"] for example in examples], max_new_tokens,
+                                   synced=True)
+        results = {index: answer.strip() for index, answer in enumerate(answers)}
+    else:
+        state = PartialState()
+        with state.split_between_processes(list(enumerate(examples)), apply_padding=True) as shard:
+            answers = generate_answers(model, tokenizer, [example["prompt"] for _, example in shard],
+                                       max_new_tokens)
+            scored = [(index, answer.strip()) for (index, _), answer in zip(shard, answers)]
+        results = dict(gather_object(scored))  # padding repeats the last index; dict() removes it
     hits = defaultdict(list)
     samples = []
     for index, example in enumerate(examples):

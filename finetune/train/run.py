@@ -56,7 +56,8 @@ def train(recipe: Recipe) -> dict:
         tokenizer = load_tokenizer(recipe.model)
         loading = HostLoadProbe()  # host RAM this rank takes until the model is ready for Trainer
         model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
-                           strategy=recipe.strategy, shapes_only=sharded_from_rank_zero())
+                           strategy=recipe.strategy, shapes_only=sharded_from_rank_zero(),
+                           parallelism=recipe.parallelism)
         model = method.prepare_model(recipe, model)  # adapters, trainable weights held as the method needs
         materialize_empty_parameters(model)  # shapes only (FSDP2, ranks ≠ 0): Accelerate fills them from rank 0
         loading.stop()

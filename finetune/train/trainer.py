@@ -41,7 +41,7 @@ from finetune.checkpoints.complete import (
 )
 from finetune.checkpoints.disk import needed_checkpoint_bytes, saving_within_free_space, trainable_parameter_bytes
 from finetune.models.loading import dtype_name, saved_dtype
-from finetune.recipe.batch_plan import BatchPlan
+from finetune.recipe.batch_plan import BatchPlan, data_parallel_size
 
 
 def log_metrics_first(trainer: Trainer) -> None:
@@ -208,14 +208,16 @@ class FinetuneTrainerMixin:
 
     def _sum_tokens_seen(self) -> None:
         """Adds every rank's tokens counted since the last sum to `state.num_input_tokens_seen`: one all-reduce. Called
-        where Trainer reads the count (a log, a checkpoint's state), which every rank reaches at the same step."""
+        where Trainer reads the count (a log, a checkpoint's state), which every rank reaches at the same step. The
+        ranks of a tensor (sequence, context) parallel group share one batch: it is counted once."""
         if self.args.include_num_input_tokens_seen == "no":
             return
         import torch
 
         tokens, self._tokens_not_summed = getattr(self, "_tokens_not_summed", 0), 0
         tokens = torch.as_tensor(tokens, device=self.args.device, dtype=torch.int64)
-        self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
+        sharing = self.args.world_size // data_parallel_size(self.args)
+        self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item()) // sharing
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         self._sum_tokens_seen()
@@ -284,13 +286,17 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
 
 def cast_state_dict(state_dict: dict, dtype) -> dict:
     """The floating tensors cast to `dtype`, tied ones (one storage under two names) still one tensor, so
-    save_pretrained still writes a tied weight once."""
+    save_pretrained still writes a tied weight once. A DTensor (a tensor-parallel slice) stays one, cast where it lies:
+    save_pretrained gathers it."""
+    from torch.distributed.tensor import DTensor
+
     cast, done = {}, {}
     for name, tensor in state_dict.items():
         if not tensor.is_floating_point() or tensor.dtype == dtype:
             cast[name] = tensor
             continue
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(tensor.shape))
         if key not in done:
             done[key] = tensor.to(dtype)
         cast[name] = done[key]

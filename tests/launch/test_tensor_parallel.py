@@ -1,0 +1,121 @@
+"""Tensor parallelism through the normal path: `finetune train` launched under the shipped TP configs' CPU twins
+(finetune.testing.parallelism_on_cpu), the model loaded sharded by Transformers' `DistributedConfig`. TP 2 on the
+tiny preset (2 processes, tied embeddings) and TP 2 × FSDP2 2 on a hub-shaped checkpoint (4 processes, untied head,
+grouped-query attention, bf16 safetensors) train with the losses of one process at the same global batch, clipping
+active; each rank holds its slices (DTensor local shapes, the ledger equal to the prediction); what cannot work is
+refused before any process group, in one line."""
+
+import json
+
+import pytest
+from hub_fixtures import save_hub_model
+from support import assert_succeeded, launch_demo
+
+from finetune import outputs
+from finetune.cli import main
+from finetune.errors import RecipeError
+from finetune.launch.parallelism import CONTEXT_PARALLEL_ON_CPU, Parallelism, check
+from finetune.launch.strategies import SHIPPED_BY_NAME
+from finetune.memory.shapes import resolve_config
+
+TP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel"].launch(cpu=True)
+TP_FSDP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel_fsdp"].launch(cpu=True)
+# Global batch 16 on every launch; the gradient norm (2.4 to 5.8 over these steps) is clipped to 0.5 at each step.
+RUN = ["--max_steps", "5", "--logging_steps", "1", "--global_batch_size", "16", "--max_grad_norm", "0.5",
+       "--warmup_steps", "0", "--save_strategy", "no", "--eval_on_start", "false", "--report_to", "none"]
+PADDING = 1024  # bytes: FSDP2 pads a rank's shard of an uneven tensor to the largest shard (tests/launch/test_fsdp.py)
+
+
+def history(output_dir) -> list[dict]:
+    return [entry for entry in json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+            if "loss" in entry]
+
+
+@pytest.fixture(scope="module")
+def hub_model(tmp_path_factory):
+    return save_hub_model(tmp_path_factory.mktemp("hub_untied"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, hub_model):
+    """Each launch and its one-process twin (in this process), same recipe and global batch."""
+    hub = ["--model_name_or_path", str(hub_model), "--generation_eval_samples", "0"]
+    done = {}
+    for name, launch, extra in (("tp", TP_ON_CPU, []), ("tp_fsdp", TP_FSDP_ON_CPU, hub)):
+        output_dir = tmp_path_factory.mktemp(name)
+        assert_succeeded(launch_demo(launch, output_dir, *RUN, *extra))
+        one = tmp_path_factory.mktemp(f"{name}_one")
+        assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN, *extra]) == 0
+        done[name], done[f"{name}_one"] = output_dir, one
+    return done
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["tp", "tp_fsdp"])
+def test_tensor_parallel_runs_train_with_the_losses_of_one_process(runs, name):
+    sharded, one = history(runs[name]), history(runs[f"{name}_one"])
+    assert [entry["step"] for entry in sharded] == [1, 2, 3, 4, 5]
+    for a, b in zip(sharded, one, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["grad_norm"] > 0.5  # clipping was active at every step
+        assert a["num_input_tokens_seen"] == b["num_input_tokens_seen"]  # a TP group's batch counted once
+    assert sharded[-1]["loss"] < sharded[0]["loss"] - 0.5
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, world, sizes", [("tp", 2, {"tensor_parallel_size": 2, "dp_shard_size": 1}),
+                                                ("tp_fsdp", 4, {"tensor_parallel_size": 2, "dp_shard_size": 2})])
+def test_each_rank_holds_its_slices_as_predicted(runs, name, world, sizes):
+    effective = outputs.read_record(runs[name], outputs.EFFECTIVE_CONFIG)
+    for side in ("requested", "running"):
+        assert effective["strategy"][side]["strategy"] == "tensor_parallel"
+        assert {key: effective["strategy"][side][key] for key in sizes} == sizes
+    assert effective["values"]["global_batch_size"]["value"] == 16
+    ranks = effective["ranks"]
+    assert [rank["rank"] for rank in ranks] == list(range(world))
+    for rank in ranks:  # DTensor local shapes: a column-split projection holds its rows over the TP × FSDP ranks
+        local, whole = rank["split_parameters"]["example"]["local"], rank["split_parameters"]["example"]["global"]
+        assert local[0] * world == whole[0] and local[1:] == whole[1:], rank
+        assert rank["split_parameters"]["count"] > 0
+    report = outputs.read_record(runs[name], outputs.MEMORY_REPORT)["ranks"]
+    one = outputs.read_record(runs[f"{name}_one"], outputs.MEMORY_REPORT)["ranks"][0]["measured"]
+    for record in report:
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            measured, predicted = record["measured"][key], record["predicted"][key]
+            assert abs(measured - predicted) <= (0 if name == "tp" else PADDING), (record["rank"], key)
+            assert measured < one[key] / world * 1.1  # a share, not the whole model
+    # every weight is held somewhere: the slices add up to the whole model, norms once on each TP rank
+    assert one["params_bytes"] <= sum(record["measured"]["params_bytes"] for record in report) \
+        <= one["params_bytes"] * 1.01 + world * PADDING
+
+
+def test_tied_embeddings_under_tensor_parallel_with_fsdp_are_refused_naming_the_defect():
+    tied = resolve_config("tiny")
+    with pytest.raises(RecipeError, match="stale copy of the shared weight") as refused:
+        check(Parallelism(tensor_parallel_size=2, dp_shard_size=2), tied, strategy_kind="ddp", use_lora=False)
+    assert "dp_shard_size: 1" in str(refused.value)
+    check(Parallelism(tensor_parallel_size=2), tied, strategy_kind="ddp", use_lora=False)  # TP alone is correct
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--context_parallel_size", "2"], CONTEXT_PARALLEL_ON_CPU),
+    (["--tensor_parallel_size", "3"], "does not divide the model's num_attention_heads (4)"),
+    (["--tensor_parallel_size", "2"], "= 2, but the launch has 1 process"),
+    (["--dp_shard_size", "2"], "names none of them"),
+    (["--tensor_parallel_size", "abc"], "tensor_parallel_size"),
+])
+def test_parallelism_a_launch_cannot_run_stops_in_one_line(overrides, message, capsys):
+    assert main(["train", "recipes/demo.yaml", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_tensor_parallel_under_deepspeed_or_with_lora_is_refused():
+    config = resolve_config("tiny")
+    with pytest.raises(RecipeError, match="not under a DeepSpeed or FSDP config"):
+        check(Parallelism(tensor_parallel_size=2), config, strategy_kind="deepspeed", use_lora=False)
+    with pytest.raises(RecipeError, match="adapters on tensor-parallel layers"):
+        check(Parallelism(tensor_parallel_size=2), config, strategy_kind="ddp", use_lora=True)
+    with pytest.raises(RecipeError, match="DeepSpeed Ulysses"):
+        check(Parallelism(sequence_parallel_size=2), config, strategy_kind="ddp", use_lora=False)
