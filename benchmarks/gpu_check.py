@@ -67,18 +67,34 @@ def sharding_note(strategy: str, gpus: int) -> str | None:
     return None
 
 
+# A rank's own failure: the toolkit's one-line refusal, or the exception line that ends a traceback; the launchers'
+# closing lines (CalledProcessError, ChildFailedError) only repeat that a child failed.
+_CAUSE = re.compile(r"^(\[rank\d+\]:\s*)?(finetune: error:|[A-Za-z_.]*(Error|Exception)\b)")
+_LAUNCHER = ("CalledProcessError", "ChildFailedError")
+
+
+def root_cause(output: str) -> str:
+    """The line that says why a launched run failed (its rank's exception, not the launcher's), shortened."""
+    lines = output.splitlines()
+    causes = [line for line in lines if _CAUSE.match(line.strip()) and not any(word in line for word in _LAUNCHER)]
+    return (causes or lines or ["no output"])[-1].strip()[:400]
+
+
 def check(name: str, strategy: str, extra: list[str], scratch: Path) -> dict:
     gpus = 1 if strategy == "single" else torch.cuda.device_count()
     output_dir = scratch / name
+    # The shipped configs launch in bf16; an fp16 row says so to the launcher too (the recipe check refuses a
+    # launcher and a recipe that disagree on the precision).
+    options = ("--mixed_precision", "fp16") if "--fp16" in extra else ()
     command = SHIPPED_BY_NAME[strategy].launch(cpu=False).command(
-        "train", "recipes/demo.yaml", "--output_dir", str(output_dir), *SHORT, *extra, num_processes=gpus)
+        "train", "recipes/demo.yaml", "--output_dir", str(output_dir), *SHORT, *extra, num_processes=gpus,
+        options=options)
     result = run(command, timeout=1800, cwd=ROOT)
     row: dict = {"strategy": strategy, "gpus": gpus, "returncode": result.returncode}
     if note := sharding_note(strategy, gpus):
         row["note"] = note
     if result.returncode != 0:
-        errors = [line for line in result.output.splitlines() if re.search("error|Error", line)]
-        return {**row, "error": (errors or result.output.splitlines() or ["no output"])[-1][:400]}
+        return {**row, "error": root_cause(result.output)}
     history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
     losses = [entry["loss"] for entry in history if "loss" in entry]
     row.update(first_loss=losses[0], last_loss=losses[-1])
@@ -97,23 +113,29 @@ def check(name: str, strategy: str, extra: list[str], scratch: Path) -> dict:
 def main() -> int:
     import argparse
 
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=list(CHECKS), metavar="CHECK",
+                        help="run these rows alone and update them in the device's results file")
+    only = parser.parse_args().only
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU visible; the CPU twins of these paths run in `make test`.", file=sys.stderr)
         return 2
     device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    path = ROOT / "benchmarks" / "results" / f"gpu-check-{device}.json"
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
         bf16_checkpoint = save_bf16_checkpoint(Path(scratch) / "bf16_checkpoint")
         for name, (strategy, extra) in CHECKS.items():
+            if only and name not in only:
+                continue
             print(f"running {name}", flush=True)
             extra = [value.format(bf16_checkpoint=bf16_checkpoint) for value in extra]
-            rows[name] = check(name, strategy, extra, Path(scratch))
+            rows[name] = {**check(name, strategy, extra, Path(scratch)), "date": date.today().isoformat()}
             print(f"  {rows[name]}", flush=True)
-    record = {"date": date.today().isoformat(), "device": device, "gpus": torch.cuda.device_count(),
-              "command": "python benchmarks/gpu_check.py", "checks": rows}
-    path = ROOT / "benchmarks" / "results" / f"gpu-check-{device}.json"
+    earlier = json.loads(path.read_text())["checks"] if only and path.is_file() else {}
+    record = {"device": device, "gpus": torch.cuda.device_count(), "command": "python benchmarks/gpu_check.py",
+              "checks": {**earlier, **rows}}
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")
     failed = [name for name, row in rows.items() if row["returncode"] != 0 or row["last_loss"] >= row["first_loss"]]
