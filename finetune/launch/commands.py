@@ -28,9 +28,10 @@ class Launch(NamedTuple):
     deepspeed_json: str | None = None
     program: tuple[str, ...] = FINETUNE
 
-    def command(self, *args: str, num_processes: int | None = None) -> list[str]:
+    def command(self, *args: str, num_processes: int | None = None, options: tuple[str, ...] = ()) -> list[str]:
+        """`options`: `accelerate launch` options beside the config file (`--mixed_precision fp16`)."""
         return accelerate_launch_command(self.config_file, *args, num_processes=num_processes,
-                                         deepspeed_json=self.deepspeed_json, program=self.program)
+                                         deepspeed_json=self.deepspeed_json, program=self.program, options=options)
 
 
 def accelerate_launch_command(config_file: str, *args: str, num_processes: int | None = None,

@@ -92,6 +92,9 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strate
         with _on_meta_device(shapes_only):
             model = presets.build_model(tokenizer, seed=seed, dtype=dtype)
         model.tie_weights()  # built on the meta device, the tie was a second meta Parameter
+        if model_args.attn_implementation is not None:  # as from_pretrained takes it: a kernel that cannot run stops
+            with loading_refusals(model_args):
+                model.set_attn_implementation(model_args.attn_implementation)
         model.config.name_or_path = model.name_or_path = presets.TINY_MODEL  # peft records it as the adapter's base
         return model
     check_local_path(model_args.model_name_or_path, "model_name_or_path")
@@ -121,7 +124,7 @@ def _load_sharded(model_args, tokenizer, seed: int, parallelism: Parallelism):
         if name == presets.TINY_MODEL:  # written as save_pretrained writes it, which under a process group
             from safetensors.torch import save_model  # writes on global rank 0 only
 
-            tiny = presets.build_model(tokenizer, seed=seed)
+            tiny = presets.build_model(tokenizer, seed=seed)  # attn_implementation: from_pretrained's, below
             tiny.config.save_pretrained(scratch)
             save_model(tiny, str(Path(scratch) / "model.safetensors"), metadata={"format": "pt"})
             name = scratch

@@ -119,3 +119,17 @@ def test_tensor_parallel_under_deepspeed_or_with_lora_is_refused():
         check(Parallelism(tensor_parallel_size=2), config, strategy_kind="ddp", use_lora=True)
     with pytest.raises(RecipeError, match="DeepSpeed Ulysses"):
         check(Parallelism(sequence_parallel_size=2), config, strategy_kind="ddp", use_lora=False)
+
+
+def test_a_tensor_parallel_run_that_would_save_unresumable_checkpoints_is_refused(monkeypatch):
+    from finetune.launch.strategies import Strategy
+    from finetune.recipe.args import ModelArguments
+    from finetune.recipe.preflight import check_parallelism
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match="save_only_model: true"):
+        check_parallelism({"tensor_parallel_size": 2, "save_strategy": "steps"}, ModelArguments(), False,
+                          Strategy("ddp"))
+    parallelism, strategy = check_parallelism({"tensor_parallel_size": "2", "save_strategy": "steps",
+                                               "save_only_model": "true"}, ModelArguments(), False, Strategy("ddp"))
+    assert parallelism == Parallelism(tensor_parallel_size=2) and strategy.label == "tp2"
