@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune import outputs
+from finetune.checkpoints.sharded_state import STATE_FOLDER
 from finetune.checkpoints.untrusted_files import (  # noqa: F401 (check_checkpoint_files: resume and export call it from here)
     CHECKPOINT_NAME,
     UnsafeCheckpointFile,
@@ -29,7 +30,7 @@ from finetune.checkpoints.untrusted_files import (  # noqa: F401 (check_checkpoi
     files_loaders_open,
 )
 from finetune.errors import RecipeError, launched_rank
-from finetune.launch.strategies import Strategy, prepared_strategy
+from finetune.launch.strategies import Strategy, loaded_sharded, prepared_strategy
 from finetune.memory.ledger import optimizer_chain
 from finetune.outputs import CHECKPOINT_COMPLETE as COMPLETE_MARKER
 
@@ -57,11 +58,14 @@ def checkpoint_layout(trainer) -> dict:
     from what Accelerate prepares (valid before the model is wrapped, when a resume is checked; the strategy check
     stops a run whose engine differs)."""
     args = trainer.args
-    running = prepared_strategy(trainer.accelerator.state, args.world_size)
+    running = loaded_sharded(trainer.model) or prepared_strategy(trainer.accelerator.state, args.world_size)
     layout = {"world_size": args.world_size, "strategy": "ddp" if running.kind == "single" else running.kind,
               "zero_stage": running.zero_stage, "sequences_per_step": trainer.global_batch_size}
     if running.kind == "fsdp":
         layout["fsdp_sharding"] = running.fsdp_sharding
+    if running.kind == "tensor_parallel":
+        layout.update(tensor_parallel_size=running.tensor_parallel_size, dp_shard_size=running.dp_shard_size,
+                      dp_replicate_size=running.dp_replicate_size)
     if running.kind == "deepspeed":
         zero = trainer.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
         layout["round_robin_gradients"] = zero.get("round_robin_gradients") is True
@@ -259,7 +263,9 @@ def check_explicit_checkpoint(path: str) -> None:
 def layout_strategy(layout: dict) -> Strategy:
     """The strategy a checkpoint layout records (markers written before FSDP was recorded: from the ZeRO stage)."""
     kind = layout.get("strategy") or ("ddp" if layout.get("zero_stage") is None else "deepspeed")
-    return Strategy(kind, zero_stage=layout.get("zero_stage"), fsdp_sharding=layout.get("fsdp_sharding"))
+    sizes = {key: layout[key] for key in ("tensor_parallel_size", "dp_shard_size", "dp_replicate_size")
+             if key in layout}
+    return Strategy(kind, zero_stage=layout.get("zero_stage"), fsdp_sharding=layout.get("fsdp_sharding"), **sizes)
 
 
 def describe_layout(layout: dict) -> str:
@@ -445,6 +451,9 @@ def files_a_resume_needs(folder: Path, rank: int | None = None) -> list[list[str
         if marker.get("zero_stage", 1):  # ZeRO-1/2/3 partition the optimizer: one file a rank
             needs += [[name] for name in rank_files(f"{tag}/*zero_pp_rank_{{rank}}_mp_rank_00_optim_states.pt",
                                                     ranks)]
+    elif kind == "tensor_parallel":  # the gathered weights, and the slices a resume loads (checkpoints.sharded_state)
+        needs += [["model.safetensors", "model.safetensors.index.json"], [f"{STATE_FOLDER}/.metadata"],
+                  ["scheduler.pt"]]
     elif kind == "fsdp":
         # Accelerate's `save_fsdp_model`/`save_fsdp_optimizer`: a distributed checkpoint folder (sharded state
         # dicts, the shipped configs) or `.bin` files (full or local state dicts)

@@ -72,12 +72,6 @@ def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: boo
     if not parallelism.named:
         return parallelism, strategy
     check(parallelism, model_config(), strategy_kind=strategy.kind, use_lora=use_lora)
-    saves = str(training_inputs.get("save_strategy", "steps")).lower() not in ("no", "none")
-    if parallelism.loads_sharded and saves and not is_true(training_inputs.get("save_only_model")):
-        raise RecipeError(f"{parallelism.describe()}: checkpoints of a model Transformers loaded sharded keep its "
-                          "weights but not the optimizer's sharded state, so such a run cannot resume yet; set "
-                          "`save_only_model: true` (checkpoints to evaluate or export, not to resume) or "
-                          "`save_strategy: no`.")
     if parallelism.loads_sharded and strategy.kind != "tensor_parallel":
         source = "the recipe" if "recipe" in sources.values() else (strategy.source or "the launch")
         strategy = Strategy.from_parallelism(parallelism, source, strategy.nodes)

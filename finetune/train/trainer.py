@@ -40,6 +40,8 @@ from finetune.checkpoints.complete import (
     rotate_complete_checkpoints,
 )
 from finetune.checkpoints.disk import needed_checkpoint_bytes, saving_within_free_space, trainable_parameter_bytes
+from finetune.checkpoints.sharded_state import load_sharded_model, load_sharded_optimizer, save_sharded_state
+from finetune.memory.ledger import optimizer_chain
 from finetune.models.loading import dtype_name, saved_dtype
 from finetune.recipe.batch_plan import BatchPlan, data_parallel_size
 
@@ -62,7 +64,18 @@ class FinetuneTrainerMixin:
     changed."""
 
     def __init__(self, *args, recipe_values: dict[str, str] | None = None, train_data: str | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
+        # Trainer refuses to checkpoint a model Transformers loaded sharded unless only the model is saved; this class
+        # saves its optimizer's slices itself (finetune.checkpoints.sharded_state).
+        training_args = kwargs.get("args")
+        sharded = getattr(kwargs.get("model"), "is_distributed_loading_by_transformers", False) \
+            and training_args is not None and not training_args.save_only_model
+        if sharded:
+            training_args.save_only_model = True
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            if sharded:
+                training_args.save_only_model = False
         log_metrics_first(self)
         self.recipe_values = recipe_values or {}
         self.train_data = train_data
@@ -223,8 +236,34 @@ class FinetuneTrainerMixin:
         self._sum_tokens_seen()
         super().log(logs, *args, **kwargs)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._loaded_sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        import torch
+        from transformers.trainer import SCHEDULER_NAME
+
+        save_sharded_state(self.model, optimizer_chain(self.optimizer)[-1], Path(output_dir))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._loaded_sharded():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_sharded_model(self.model, Path(resume_from_checkpoint))
+
+    def _loaded_sharded(self) -> bool:
+        """The model was loaded sharded by Transformers (tensor parallel): its state is saved as slices."""
+        return getattr(self, "is_distributed_loading_by_transformers", False)
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self._loaded_sharded():
+            import torch
+            from transformers.trainer import SCHEDULER_NAME
+
+            load_sharded_optimizer(self.model, optimizer_chain(self.optimizer)[-1], Path(checkpoint))
+            self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
         change = continue_schedule_at_this_runs_rate(self.lr_scheduler, self.args.learning_rate)

@@ -64,3 +64,20 @@ def test_export_help_and_errors(tmp_path, capsys):
     assert "holds no model" in capsys.readouterr().err
     assert main(["export", str(tmp_path), str(tmp_path / "out"), "--merge-lora"]) == 2
     assert "holds no LoRA adapter" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_zero3_shards_answer_in_chat_as_the_gathered_model(deepspeed_runs, tmp_path, capsys):
+    """`finetune chat` on a ZeRO-3 checkpoint's shards (consolidated as export does) answers as the weights DeepSpeed
+    gathered at the same step. Here, not in tests/commands/test_chat.py, so that the chat tests, which read the demo
+    run, and the DeepSpeed runs' readers are two worker groups under pytest-xdist (tests/conftest.py)."""
+    output_dir = deepspeed_runs["zero3"]["output_dir"]
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(output_dir / "checkpoint-3", checkpoint)
+    (checkpoint / "model.safetensors").unlink()  # leave only the ZeRO shards
+    outputs = []
+    for source in (checkpoint, output_dir):  # the shards, and the weights DeepSpeed gathered at step 3
+        assert main(["chat", str(source), "--prompt", "reverse\n\nabc", "--max-new-tokens", "8"]) == 0
+        outputs.append(capsys.readouterr())
+    assert outputs[0].out == outputs[1].out  # after 3 steps: EOS first, by a logit margin of 0.16
+    assert "Processing zero checkpoint" in outputs[0].err  # DeepSpeed's consolidation prints, kept off stdout

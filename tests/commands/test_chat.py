@@ -3,7 +3,6 @@ stdin (history kept, /reset, /exit); a LoRA run answers the same with and withou
 as the gathered model; a tokenizer without a template gets training's default; help and error paths."""
 
 import json
-import shutil
 import subprocess
 
 import pytest
@@ -127,20 +126,6 @@ def test_a_hub_like_bf16_checkpoint_answers_in_its_own_chat_template(hub_model_d
     assert "torch.bfloat16" in err
     assert ("[prompt] '<|im_start|>system\\nbe brief<|im_end|>\\n<|im_start|>user\\nhello there<|im_end|>\\n"
             "<|im_start|>assistant\\n'") in err
-
-
-@pytest.mark.distributed
-def test_zero3_shards_answer_as_the_gathered_model(deepspeed_runs, tmp_path, capsys):
-    output_dir = deepspeed_runs["zero3"]["output_dir"]
-    checkpoint = tmp_path / "checkpoint-3"
-    shutil.copytree(output_dir / "checkpoint-3", checkpoint)
-    (checkpoint / "model.safetensors").unlink()  # leave only the ZeRO shards
-    outputs = []
-    for source in (checkpoint, output_dir):  # the shards, and the weights DeepSpeed gathered at step 3
-        assert main(["chat", str(source), "--prompt", reverse("abc"), "--max-new-tokens", "8"]) == 0
-        outputs.append(capsys.readouterr())
-    assert outputs[0].out == outputs[1].out  # after 3 steps: EOS first, by a logit margin of 0.16
-    assert "Processing zero checkpoint" in outputs[0].err  # DeepSpeed's consolidation prints, kept off stdout
 
 
 def test_chat_help(capsys):

@@ -2,16 +2,21 @@
 (finetune.testing.parallelism_on_cpu), the model loaded sharded by Transformers' `DistributedConfig`. TP 2 on the
 tiny preset (2 processes, tied embeddings) and TP 2 × FSDP2 2 on a hub-shaped checkpoint (4 processes, untied head,
 grouped-query attention, bf16 safetensors) train with the losses of one process at the same global batch, clipping
-active; each rank holds its slices (DTensor local shapes, the ledger equal to the prediction); what cannot work is
-refused before any process group, in one line."""
+active; each rank holds its slices (DTensor local shapes, the ledger equal to the prediction); a resume logs the
+uninterrupted losses; the gathered weights export to the one-process model; what cannot work is refused before any
+process group, in one line."""
 
 import json
+import shutil
 
 import pytest
+import torch
 from hub_fixtures import save_hub_model
 from support import assert_succeeded, launch_demo
 
 from finetune import outputs
+from finetune.checkpoints.complete import COMPLETE_MARKER
+from finetune.checkpoints.sharded_state import STATE_FOLDER
 from finetune.cli import main
 from finetune.errors import RecipeError
 from finetune.launch.parallelism import CONTEXT_PARALLEL_ON_CPU, Parallelism, check
@@ -21,8 +26,10 @@ from finetune.memory.shapes import resolve_config
 TP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel"].launch(cpu=True)
 TP_FSDP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel_fsdp"].launch(cpu=True)
 # Global batch 16 on every launch; the gradient norm (2.4 to 5.8 over these steps) is clipped to 0.5 at each step.
-RUN = ["--max_steps", "5", "--logging_steps", "1", "--global_batch_size", "16", "--max_grad_norm", "0.5",
-       "--warmup_steps", "0", "--save_strategy", "no", "--eval_on_start", "false", "--report_to", "none"]
+# Complete checkpoints at steps 3 and 6.
+RUN = ["--max_steps", "6", "--logging_steps", "1", "--global_batch_size", "16", "--max_grad_norm", "0.5",
+       "--warmup_steps", "0", "--save_strategy", "steps", "--save_steps", "3", "--eval_on_start", "false",
+       "--report_to", "none"]
 PADDING = 1024  # bytes: FSDP2 pads a rank's shard of an uneven tensor to the largest shard (tests/launch/test_fsdp.py)
 
 
@@ -38,7 +45,9 @@ def hub_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, hub_model):
-    """Each launch and its one-process twin (in this process), same recipe and global batch."""
+    """Each launch and its one-process twin (in this process), same recipe and global batch; and the TP × FSDP2 run
+    resumed from its step-3 checkpoint (the later one and the final files removed, as a run killed after step 3
+    leaves its folder)."""
     hub = ["--model_name_or_path", str(hub_model), "--generation_eval_samples", "0"]
     done = {}
     for name, launch, extra in (("tp", TP_ON_CPU, []), ("tp_fsdp", TP_FSDP_ON_CPU, hub)):
@@ -47,6 +56,10 @@ def runs(tmp_path_factory, hub_model):
         one = tmp_path_factory.mktemp(f"{name}_one")
         assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN, *extra]) == 0
         done[name], done[f"{name}_one"] = output_dir, one
+    resumed = tmp_path_factory.mktemp("tp_fsdp_resumed")
+    shutil.copytree(done["tp_fsdp"] / "checkpoint-3", resumed / "checkpoint-3")
+    done["resume_output"] = launch_demo(TP_FSDP_ON_CPU, resumed, *RUN, *hub, "--resume_from_checkpoint", "auto")
+    done["tp_fsdp_resumed"] = resumed
     return done
 
 
@@ -54,7 +67,7 @@ def runs(tmp_path_factory, hub_model):
 @pytest.mark.parametrize("name", ["tp", "tp_fsdp"])
 def test_tensor_parallel_runs_train_with_the_losses_of_one_process(runs, name):
     sharded, one = history(runs[name]), history(runs[f"{name}_one"])
-    assert [entry["step"] for entry in sharded] == [1, 2, 3, 4, 5]
+    assert [entry["step"] for entry in sharded] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(sharded, one, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
@@ -90,6 +103,38 @@ def test_each_rank_holds_its_slices_as_predicted(runs, name, world, sizes):
         <= one["params_bytes"] * 1.01 + world * PADDING
 
 
+@pytest.mark.distributed
+def test_a_resumed_tensor_parallel_run_logs_the_uninterrupted_losses(runs):
+    assert_succeeded(runs["resume_output"])
+    assert f"resuming from {runs['tp_fsdp_resumed'] / 'checkpoint-3'}" in runs["resume_output"].output
+    then, now = history(runs["tp_fsdp"]), history(runs["tp_fsdp_resumed"])
+    assert [entry["step"] for entry in now] == [1, 2, 3, 4, 5, 6]  # 1 to 3 restored from the checkpoint's state
+    for a, b in zip(now[3:], then[3:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"])
+    marker = json.loads((runs["tp_fsdp"] / "checkpoint-3" / COMPLETE_MARKER).read_text())
+    assert (marker["strategy"], marker["tensor_parallel_size"], marker["dp_shard_size"]) == ("tensor_parallel", 2, 2)
+    assert (runs["tp_fsdp"] / "checkpoint-3" / STATE_FOLDER / ".metadata").is_file()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["tp", "tp_fsdp"])
+def test_the_gathered_weights_and_their_export_are_the_one_process_model(runs, name, tmp_path):
+    """The step-6 checkpoints of the sharded run and of its one-process twin export to the same model; the final
+    weights are those, in the checkpoint's own dtype (the hub-shaped one is stored in bf16, so rounded to it)."""
+    from transformers import AutoModelForCausalLM
+
+    inputs = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    logits = {}
+    for source in (name, f"{name}_one"):
+        assert main(["export", str(runs[source] / "checkpoint-6"), str(tmp_path / source)]) == 0
+        logits[source] = AutoModelForCausalLM.from_pretrained(tmp_path / source, dtype=torch.float32)(inputs).logits
+    assert torch.allclose(logits[name], logits[f"{name}_one"], atol=1e-4)  # the same training, on one process
+    final = AutoModelForCausalLM.from_pretrained(runs[name], dtype=torch.float32)(inputs).logits
+    stored = json.loads((runs[name] / "config.json").read_text())["dtype"]
+    assert stored == ("float32" if name == "tp" else "bfloat16")
+    assert torch.allclose(final, logits[name], atol=1e-6 if name == "tp" else 5e-2)
+
+
 def test_tied_embeddings_under_tensor_parallel_with_fsdp_are_refused_naming_the_defect():
     tied = resolve_config("tiny")
     with pytest.raises(RecipeError, match="stale copy of the shared weight") as refused:
@@ -121,15 +166,19 @@ def test_tensor_parallel_under_deepspeed_or_with_lora_is_refused():
         check(Parallelism(sequence_parallel_size=2), config, strategy_kind="ddp", use_lora=False)
 
 
-def test_a_tensor_parallel_run_that_would_save_unresumable_checkpoints_is_refused(monkeypatch):
+def test_the_sizes_an_accelerate_config_exports_are_checked_as_the_recipes_are(monkeypatch):
     from finetune.launch.strategies import Strategy
     from finetune.recipe.args import ModelArguments
     from finetune.recipe.preflight import check_parallelism
 
+    for variable, value in (("WORLD_SIZE", "4"), ("ACCELERATE_USE_PARALLELISM_CONFIG", "true"),
+                            ("PARALLELISM_CONFIG_TP_SIZE", "2"), ("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")):
+        monkeypatch.setenv(variable, value)  # what `accelerate launch` exports for tensor_parallel_fsdp.yaml
+    with pytest.raises(RecipeError, match="stale copy"):  # the tiny preset ties its embeddings
+        check_parallelism({}, ModelArguments(), False, Strategy("ddp"))
+    with pytest.raises(RecipeError, match="`tensor_parallel_size: 4` in the recipe, but the Accelerate config"):
+        check_parallelism({"tensor_parallel_size": "4"}, ModelArguments(), False, Strategy("ddp"))
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RecipeError, match="save_only_model: true"):
-        check_parallelism({"tensor_parallel_size": 2, "save_strategy": "steps"}, ModelArguments(), False,
-                          Strategy("ddp"))
-    parallelism, strategy = check_parallelism({"tensor_parallel_size": "2", "save_strategy": "steps",
-                                               "save_only_model": "true"}, ModelArguments(), False, Strategy("ddp"))
+    parallelism, strategy = check_parallelism({"save_strategy": "steps"}, ModelArguments(), False, Strategy("ddp"))
     assert parallelism == Parallelism(tensor_parallel_size=2) and strategy.label == "tp2"
