@@ -17,14 +17,16 @@ from finetune.train.trainer import FinetuneTrainer, FinetuneTrainerMixin
 # guarantees: complete checkpoints (_save_checkpoint), resume (_load_optimizer_and_scheduler), the data policies on
 # TRL's tokenized pairs (_prepare_dataset), no telemetry (_send_telemetry), ddp_timeout on gloo (_setup_devices), the
 # token count summed when read rather than at every micro-step (_track_num_input_tokens, log), packed rows' lengths
-# kept for the collator (_set_signature_columns_if_needed).
+# kept for the collator (_set_signature_columns_if_needed), a tensor-parallel model's slices saved and resumed
+# (_save_optimizer_and_scheduler, _load_from_checkpoint).
 OVERRIDES = [
     (FinetuneTrainerMixin, Trainer, ("create_accelerator_and_postprocess", "_save_checkpoint", "save_model", "_save",
-                                     "_load_optimizer_and_scheduler", "train", "_track_num_input_tokens", "log")),
+                                     "_load_optimizer_and_scheduler", "train", "_track_num_input_tokens", "log",
+                                     "_save_optimizer_and_scheduler", "_load_from_checkpoint")),
     (FinetuneTrainer, Trainer, ("compute_loss", "_set_signature_columns_if_needed")),
     (FinetuneTrainerMixin, DPOTrainer, ("create_accelerator_and_postprocess", "_save_checkpoint", "save_model",
                                         "_save", "_load_optimizer_and_scheduler", "train", "_track_num_input_tokens",
-                                        "log")),
+                                        "log", "_save_optimizer_and_scheduler", "_load_from_checkpoint")),
     (FinetuneDPOTrainer, DPOTrainer, ("_prepare_dataset", "_send_telemetry", "create_model_card")),
     (FinetuneTrainingArguments, TrainingArguments, ("_setup_devices",)),
 ]
