@@ -197,11 +197,23 @@ def check_heads(tensor: int, model_config) -> None:
                               f"each rank holds whole heads. Choose one of {divisors}.")
 
 
-def check(parallelism: Parallelism, model_config, *, strategy_kind: str, use_lora: bool) -> None:
+# Set by finetune.testing.parallelism_on_cpu, the one program under which Accelerate builds a TP mesh on CPU processes.
+CPU_MESH_ALLOWED = "FINETUNE_PARALLELISM_ON_CPU"
+
+
+def check(parallelism: Parallelism, model_config, *, strategy_kind: str, use_lora: bool, on_gpu: bool = True,
+          environ=None) -> None:
     """What cannot work, said before any process group: TP that does not divide the heads, tied embeddings under
-    TP × FSDP2, axes under an engine that does not run them (context parallelism without GPUs: `requested_on`)."""
+    TP × FSDP2, axes under an engine that does not run them, TP on CPU processes outside the CPU twin's program
+    (context parallelism without GPUs: `requested_on`)."""
     if not parallelism.named:
         return
+    environ = os.environ if environ is None else environ
+    if parallelism.loads_sharded and not on_gpu and environ.get(CPU_MESH_ALLOWED) != "1":
+        raise RecipeError(f"`tensor_parallel_size: {parallelism.tensor_parallel_size}` on CPU processes: Accelerate "
+                          "builds a tensor-parallel mesh for GPUs only. Its CPU twin runs under "
+                          "`-m finetune.testing.parallelism_on_cpu` (accelerate_configs/cpu_tensor_parallel.yaml), "
+                          "as `finetune train RECIPE.yaml --gpus 2 --strategy tensor_parallel` launches it.")
     tensor = parallelism.tensor_parallel_size
     if tensor > 1:
         check_heads(tensor, model_config)
@@ -211,7 +223,7 @@ def check(parallelism: Parallelism, model_config, *, strategy_kind: str, use_lor
             raise RecipeError(f"`tensor_parallel_size: {tensor}` under {strategy_kind}: Transformers shards the model "
                               "itself while loading it (tensor parallel, with FSDP2 over `dp_shard_size`), so launch "
                               "it as plain processes (accelerate_configs/tensor_parallel.yaml, or `finetune train "
-                              "--gpus N`), not under a DeepSpeed or FSDP config.")
+                              "--gpus N --strategy tensor_parallel`), not under a DeepSpeed or FSDP config.")
         if use_lora:
             raise RecipeError(f"`use_lora` with `tensor_parallel_size: {tensor}`: adapters on tensor-parallel layers "
                               "are not supported here; train LoRA under DDP, ZeRO or FSDP instead.")

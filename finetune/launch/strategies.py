@@ -25,7 +25,7 @@ from finetune.configs.deepspeed import NVME_PATH_PLACEHOLDER, deepspeed_config
 from finetune.errors import RecipeError
 from finetune.launch.commands import Launch
 
-KINDS = STRATEGIES  # the generator's names: single, ddp, deepspeed, fsdp
+KINDS = STRATEGIES  # the generator's names: single, ddp, deepspeed, fsdp, tensor_parallel
 # Where the optimizer steps the model's own tensors, so `pure_bf16` means what it says (DeepSpeed keeps fp32 masters of
 # its own, Accelerate's FSDP path upcasts trainable parameters).
 PURE_BF16_KINDS = ("single", "ddp")

@@ -71,7 +71,7 @@ def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: boo
     parallelism, sources = requested_on(training_inputs, on_gpu, world_size, model_config)
     if not parallelism.named:
         return parallelism, strategy
-    check(parallelism, model_config(), strategy_kind=strategy.kind, use_lora=use_lora)
+    check(parallelism, model_config(), strategy_kind=strategy.kind, use_lora=use_lora, on_gpu=on_gpu)
     if parallelism.loads_sharded and strategy.kind != "tensor_parallel":
         source = "the recipe" if "recipe" in sources.values() else (strategy.source or "the launch")
         strategy = Strategy.from_parallelism(parallelism, source, strategy.nodes)

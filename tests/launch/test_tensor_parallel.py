@@ -19,7 +19,7 @@ from finetune.checkpoints.complete import COMPLETE_MARKER
 from finetune.checkpoints.sharded_state import STATE_FOLDER
 from finetune.cli import main
 from finetune.errors import RecipeError
-from finetune.launch.parallelism import CONTEXT_PARALLEL_ON_CPU, Parallelism, check
+from finetune.launch.parallelism import CONTEXT_PARALLEL_ON_CPU, CPU_MESH_ALLOWED, Parallelism, check
 from finetune.launch.strategies import SHIPPED_BY_NAME
 from finetune.memory.shapes import resolve_config
 
@@ -174,6 +174,9 @@ def test_the_sizes_an_accelerate_config_exports_are_checked_as_the_recipes_are(m
     for variable, value in (("WORLD_SIZE", "4"), ("ACCELERATE_USE_PARALLELISM_CONFIG", "true"),
                             ("PARALLELISM_CONFIG_TP_SIZE", "2"), ("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")):
         monkeypatch.setenv(variable, value)  # what `accelerate launch` exports for tensor_parallel_fsdp.yaml
+    with pytest.raises(RecipeError, match="Accelerate builds a tensor-parallel mesh for GPUs only"):
+        check_parallelism({}, ModelArguments(), False, Strategy("ddp"))  # CPU processes, not the CPU twin's program
+    monkeypatch.setenv(CPU_MESH_ALLOWED, "1")  # as finetune.testing.parallelism_on_cpu sets it
     with pytest.raises(RecipeError, match="stale copy"):  # the tiny preset ties its embeddings
         check_parallelism({}, ModelArguments(), False, Strategy("ddp"))
     with pytest.raises(RecipeError, match="`tensor_parallel_size: 4` in the recipe, but the Accelerate config"):
