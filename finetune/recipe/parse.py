@@ -163,6 +163,9 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     strategy, deepspeed_config = preflight_launch(training_inputs)
     parallelism, strategy = check_parallelism(training_inputs, model, lora.use_lora or lora.use_qlora, strategy)
     if parallelism.named:  # the resolved sizes, whoever named them, are what TrainingArguments carries
+        if sections.method.name != "sft":
+            raise RecipeError(f"`method: {sections.method.name}` with {parallelism.describe()}: only supervised "
+                              "fine-tuning runs on these axes so far; train it under DDP, ZeRO or FSDP.")
         training_inputs.update(parallelism.to_dict())
     check_named_strategy(training_inputs.get("strategy"), strategy, int(os.environ.get("WORLD_SIZE", "1")),
                          sources.get("strategy") == COMMAND_LINE)

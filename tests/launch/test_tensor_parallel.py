@@ -22,6 +22,7 @@ from finetune.errors import RecipeError
 from finetune.launch.parallelism import CONTEXT_PARALLEL_ON_CPU, CPU_MESH_ALLOWED, Parallelism, check
 from finetune.launch.strategies import SHIPPED_BY_NAME
 from finetune.memory.shapes import resolve_config
+from finetune.recipe.parse import parse_recipe
 
 TP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel"].launch(cpu=True)
 TP_FSDP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel_fsdp"].launch(cpu=True)
@@ -183,5 +184,7 @@ def test_the_sizes_an_accelerate_config_exports_are_checked_as_the_recipes_are(m
         check_parallelism({"tensor_parallel_size": "4"}, ModelArguments(), False, Strategy("ddp"))
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match="`method: dpo` with tensor_parallel_size 2: only supervised"):
+        parse_recipe("recipes/dpo.yaml", ["--output_dir", "unused"])
     parallelism, strategy = check_parallelism({"save_strategy": "steps"}, ModelArguments(), False, Strategy("ddp"))
     assert parallelism == Parallelism(tensor_parallel_size=2) and strategy.label == "tp2"
