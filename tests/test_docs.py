@@ -225,7 +225,8 @@ def check_script(argv: list[str], places: dict) -> None:
 def split_launch(argv: list[str]) -> tuple[list[str], list[str]]:
     """Launcher options, then the `finetune train` arguments (`finetune.testing.fsdp_on_cpu train` for FSDP on CPU)."""
     module = argv.index("-m")
-    assert argv[module + 1] in ("finetune", "finetune.testing.fsdp_on_cpu") and argv[module + 2] == "train", argv
+    assert argv[module + 1] in ("finetune", "finetune.testing.fsdp_on_cpu", "finetune.testing.parallelism_on_cpu") \
+        and argv[module + 2] == "train", argv
     return argv[:module], argv[module + 3:]
 
 

@@ -20,7 +20,8 @@ SHARDED = {"zero3", "zero3_offload", "zero3_nvme", "zero3_zeropp", "fsdp_full_sh
            "fsdp_hybrid_shard"}
 
 
-@pytest.mark.parametrize("row", SHIPPED, ids=lambda row: row.name)
+# QLoRA under tensor parallelism is refused before loading (finetune.launch.parallelism: no adapters on TP layers).
+@pytest.mark.parametrize("row", [row for row in SHIPPED if row.kind != "tensor_parallel"], ids=lambda row: row.name)
 def test_sharded_strategies_store_the_4bit_weights_in_the_compute_dtype(row):
     for torch_dtype, compute in (("bfloat16", torch.bfloat16), ("auto", torch.bfloat16), ("float16", torch.float16)):
         load = qlora_load(row.strategy, torch_dtype, local_rank=1)
