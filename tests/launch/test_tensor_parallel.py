@@ -185,6 +185,6 @@ def test_the_sizes_an_accelerate_config_exports_are_checked_as_the_recipes_are(m
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match="`method: dpo` with tensor_parallel_size 2: only supervised"):
-        parse_recipe("recipes/dpo.yaml", ["--output_dir", "unused"])
+        parse_recipe("recipes/dpo.yaml", ["--output_dir", "unused", "--model_name_or_path", "tiny"])
     parallelism, strategy = check_parallelism({"save_strategy": "steps"}, ModelArguments(), False, Strategy("ddp"))
     assert parallelism == Parallelism(tensor_parallel_size=2) and strategy.label == "tp2"
