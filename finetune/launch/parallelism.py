@@ -134,8 +134,10 @@ def is_parallelism_launch(environ=None) -> bool:
 
 
 def _accelerate_name(key: str) -> str:
-    return {"tensor_parallel_size": "tp_size", "sequence_parallel_size": "sp_size",
-            "context_parallel_size": "cp_size"}.get(key, key)
+    """The size's name in an Accelerate config's `parallelism_config` section, without its prefix."""
+    from finetune.configs.accelerate import PARALLELISM_KEYS
+
+    return PARALLELISM_KEYS[key].removeprefix("parallelism_config_")
 
 
 def _size(key: str, value, where: str) -> int | None:
