@@ -27,7 +27,7 @@ from finetune.launch.strategies import SHIPPED
 
 # One process, DDP, FSDP2, and every shipped DeepSpeed config that runs without NVMe or CUDA-only kernels.
 STRATEGIES = ["single", "ddp", "fsdp_full_shard", "fsdp_shard_grad_op",
-              *(row.name for row in SHIPPED if row.kind == "deepspeed" and row.cpu)]
+              *(row.name for row in SHIPPED if row.kind == "deepspeed" and row.cpu and not row.parallelism)]
 
 
 def worker(args) -> None:

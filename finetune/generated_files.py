@@ -100,6 +100,8 @@ ACCELERATE_CONFIGS = [
               "within one node"),
     _one_node("tensor_parallel_fsdp", "TP over 2 GPUs × FSDP2 over 2: matrices split, the rest sharded",
               "4 GPUs or more, TP within a node and FSDP2 over the rest"),
+    _one_node("sequence_parallel", "each sequence over 2 GPUs (DeepSpeed Ulysses) beside ZeRO-3; runs on 2 CPU "
+              "processes as it is", "sequences too long for one GPU's activations (32k tokens and more)"),
     _two_nodes("zero3_zeropp", "ZeRO-3 + ZeRO++ across 2 nodes × 2 GPUs", "many nodes, slow inter-node links"),
     _two_nodes("zero2", "optimizer states + gradients across 2 nodes × 2 GPUs",
                "many nodes, the model fits on one GPU"),

@@ -127,14 +127,59 @@ class FlattenedRowsCollator:
         return {key: torch.tensor([value], dtype=torch.long) for key, value in batch.items()}
 
 
+class SequenceShardedCollator:
+    """Batches DeepSpeed Ulysses can cut along the sequence over `ranks` processes (sequence parallelism): every row
+    carries `position_ids` (each token keeps its place in the whole sequence after the cut; Ulysses masks causally
+    from them, not from an attention mask), and the length is a multiple of `ranks`, filled with pad tokens that come
+    after every real token, have no labels and continue the positions. With `length`, every batch is filled to that
+    length (rounded up to a multiple of `ranks`): over gloo (CPU processes) Ulysses gathers the ranks' batches with
+    an all-gather that takes tensors of one shape only."""
+
+    def __init__(self, collator, ranks: int, pad_token_id: int, length: int | None = None):
+        self.collator, self.ranks, self.pad_token_id = collator, ranks, pad_token_id
+        self.length = None if length is None else -(-length // ranks) * ranks
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        batch = dict(self.collator(features))
+        rows, length = batch["input_ids"].shape
+        if "position_ids" not in batch:
+            batch["position_ids"] = torch.arange(length).repeat(rows, 1)
+        fill = -length % self.ranks if self.length is None else max(self.length - length, 0)
+        if fill:
+            filler = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX}
+            for key, tensor in batch.items():
+                if not torch.is_tensor(tensor) or tensor.dim() != 2 or tensor.shape[1] != length:
+                    continue
+                if key == "position_ids":
+                    extra = tensor[:, -1:] + torch.arange(1, fill + 1)
+                else:
+                    extra = torch.full((rows, fill), filler.get(key, 0), dtype=tensor.dtype)
+                batch[key] = torch.cat([tensor, extra], dim=1)
+        return batch
+
+
 def attention_implementation(model) -> str | None:
     """The attention the model runs (what Transformers dispatches on: `config._attn_implementation`)."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
-def data_collator(tokenizer, packing: bool = False, padding_free: bool = False, model=None):
+def data_collator(tokenizer, packing: bool = False, padding_free: bool = False, model=None,
+                  sequence_parallel: int = 1, max_length: int | None = None):
     """The collator for the batching asked for; with `packing`, `model`'s attention decides the layout: several
-    rows for sdpa/eager/flex, one flattened row for flash attention (module doc). Without `model`, rows."""
+    rows for sdpa/eager/flex, one flattened row for flash attention (module doc). Without `model`, rows. Under
+    sequence parallelism over `sequence_parallel` ranks its batches are made cuttable (`SequenceShardedCollator`),
+    each filled to `max_length` when the ranks talk over gloo."""
+    collator = _collator(tokenizer, packing, padding_free, model)
+    if sequence_parallel > 1:
+        import torch.distributed as dist
+
+        gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+        return SequenceShardedCollator(collator, sequence_parallel, tokenizer.pad_token_id,
+                                       length=max_length if gloo else None)
+    return collator
+
+
+def _collator(tokenizer, packing: bool, padding_free: bool, model):
     if packing:
         if is_flash_attention_requested(requested_attention_implementation=attention_implementation(model)):
             return FlattenedRowsCollator()

@@ -90,6 +90,39 @@ class Parallelism:
                                  dp_replicate_size=self.dp_replicate_size)
 
 
+    def sequence_parallel_config(self, attention: str | None):
+        """Accelerate's `ParallelismConfig` for DeepSpeed Ulysses (ALST) over `sequence_parallel_size` ranks, running
+        `attention` (the model's own: Ulysses wraps it) on sequences of any length; None without sequence
+        parallelism. The other ranks are plain data parallelism to DeepSpeed (`dp_replicate_size`: Accelerate sizes
+        DeepSpeed's batch by it)."""
+        if self.sequence_parallel_size <= 1:
+            return None
+        if attention in ("eager", "flex_attention"):
+            raise RecipeError(f"`sequence_parallel_size: {self.sequence_parallel_size}` with `attn_implementation: "
+                              f"{attention}`: DeepSpeed Ulysses runs sdpa or flash attention over the whole gathered "
+                              "sequence (eager would need a 4D mask the size of the sequence squared); set "
+                              "`attn_implementation: sdpa`.")
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        return ParallelismConfig(sp_size=self.sequence_parallel_size, sp_backend="deepspeed",
+                                 dp_replicate_size=self.data_parallel_size,
+                                 sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
+                                                                            sp_attn_implementation=attention))
+
+
+def prepare_sequence_parallelism(args, parallelism: Parallelism, attention: str | None) -> None:
+    """Before Trainer is built: its `parallelism_config` for DeepSpeed Ulysses, and DeepSpeed's communication layer
+    over the process group this rank already joined (Ulysses builds its sequence groups there before DeepSpeed's
+    engine would set it up)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    args.parallelism_config = parallelism.sequence_parallel_config(attention)
+    if dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+
 def requested(training_inputs: dict[str, Any], environ=None) -> tuple[Parallelism, dict[str, str]]:
     """The sizes the recipe names, else those the launch exports (an Accelerate config's `parallelism_config`), and
     where each came from. A size both name differently is a RecipeError naming both."""

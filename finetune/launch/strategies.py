@@ -51,6 +51,9 @@ class Strategy:
     tensor_parallel_size: int = 1
     dp_shard_size: int = 1
     dp_replicate_size: int = 1
+    # deepspeed: each sequence split over this many ranks (DeepSpeed Ulysses, finetune.launch.parallelism); a recipe
+    # may name it under any DeepSpeed config, so it is not part of which engine ran
+    sequence_parallel_size: int = field(default=1, compare=False)
     # DeepSpeed's bucket settings the estimator counts: elements, or None for "auto" (Trainer fills hidden²).
     reduce_bucket_size: int | None = field(default=None, compare=False)
     overlap_comm: bool = field(default=False, compare=False)
@@ -108,7 +111,8 @@ class Strategy:
         if self.kind == "deepspeed":
             offloads = [f"{key}={value}" for key, value in
                         (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)) if value]
-            return "+".join([f"deepspeed_zero{self.zero_stage}", *offloads])
+            sequence = [f"sp{self.sequence_parallel_size}"] if self.sequence_parallel_size > 1 else []
+            return "+".join([f"deepspeed_zero{self.zero_stage}", *offloads, *sequence])
         if self.kind == "tensor_parallel":
             return "".join([f"tp{self.tensor_parallel_size}",
                             f"_fsdp{self.dp_shard_size}" if self.dp_shard_size > 1 else "",
@@ -119,7 +123,8 @@ class Strategy:
         """How messages name it: `DeepSpeed ZeRO-2`, `FSDP full_shard`, `tensor parallel 2 × FSDP2 2`, `DDP or one
         process`."""
         if self.kind == "deepspeed":
-            return f"DeepSpeed ZeRO-{self.zero_stage}"
+            sequence = self.sequence_parallel_size
+            return f"DeepSpeed ZeRO-{self.zero_stage}" + (f" × sequence parallel {sequence}" if sequence > 1 else "")
         if self.kind == "tensor_parallel":
             return " × ".join([f"tensor parallel {self.tensor_parallel_size}",
                                *([f"FSDP2 {self.dp_shard_size}"] if self.dp_shard_size > 1 else []),
@@ -132,6 +137,8 @@ class Strategy:
         if self.kind == "deepspeed":
             record.update(zero_stage=self.zero_stage, offload_optimizer=self.offload_optimizer,
                           offload_param=self.offload_param)
+            if self.sequence_parallel_size > 1:
+                record["sequence_parallel_size"] = self.sequence_parallel_size
         if self.kind == "fsdp":
             record.update(fsdp_sharding=self.fsdp_sharding, fsdp_version=self.fsdp_version)
         if self.kind == "tensor_parallel":
@@ -147,7 +154,8 @@ class Strategy:
         if self.kind == "deepspeed":
             options.update(zero_stage=self.zero_stage, offload_optimizer=self.offload_optimizer,
                            offload_param=self.offload_param, reduce_bucket_size=self.reduce_bucket_size,
-                           overlap_comm=self.overlap_comm, hpz_partition_size=self.hpz_partition_size)
+                           overlap_comm=self.overlap_comm, hpz_partition_size=self.hpz_partition_size,
+                           sequence_parallel_size=self.sequence_parallel_size)
         if self.kind == "fsdp":
             options["fsdp_sharding"] = self.fsdp_sharding
         if self.kind == "tensor_parallel":
@@ -212,7 +220,11 @@ def read_accelerate(config: dict[str, Any], source: str = "Accelerate config") -
             deepspeed, where = read_deepspeed_file(path), f"DeepSpeed JSON {path}"
         else:
             deepspeed, where = deepspeed_section_as_json(section), f"{source} (inline deepspeed_config)"
-        return Strategy.from_deepspeed(deepspeed, where, nodes), deepspeed
+        strategy = Strategy.from_deepspeed(deepspeed, where, nodes)
+        sequence = (config.get("parallelism_config") or {}).get("parallelism_config_sp_size")
+        if sequence not in (None, ""):
+            strategy = replace(strategy, sequence_parallel_size=int(sequence))
+        return strategy, deepspeed
     if kind == "FSDP":
         return _fsdp_strategy(config.get("fsdp_config") or {}, config.get("parallelism_config") or {}, nodes,
                               source), None
@@ -319,7 +331,10 @@ def prepared_strategy(state, world_size: int, nodes: int = 1) -> Strategy:
     from accelerate.utils import DistributedType
 
     if state.distributed_type == DistributedType.DEEPSPEED:
-        return Strategy.from_deepspeed(state.deepspeed_plugin.deepspeed_config, "Accelerate's DeepSpeed plugin", nodes)
+        strategy = Strategy.from_deepspeed(state.deepspeed_plugin.deepspeed_config, "Accelerate's DeepSpeed plugin",
+                                           nodes)
+        mesh = getattr(state, "parallelism_config", None)
+        return replace(strategy, sequence_parallel_size=getattr(mesh, "sp_size", 1) or 1)
     if state.distributed_type == DistributedType.FSDP:
         plugin = state.fsdp_plugin
         reshard = getattr(plugin, "reshard_after_forward", None)
@@ -346,7 +361,8 @@ def running_strategy(trainer) -> Strategy:
     if trainer.is_deepspeed_enabled and hasattr(wrapped, "zero_optimization_stage"):
         return Strategy("deepspeed", zero_stage=wrapped.zero_optimization_stage(),
                         offload_optimizer=_offload_device(wrapped.zero_offload_optimizer()),
-                        offload_param=_offload_device(wrapped.zero_offload_param()), source="the DeepSpeed engine")
+                        offload_param=_offload_device(wrapped.zero_offload_param()), source="the DeepSpeed engine",
+                        sequence_parallel_size=getattr(wrapped, "sequence_parallel_size", 1) or 1)
     if trainer.is_fsdp_enabled and _is_fsdp_sharded(trainer.model):
         state = trainer.accelerator.state
         return prepared_strategy(state, trainer.args.world_size)
@@ -390,11 +406,12 @@ class ShippedStrategy:
     cross_node: tuple[float, float] | None = None  # values through each node's link per (parameter, trained one)
     multinode_file: str | None = None          # the 2-node launch config, when one ships
     cpu: bool = False                          # runs on 2 CPU processes (tests, bench --cpu)
-    parallelism: dict | None = None            # tensor_parallel: the axes' sizes (finetune.launch.parallelism)
+    parallelism: dict | None = None            # the axes' sizes (finetune.launch.parallelism): TP, or SP beside ZeRO
+    deepspeed_name: str | None = None          # another row's DeepSpeed JSON, shared (default: this row's name)
 
     @property
     def deepspeed_file(self) -> str | None:
-        return f"deepspeed_configs/{self.name}.json" if self.deepspeed is not None else None
+        return f"deepspeed_configs/{self.deepspeed_name or self.name}.json" if self.deepspeed is not None else None
 
     def deepspeed_json(self) -> dict | None:
         return None if self.deepspeed is None else deepspeed_config(**self.deepspeed)
@@ -405,7 +422,8 @@ class ShippedStrategy:
             return {**self.accelerate_options(), **MULTINODE_EXAMPLE}
         if self.kind == "deepspeed":
             return {"strategy": "deepspeed", "deepspeed_config_file": self.deepspeed_file,
-                    "zero3_init": self.deepspeed_json()["zero_optimization"]["stage"] == 3}
+                    "zero3_init": self.deepspeed_json()["zero_optimization"]["stage"] == 3,
+                    **({"parallelism": self.parallelism} if self.parallelism else {})}
         if self.kind == "fsdp":
             return {"strategy": "fsdp", "fsdp_sharding": self.fsdp_sharding}
         if self.kind == "tensor_parallel":
@@ -417,7 +435,8 @@ class ShippedStrategy:
     def strategy(self) -> Strategy:
         """Read back from the generated config, so that the table, the files and the estimator cannot disagree."""
         if self.deepspeed is not None:
-            return Strategy.from_deepspeed(self.deepspeed_json(), f"DeepSpeed JSON {self.deepspeed_file}")
+            strategy = Strategy.from_deepspeed(self.deepspeed_json(), f"DeepSpeed JSON {self.deepspeed_file}")
+            return replace(strategy, **(self.parallelism or {}))
         multinode = self.accelerate_file is None  # hybrid sharding exists across nodes only
         config = accelerate_config(**self.accelerate_options(multinode))
         return Strategy.from_accelerate(config, self.accelerate_file or self.multinode_file)
@@ -436,6 +455,8 @@ class ShippedStrategy:
                 suffix = "" if self.fsdp_sharding == "full_shard" else f"_{self.fsdp_sharding}"
                 return Launch(f"accelerate_configs/cpu_fsdp{suffix}.yaml",
                               program=("-m", "finetune.testing.fsdp_on_cpu"))
+            if self.parallelism:  # DeepSpeed runs on CPU processes as on GPUs: the GPU config itself
+                return Launch(self.accelerate_file)
             return Launch("accelerate_configs/cpu_deepspeed_zero2.yaml", self.deepspeed_file)
         if self.accelerate_file is not None:
             return Launch(self.accelerate_file)
@@ -495,6 +516,11 @@ SHIPPED = (
     ShippedStrategy("tensor_parallel_fsdp", "TP × FSDP2", "tensor_parallel",
                     accelerate_file="accelerate_configs/tensor_parallel_fsdp.yaml",
                     parallelism=dict(tensor_parallel_size=2, dp_shard_size=2), cpu=True),
+    # Sequence parallelism (DeepSpeed Ulysses / ALST) beside ZeRO-3, for long sequences: each sequence split over 2
+    # ranks. DeepSpeed runs on CPU processes as it is, so this config is its own CPU twin.
+    ShippedStrategy("sequence_parallel", "SP × ZeRO-3", "deepspeed",
+                    accelerate_file="accelerate_configs/sequence_parallel.yaml", deepspeed=dict(stage=3),
+                    deepspeed_name="zero3", parallelism=dict(sequence_parallel_size=2), cpu=True),
     ShippedStrategy("fsdp_hybrid_shard", "FSDP hybrid-shard", "fsdp", fsdp_sharding="hybrid_shard",
                     cross_node=_ALL_REDUCE, multinode_file="accelerate_configs/multinode_fsdp_hybrid_shard.yaml"),
 )

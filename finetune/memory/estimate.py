@@ -89,6 +89,8 @@ class Setup:
     fsdp_sharding: str = "full_shard"
     tensor_parallel_size: int = 1             # tensor_parallel: the model's TP plan over this many GPUs
     dp_shard_size: int = 1                    # tensor_parallel: FSDP2 over this many GPUs of the rest
+    sequence_parallel_size: int = 1           # deepspeed: each sequence split over this many GPUs (Ulysses); ZeRO
+                                              # still shards over every GPU
     rank: int = 0                             # the global rank predicted, where ranks hold unequal shares (TP)
     precision: str = "bf16"                   # "fp32", or mixed "bf16"/"fp16"
     pure_bf16: bool = False                   # trainable weights, gradients and Adam states in bf16 (no fp32 master)
@@ -268,13 +270,22 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         params_bytes=int(params),
         grads_bytes=int(grads),
         optimizer_bytes=int(optimizer),
-        activations_bytes=int(activation_bytes(shape, setup)),
+        activations_bytes=int(activation_bytes(shape, sequence_share(setup))),
         temporary_bytes=int(temporary_bytes(shape, setup, trainable)),
         offloaded={key: int(value) for key, value in offloaded.items() if value},
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
         loaded_model_bytes=int(loaded_model_bytes(trainable, frozen_bytes, setup)),
         reference_bytes=int(reference_model_bytes(shape, setup)),
     )
+
+
+def sequence_share(setup: Setup) -> Setup:
+    """The sequence one GPU computes activations for: under sequence parallelism (DeepSpeed Ulysses) each rank runs
+    every layer on its 1/sp of the tokens; the attention, after its all-to-all, sees the whole sequence for 1/sp of
+    the heads: the same bytes."""
+    if setup.sequence_parallel_size <= 1:
+        return setup
+    return replace(setup, sequence_length=-(-setup.sequence_length // setup.sequence_parallel_size))
 
 
 def tensor_parallel_elements(shape: ModelShape, setup: Setup) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: boo
     if parallelism.loads_sharded and strategy.kind != "tensor_parallel":
         source = "the recipe" if "recipe" in sources.values() else (strategy.source or "the launch")
         strategy = Strategy.from_parallelism(parallelism, source, strategy.nodes)
+    if strategy.kind == "deepspeed":
+        strategy = replace(strategy, sequence_parallel_size=parallelism.sequence_parallel_size)
     return parallelism, strategy
 
 

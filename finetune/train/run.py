@@ -26,8 +26,10 @@ from finetune.checkpoints.complete import (
 from finetune.checkpoints.preemption import PreemptionCallback, save_on_preemption
 from finetune.checkpoints.run_lock import output_dir_lock
 from finetune.configs.lint import lint_fsdp_wrap_classes
+from finetune.data.collate import attention_implementation
 from finetune.data.summary import dropped_rows, write_data_summary
 from finetune.errors import RecipeError
+from finetune.launch.parallelism import prepare_sequence_parallelism
 from finetune.launch.self_launch import launch_plan
 from finetune.launch.watchdog import watching_ranks
 from finetune.memory import MemoryReportCallback
@@ -59,6 +61,8 @@ def train(recipe: Recipe) -> dict:
                            strategy=recipe.strategy, shapes_only=sharded_from_rank_zero(),
                            parallelism=recipe.parallelism)
         model = method.prepare_model(recipe, model)  # adapters, trainable weights held as the method needs
+        if recipe.parallelism.sequence_parallel_size > 1:  # Ulysses wraps the attention the model runs
+            prepare_sequence_parallelism(args, recipe.parallelism, attention_implementation(model))
         materialize_empty_parameters(model)  # shapes only (FSDP2, ranks ≠ 0): Accelerate fills them from rank 0
         loading.stop()
         data = method.prepare_data(recipe, tokenizer, model)
