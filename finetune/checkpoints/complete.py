@@ -263,8 +263,8 @@ def check_explicit_checkpoint(path: str) -> None:
 def layout_strategy(layout: dict) -> Strategy:
     """The strategy a checkpoint layout records (markers written before FSDP was recorded: from the ZeRO stage)."""
     kind = layout.get("strategy") or ("ddp" if layout.get("zero_stage") is None else "deepspeed")
-    sizes = {key: layout[key] for key in ("tensor_parallel_size", "dp_shard_size", "dp_replicate_size")
-             if key in layout}
+    sizes = {key: layout[key] for key in ("tensor_parallel_size", "dp_shard_size", "dp_replicate_size",
+                                          "pipeline_parallel_size") if key in layout}
     return Strategy(kind, zero_stage=layout.get("zero_stage"), fsdp_sharding=layout.get("fsdp_sharding"), **sizes)
 
 
@@ -454,6 +454,10 @@ def files_a_resume_needs(folder: Path, rank: int | None = None) -> list[list[str
     elif kind == "tensor_parallel":  # the gathered weights, and the slices a resume loads (checkpoints.sharded_state)
         needs += [["model.safetensors", "model.safetensors.index.json"], [f"{STATE_FOLDER}/.metadata"],
                   ["scheduler.pt"]]
+    elif kind == "pipeline":  # each stage's weights and optimizer (finetune.train.pipeline)
+        needs += [[name] for stage in range(marker.get("pipeline_parallel_size", world_size))
+                  for name in (f"pipeline_stage_{stage:02d}.safetensors", f"pipeline_stage_{stage:02d}_state.pt")]
+        needs = [need for need in needs if not need[0].startswith("rng_state")]
     elif kind == "fsdp":
         # Accelerate's `save_fsdp_model`/`save_fsdp_optimizer`: a distributed checkpoint folder (sharded state
         # dicts, the shipped configs) or `.bin` files (full or local state dicts)

@@ -123,6 +123,10 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
         raise RecipeError(f"--merge-lora: {source} holds no LoRA adapter (no adapter_config.json).")
     if (source / "model.safetensors").is_file() or (source / "model.safetensors.index.json").is_file():
         return AutoModelForCausalLM.from_pretrained(source), False
+    if (source / "config.json").is_file() and any(source.glob("pipeline_stage_[0-9][0-9].safetensors")):
+        from finetune.checkpoints.pipeline_stages import consolidated_state
+
+        return _model_from_state(consolidated_state(source), source, f"the pipeline stages in {source}"), False
     if (source / "config.json").is_file() and _zero_shards(source):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -25,7 +25,9 @@ from finetune.configs.deepspeed import NVME_PATH_PLACEHOLDER, deepspeed_config
 from finetune.errors import RecipeError
 from finetune.launch.commands import Launch
 
-KINDS = STRATEGIES  # the generator's names: single, ddp, deepspeed, fsdp, tensor_parallel
+# The generator's names (single, ddp, deepspeed, fsdp, tensor_parallel), and pipeline: plain processes, one a stage,
+# run by the toolkit's own loop (finetune.train.pipeline)
+KINDS = (*STRATEGIES, "pipeline")
 # Where the optimizer steps the model's own tensors, so `pure_bf16` means what it says (DeepSpeed keeps fp32 masters of
 # its own, Accelerate's FSDP path upcasts trainable parameters).
 PURE_BF16_KINDS = ("single", "ddp")
@@ -54,6 +56,8 @@ class Strategy:
     # deepspeed: each sequence split over this many ranks (DeepSpeed Ulysses, finetune.launch.parallelism); a recipe
     # may name it under any DeepSpeed config, so it is not part of which engine ran
     sequence_parallel_size: int = field(default=1, compare=False)
+    # pipeline: the model's layers in this many stages, one a process (finetune.train.pipeline)
+    pipeline_parallel_size: int = 1
     # DeepSpeed's bucket settings the estimator counts: elements, or None for "auto" (Trainer fills hidden²).
     reduce_bucket_size: int | None = field(default=None, compare=False)
     overlap_comm: bool = field(default=False, compare=False)
@@ -113,6 +117,8 @@ class Strategy:
                         (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)) if value]
             sequence = [f"sp{self.sequence_parallel_size}"] if self.sequence_parallel_size > 1 else []
             return "+".join([f"deepspeed_zero{self.zero_stage}", *offloads, *sequence])
+        if self.kind == "pipeline":
+            return f"pp{self.pipeline_parallel_size}"
         if self.kind == "tensor_parallel":
             return "".join([f"tp{self.tensor_parallel_size}",
                             f"_fsdp{self.dp_shard_size}" if self.dp_shard_size > 1 else "",
@@ -125,6 +131,8 @@ class Strategy:
         if self.kind == "deepspeed":
             sequence = self.sequence_parallel_size
             return f"DeepSpeed ZeRO-{self.zero_stage}" + (f" × sequence parallel {sequence}" if sequence > 1 else "")
+        if self.kind == "pipeline":
+            return f"pipeline parallel {self.pipeline_parallel_size}"
         if self.kind == "tensor_parallel":
             return " × ".join([f"tensor parallel {self.tensor_parallel_size}",
                                *([f"FSDP2 {self.dp_shard_size}"] if self.dp_shard_size > 1 else []),
@@ -144,6 +152,8 @@ class Strategy:
         if self.kind == "tensor_parallel":
             record.update(tensor_parallel_size=self.tensor_parallel_size, dp_shard_size=self.dp_shard_size,
                           dp_replicate_size=self.dp_replicate_size)
+        if self.kind == "pipeline":
+            record["pipeline_parallel_size"] = self.pipeline_parallel_size
         if self.source is not None:
             record["source"] = self.source
         return record
@@ -160,6 +170,8 @@ class Strategy:
             options["fsdp_sharding"] = self.fsdp_sharding
         if self.kind == "tensor_parallel":
             options.update(tensor_parallel_size=self.tensor_parallel_size, dp_shard_size=self.dp_shard_size)
+        if self.kind == "pipeline":
+            options["pipeline_parallel_size"] = self.pipeline_parallel_size
         return options
 
 

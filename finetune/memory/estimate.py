@@ -91,6 +91,8 @@ class Setup:
     dp_shard_size: int = 1                    # tensor_parallel: FSDP2 over this many GPUs of the rest
     sequence_parallel_size: int = 1           # deepspeed: each sequence split over this many GPUs (Ulysses); ZeRO
                                               # still shards over every GPU
+    pipeline_parallel_size: int = 1           # pipeline: the layers in this many stages, one a GPU (`rank`'s stage)
+    pipeline_schedule: str = "1f1b"           # pipeline: gpipe holds every micro-batch's activations, 1f1b fewer
     rank: int = 0                             # the global rank predicted, where ranks hold unequal shares (TP)
     precision: str = "bf16"                   # "fp32", or mixed "bf16"/"fp16"
     pure_bf16: bool = False                   # trainable weights, gradients and Adam states in bf16 (no fp32 master)
@@ -258,6 +260,9 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     if setup.strategy == "deepspeed":
         params, grads, optimizer, offloaded = _deepspeed_states(trainable, frozen_bytes, setup,
                                                                 shape.largest_layer_parameters)
+    elif setup.strategy == "pipeline":  # full fine-tuning only (finetune.recipe.preflight.check_pipeline)
+        params, grads, optimizer, offloaded = _torch_states(pipeline_stage_elements(shape, setup), 0, setup,
+                                                            shard_degree=1)
     elif setup.strategy == "tensor_parallel":  # full fine-tuning only (finetune.launch.parallelism refuses LoRA)
         params, grads, optimizer, offloaded = _torch_states(tensor_parallel_elements(shape, setup), 0, setup,
                                                             shard_degree=1)
@@ -270,13 +275,49 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         params_bytes=int(params),
         grads_bytes=int(grads),
         optimizer_bytes=int(optimizer),
-        activations_bytes=int(activation_bytes(shape, sequence_share(setup))),
+        activations_bytes=int(pipeline_activation_bytes(shape, setup) if setup.strategy == "pipeline"
+                              else activation_bytes(shape, sequence_share(setup))),
         temporary_bytes=int(temporary_bytes(shape, setup, trainable)),
         offloaded={key: int(value) for key, value in offloaded.items() if value},
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
         loaded_model_bytes=int(loaded_model_bytes(trainable, frozen_bytes, setup)),
         reference_bytes=int(reference_model_bytes(shape, setup)),
     )
+
+
+def pipeline_stage_elements(shape: ModelShape, setup: Setup) -> int:
+    """Parameters `setup.rank`'s pipeline stage holds: its consecutive decoder layers (as even as whole layers go,
+    earlier stages taking the remainder: finetune.train.pipeline.stage_layers), the input embedding on the first
+    stage, the final norm and the output head on the last; a tied head is a second copy of the embedding there."""
+    p, stage = setup.pipeline_parallel_size, setup.rank
+    base, extra = divmod(shape.num_layers, p)
+    layers = base + (1 if stage < extra else 0)
+    embedding = shape.vocab_size * shape.hidden_size
+    elements = layers * shape.layer_parameters
+    if stage == 0:
+        elements += embedding
+    if stage == p - 1:
+        blocks = shape.num_layers * shape.layer_parameters
+        norm = shape.num_parameters - blocks - embedding * (1 if shape.tied_embeddings else 2)
+        elements += norm + embedding
+    return elements
+
+
+def pipeline_activation_bytes(shape: ModelShape, setup: Setup) -> float:
+    """A stage's activations at their peak: its share of the layers' saved activations for each micro-batch in
+    flight. GPipe runs every forward before the first backward (all `gradient_accumulation_steps` micro-batches);
+    1F1B lets stage s hold p − s of them (the first stage the most). The loss's fp32 logits belong to the last stage,
+    one micro-batch at a time."""
+    p, stage, m = setup.pipeline_parallel_size, setup.rank, setup.gradient_accumulation_steps
+    in_flight = m if setup.pipeline_schedule == "gpipe" else min(p - stage, m)
+    base, extra = divmod(shape.num_layers, p)
+    layers = base + (1 if stage < extra else 0)
+    blocks = layers * saved_per_layer_bytes(shape, setup) * in_flight
+    if stage == p - 1:
+        tokens = setup.micro_batch_size * setup.sequence_length
+        blocks += saved_outside_layers_bytes(shape, setup) + (8 * tokens * shape.vocab_size
+                                                              if setup.method.logits_held else 0)
+    return blocks
 
 
 def sequence_share(setup: Setup) -> Setup:

@@ -36,6 +36,7 @@ from finetune.recipe.preflight import (
     check_lora_adapters,
     check_named_strategy,
     check_parallelism,
+    check_pipeline,
     check_pure_bf16,
     check_qlora,
     preflight_launch,
@@ -167,6 +168,8 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
             raise RecipeError(f"`method: {sections.method.name}` with {parallelism.describe()}: only supervised "
                               "fine-tuning runs on these axes so far; train it under DDP, ZeRO or FSDP.")
         training_inputs.update(parallelism.to_dict())
+    strategy = check_pipeline(training_inputs, data, lora.use_lora or lora.use_qlora, sections.method.name,
+                              parallelism, strategy)
     check_named_strategy(training_inputs.get("strategy"), strategy, int(os.environ.get("WORLD_SIZE", "1")),
                          sources.get("strategy") == COMMAND_LINE)
     if lora.use_qlora:
@@ -174,7 +177,8 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     check_lora_adapters(model, lora)
     check_pure_bf16(training_inputs, strategy)
     check_launcher_precision(training_inputs, sources)
-    data_parallel = int(os.environ.get("WORLD_SIZE", "1")) // (parallelism.total // parallelism.data_parallel_size)
+    shared = parallelism.total // parallelism.data_parallel_size * strategy.pipeline_parallel_size  # ranks of a batch
+    data_parallel = int(os.environ.get("WORLD_SIZE", "1")) // shared
     batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, data_parallel)
     _check_steps_and_accumulation(training_inputs, sources, batch_plan)
     _apply_batch_plan(batch_plan, training_inputs, sources)

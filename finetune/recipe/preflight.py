@@ -81,6 +81,50 @@ def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: boo
     return parallelism, strategy
 
 
+# torch.distributed.pipelining's single-stage schedules a recipe may name (finetune.train.pipeline)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, method: str,
+                   parallelism: Parallelism, strategy: Strategy) -> Strategy:
+    """`pipeline_parallel_size` against the launch and the rest of the recipe (finetune.train.pipeline says what the
+    pipeline loop runs); the strategy becomes the pipeline when one is asked for."""
+    size = training_inputs.get("pipeline_parallel_size")
+    if size in (None, 1, "1"):
+        return strategy
+    if isinstance(size, bool) or not str(size).isdigit() or int(size) < 1:
+        raise RecipeError(f"`pipeline_parallel_size` must be a whole number of stages ≥ 1, got {size!r}.")
+    size = int(size)
+    schedule = str(training_inputs.get("pipeline_schedule") or "1f1b").lower()
+    if schedule not in PIPELINE_SCHEDULES:
+        raise RecipeError(f"`pipeline_schedule: {schedule}` is not one of {', '.join(PIPELINE_SCHEDULES)}.")
+    training_inputs["pipeline_schedule"] = schedule
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != size:
+        raise RecipeError(f"`pipeline_parallel_size: {size}` runs one stage a process, but the launch has "
+                          f"{world_size} process(es): launch {size} (data parallelism beside a pipeline is not "
+                          "supported yet).")
+    if strategy.kind not in ("ddp", "single"):
+        raise RecipeError(f"`pipeline_parallel_size: {size}` under {strategy.describe()}: the pipeline loop runs "
+                          "its stages as plain processes (accelerate_configs/ddp.yaml, or `finetune train --gpus "
+                          f"{size} --strategy ddp`), not under a DeepSpeed or FSDP config.")
+    refused = [(parallelism.named, f"{parallelism.describe()} beside it"), (use_lora, "LoRA or QLoRA"),
+               (method != "sft", f"`method: {method}` (supervised fine-tuning only)"),
+               (data_args.packing or data_args.padding_free, "packed or padding-free batches"),
+               (data_args.streaming, "streamed data"),
+               (is_true(training_inputs.get("gradient_checkpointing")), "gradient checkpointing"),
+               (is_true(training_inputs.get("fp16")), "fp16 (use bf16 or fp32)")]
+    for asked, what in refused:
+        if asked:
+            raise RecipeError(f"`pipeline_parallel_size: {size}` with {what}: the pipeline loop does not run it; "
+                              "drop it, or train without pipeline parallelism.")
+    micro_batches = int(training_inputs.get("gradient_accumulation_steps") or 1)
+    if schedule == "1f1b" and micro_batches < size:
+        raise RecipeError(f"`pipeline_schedule: 1f1b` over {size} stages needs at least {size} micro-batches a step "
+                          f"(`gradient_accumulation_steps`, now {micro_batches}): raise it, or use gpipe.")
+    return Strategy("pipeline", pipeline_parallel_size=size, nodes=strategy.nodes, source="the recipe")
+
+
 def check_named_strategy(name: str | None, launched: Strategy, world_size: int, from_command_line: bool) -> None:
     """A `strategy` (how `finetune train` launches itself) against what a launcher runs. Under a launch typed by hand
     its config decides: a recipe file's other strategy is named in a warning (the recipe still runs as launched),

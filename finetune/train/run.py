@@ -43,6 +43,7 @@ from finetune.recipe.preflight import check_eval_split
 from finetune.train.divergence import NonFiniteLossCallback
 from finetune.train.effective import report_and_guard_launch
 from finetune.train.evaluation import ExactMatchCallback, print_before_after, record_stop_tokens, summarize_evaluations
+from finetune.train.pipeline import train_pipeline
 from finetune.train.throughput import ThroughputCallback
 
 
@@ -69,6 +70,12 @@ def train(recipe: Recipe) -> dict:
         record_stop_tokens(model, tokenizer, data.summary)  # saved with the model: generate() elsewhere stops there too
         check_eval_split(args, data.eval is not None)  # before Trainer, which would raise a ValueError of its own
         resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"])  # may stop: nothing written yet
+        if recipe.strategy.kind == "pipeline":  # the toolkit's own loop: Trainer cannot drive a pipeline
+            if args.process_index == 0:
+                method.print_data_summary(data.summary)
+                write_data_summary(data.summary, args.output_dir)
+                print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
+            return train_pipeline(recipe, model, tokenizer, data, resume)
         if data.eval is None:
             args.eval_on_start = False  # nothing to evaluate on: no 'before' column
 

@@ -1,0 +1,486 @@
+"""Pipeline parallelism: the model's layers split into consecutive stages, one a process, and each optimizer step's
+batch cut into micro-batches that flow through them (GPipe: all forwards, then all backwards; 1F1B: one forward,
+one backward, which holds fewer micro-batches' activations at once). The schedules, the send/recv between stages and
+the chunking are PyTorch's (`torch.distributed.pipelining`); this module cuts a Transformers decoder into stages and
+runs the loop Trainer cannot (neither Trainer nor Accelerate drive a pipeline), with Trainer's own pieces where they
+apply: its data order, optimizer, parameter groups and learning-rate schedule, and its log and checkpoint files.
+
+What the loop does that a one-process Trainer run does:
+- the loss of a step is the sum of its answer tokens' losses over the step's answer-token count, whatever the
+  micro-batch (the toolkit's `tokens` normalisation), logged from the last stage;
+- the gradient of a tied embedding, held by the first stage (input) and the last (output head), is summed between
+  them, so both copies take the same update;
+- gradient clipping uses the norm over every stage (the tied weight counted once);
+- checkpoints hold each stage's weights (safetensors, named as in the whole model) and its optimizer and schedule;
+  `finetune export` and the end of the run consolidate the stages into one model `from_pretrained` loads.
+
+Not supported here (refused before training starts): LoRA/QLoRA, DeepSpeed or FSDP configs, data parallelism beside
+the pipeline, packing and padding-free batches, methods other than SFT. Evaluation runs after training on the
+consolidated model, not during it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from finetune import outputs
+from finetune.checkpoints.pipeline_stages import STAGE_STATE, STAGE_WEIGHTS, consolidated_state
+from finetune.errors import RecipeError
+from finetune.recipe.preflight import PIPELINE_SCHEDULES
+
+SCHEDULES = PIPELINE_SCHEDULES
+STAGES_FOLDER = "pipeline_stages"  # the final stages, in output_dir until they are consolidated
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """Consecutive decoder layers for each stage, as even as whole layers go (earlier stages take the remainder: the
+    last stage also holds the norm, the head and the loss)."""
+    if stages > num_layers:
+        raise RecipeError(f"`pipeline_parallel_size: {stages}` is more stages than the model has layers "
+                          f"({num_layers}): each stage holds at least one.")
+    base, extra = divmod(num_layers, stages)
+    bounds, start = [], 0
+    for stage in range(stages):
+        size = base + (1 if stage < extra else 0)
+        bounds.append(range(start, start + size))
+        start += size
+    return bounds
+
+
+def decoder_parts(model) -> tuple[nn.Module, nn.Module]:
+    """`(decoder, head)`: the Transformers layout every decoder-only model of the Llama family has (embed_tokens,
+    layers, norm, rotary_emb under `model.model`; `lm_head`)."""
+    decoder = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if decoder is None or not all(hasattr(decoder, name) for name in needed) or not hasattr(model, "lm_head"):
+        raise RecipeError(f"pipeline parallelism cuts a decoder laid out as Llama's (model.embed_tokens, "
+                          f"model.layers, model.norm, model.rotary_emb, lm_head); {type(model).__name__} is not.")
+    return decoder, model.lm_head
+
+
+def check_attention(model, max_length: int) -> None:
+    """The stages run causal sdpa/flash attention over whole rows: a sliding window shorter than the rows (Mistral's
+    4096 under longer sequences) or eager attention's explicit mask are not what the model would compute."""
+    config = model.config
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window and window < max_length:
+        raise RecipeError(f"pipeline parallelism runs plain causal attention, but {type(model).__name__} attends "
+                          f"through a sliding window of {window} tokens, shorter than `max_seq_length: "
+                          f"{max_length}`: lower max_seq_length to {window}, or train without pipeline parallelism.")
+    attention = getattr(config, "_attn_implementation", "sdpa")
+    if attention == "eager":
+        raise RecipeError("pipeline parallelism runs causal attention without a mask, which eager attention does not "
+                          "do: set `attn_implementation: sdpa`.")
+
+
+class PipelineStageModule(nn.Module):
+    """One stage of a decoder: the embedding on the first, its layers, the norm and head on the last. Its input is
+    the token ids (first) or the previous stage's hidden states, its output the next stage's input or the logits.
+    Attention is causal over the whole row (no mask: batches are right-padded, and a pad comes after every token
+    that counts)."""
+
+    def __init__(self, model, stage: int, stages: int, layers: range):
+        super().__init__()
+        decoder, head = decoder_parts(model)
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.embed_tokens = decoder.embed_tokens if self.first else None
+        self.layers = nn.ModuleList(decoder.layers[index] for index in layers)
+        self.rotary_emb = decoder.rotary_emb
+        self.norm = decoder.norm if self.last else None
+        self.lm_head = head if self.last else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            hidden = self.embed_tokens(hidden)
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(hidden, positions)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=positions,
+                           position_embeddings=position_embeddings)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        if self.last:
+            return self.lm_head(self.norm(hidden))
+        return hidden
+
+
+@dataclass
+class Stage:
+    """This rank's stage: its module, the names its parameters have in the whole model, and which one (if any) is a
+    tied embedding shared with the other end of the pipeline."""
+
+    index: int
+    count: int
+    layers: range
+    module: PipelineStageModule
+    names: dict[int, str]        # id(parameter) -> its name in the whole model
+    tied: nn.Parameter | None    # the tied input/output embedding, held by the first and the last stage
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        seen, named = set(), []
+        for parameter in self.module.parameters():
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                named.append((self.names[id(parameter)], parameter))
+        return named
+
+
+def build_stage(model, stage: int, stages: int) -> Stage:
+    """This rank's stage, cut from the whole model; the layers of the other stages are dropped (freed)."""
+    decoder, head = decoder_parts(model)
+    bounds = stage_layers(len(decoder.layers), stages)
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    module = PipelineStageModule(model, stage, stages, bounds[stage])
+    tied = None
+    if getattr(model.config, "tie_word_embeddings", False) and head.weight is decoder.embed_tokens.weight \
+            and stages > 1 and (stage == 0 or stage == stages - 1):
+        tied = decoder.embed_tokens.weight
+    kept = {id(parameter) for parameter in module.parameters()}
+    with torch.no_grad():  # the other stages' weights: freed (the model object keeps its config and names)
+        for parameter in model.parameters():
+            if id(parameter) not in kept:
+                parameter.data = torch.empty(0, dtype=parameter.dtype)
+    return Stage(stage, stages, bounds[stage], module, names, tied)
+
+
+def step_token_count(labels: torch.Tensor) -> int:
+    """Answer tokens a step predicts (a causal LM's loss shifts the labels: position 0 is never a target)."""
+    return int((labels[:, 1:] != -100).sum())
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of the answer tokens, as Transformers' causal-LM loss computes it (fp32 logits,
+    labels shifted by one)."""
+    logits = logits.float()
+    shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                                       ignore_index=-100, reduction="sum")
+
+
+class PipelineTrainer:
+    """The training loop of one stage. `recipe.training` are Trainer's arguments; `data` the method's prepared data."""
+
+    def __init__(self, recipe, model, tokenizer, data, stage: Stage, schedule: str, resume: str | None):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.recipe, self.args, self.tokenizer, self.data = recipe, recipe.training, tokenizer, data
+        self.model, self.stage, self.schedule_name, self.resume = model, stage, schedule, resume
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.micro_batches = self.args.gradient_accumulation_steps
+        self.device = torch.device("cpu") if self.args.use_cpu or not torch.cuda.is_available() else \
+            torch.device("cuda", torch.cuda.current_device())
+        stage.module.to(self.device)
+        self.step_tokens = 1
+        pipe_stage = PipelineStage(stage.module, stage.index, stage.count, self.device)
+        engine = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        self.schedule = engine(pipe_stage, n_microbatches=self.micro_batches, loss_fn=self._loss, scale_grads=False)
+        self.optimizer, self.lr_scheduler = self._optimizer_and_schedule()
+        ends = sorted({0, stage.count - 1})
+        self.tied_group = dist.new_group(ends) if stage.count > 1 else None  # every rank takes part in new_group
+        self.global_step, self.log_history, self.epoch = 0, [], 0.0
+
+    # -- pieces of Trainer ---------------------------------------------------------------------------------------
+    def _optimizer_and_schedule(self):
+        from transformers import Trainer, get_scheduler
+
+        decay = set(Trainer.get_decay_parameter_names(None, self.model))
+        named = self.stage.named_parameters()
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+        optimizer = optimizer_cls([group for group in groups if group["params"]], **optimizer_kwargs)
+        steps = self.max_steps()
+        scheduler = get_scheduler(self.args.lr_scheduler_type, optimizer,
+                                  num_warmup_steps=self.args.get_warmup_steps(steps), num_training_steps=steps,
+                                  scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
+        return optimizer, scheduler
+
+    def max_steps(self) -> int:
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        per_epoch = max(len(self.train_loader()) // self.micro_batches, 1)
+        return math.ceil(self.args.num_train_epochs * per_epoch)
+
+    def train_loader(self):
+        """Micro-batches in the order a one-process Trainer run sees them: Trainer's random sampler, seeded by
+        Accelerate as Trainer prepares it (`use_seedable_sampler`), each padded to `max_seq_length`: a stage's
+        send/recv buffers keep the shape of the first step."""
+        if getattr(self, "_loader", None) is None:
+            from accelerate.data_loader import prepare_data_loader
+            from torch.utils.data import DataLoader, RandomSampler
+
+            from finetune.data.collate import SequenceShardedCollator, data_collator
+
+            dataset = self.data.train.select_columns(["input_ids", "labels"])
+            collate = SequenceShardedCollator(data_collator(self.tokenizer), 1, self.tokenizer.pad_token_id,
+                                              length=self.recipe.data.max_seq_length)
+            loader = DataLoader(dataset, batch_size=self.args.per_device_train_batch_size,
+                                sampler=RandomSampler(dataset), collate_fn=collate, drop_last=True)
+            self._loader = prepare_data_loader(loader, num_processes=1, process_index=0, put_on_device=False,
+                                               use_seedable_sampler=self.args.accelerator_config.use_seedable_sampler,
+                                               data_seed=self.args.data_seed)
+        return self._loader
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, labels) / self.step_tokens
+
+    # -- one step ------------------------------------------------------------------------------------------------
+    def _step(self, batches: list[dict]) -> tuple[float, float]:
+        input_ids = torch.cat([batch["input_ids"] for batch in batches]).to(self.device)
+        labels = torch.cat([batch["labels"] for batch in batches]).to(self.device)
+        self.step_tokens = max(step_token_count(labels), 1)
+        losses: list[torch.Tensor] = []
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.stage.index == 0:
+            self.schedule.step(input_ids, target=labels if self.stage.count == 1 else None, losses=losses)
+        elif self.stage.index == self.stage.count - 1:
+            self.schedule.step(target=labels, losses=losses)
+        else:
+            self.schedule.step()
+        if self.stage.tied is not None and self.stage.tied.grad is not None:
+            dist.all_reduce(self.stage.tied.grad, group=self.tied_group)
+        norm = self._clip()
+        self.optimizer.step()
+        loss = torch.tensor([float(sum(loss.detach() for loss in losses)) if losses else 0.0], dtype=torch.float64)
+        dist.broadcast(loss, src=self.stage.count - 1)  # the last stage computed it
+        return float(loss), norm
+
+    def _clip(self) -> float:
+        """The gradient norm over every stage (the tied weight counted on the first stage only), and clipping by it
+        as `torch.nn.utils.clip_grad_norm_` clips."""
+        grads = [p.grad for name, p in self.stage.named_parameters()
+                 if p.grad is not None and not (self.stage.index > 0 and p is self.stage.tied)]
+        squares = torch.zeros(1, dtype=torch.float64)
+        for grad in grads:
+            squares += grad.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(squares)
+        norm = float(squares.sqrt())
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            coefficient = min(self.args.max_grad_norm / (norm + 1e-6), 1.0)
+            if coefficient < 1.0:
+                for _, parameter in self.stage.named_parameters():
+                    if parameter.grad is not None:
+                        parameter.grad.mul_(coefficient)
+        return norm
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        from accelerate.data_loader import skip_first_batches
+
+        max_steps, loader = self.max_steps(), self.train_loader()
+        if len(loader) < self.micro_batches:
+            raise RecipeError(f"the training data makes {len(loader)} micro-batch(es) of "
+                              f"{self.args.per_device_train_batch_size}, fewer than one step's "
+                              f"{self.micro_batches} (`gradient_accumulation_steps`): give more data or smaller "
+                              "micro-batches.")
+        per_epoch = len(loader) // self.micro_batches
+        if self.resume is not None:
+            self._load(Path(self.resume))
+        started, running_loss, steps_run, logged = time.time(), 0.0, 0, []
+        while self.global_step < max_steps:
+            loader.set_epoch(self.global_step // per_epoch)
+            done = self.global_step % per_epoch  # steps of this epoch a resumed run already took
+            pending: list[dict] = []
+            for batch in skip_first_batches(loader, done * self.micro_batches) if done else loader:
+                pending.append(batch)
+                if len(pending) < self.micro_batches:
+                    continue
+                learning_rate = self.lr_scheduler.get_last_lr()[0]  # the rate this step trains at, as Trainer logs it
+                loss, norm = self._step(pending)
+                self.lr_scheduler.step()
+                pending = []
+                self.global_step += 1
+                steps_run += 1
+                self.epoch = self.global_step / per_epoch
+                running_loss += loss
+                logged.append(loss)
+                if self.global_step % max(int(self.args.logging_steps), 1) == 0 or self.global_step == max_steps:
+                    self._log({"loss": sum(logged) / len(logged), "grad_norm": norm, "learning_rate": learning_rate,
+                               "epoch": self.epoch})
+                    logged = []
+                if self._save_now():
+                    self.save_checkpoint()
+                if self.global_step >= max_steps or self.global_step % per_epoch == 0:
+                    break  # the run's end, or the epoch's (a last partial step's micro-batches are dropped)
+        summary = {"train_runtime": round(time.time() - started, 4),
+                   "train_loss": running_loss / max(steps_run, 1), "step": self.global_step, "epoch": self.epoch}
+        self.log_history.append(summary)
+        return summary
+
+    def _log(self, entry: dict) -> None:
+        entry = {**entry, "step": self.global_step}
+        self.log_history.append(entry)
+        if self.rank == 0:
+            print({key: (f"{value:.4g}" if isinstance(value, float) else value) for key, value in entry.items()},
+                  flush=True)
+
+    def _save_now(self) -> bool:
+        strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
+        if strategy != "steps" or not self.args.save_steps:
+            return False
+        return self.global_step % int(self.args.save_steps) == 0
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        return {"global_step": self.global_step, "max_steps": self.max_steps(), "epoch": self.epoch,
+                "log_history": self.log_history, "logging_steps": self.args.logging_steps,
+                "train_batch_size": self.args.per_device_train_batch_size}
+
+    def save_stage(self, folder: Path, with_state: bool) -> None:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = {name: parameter.detach().to("cpu").contiguous() for name, parameter in
+                   self.stage.named_parameters()}
+        save_file(weights, str(folder / STAGE_WEIGHTS.format(stage=self.stage.index)), metadata={"format": "pt"})
+        if with_state:
+            torch.save({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
+                        "global_step": self.global_step},
+                       folder / STAGE_STATE.format(stage=self.stage.index))
+
+    def save_checkpoint(self) -> None:
+        from finetune.checkpoints.complete import mark_complete, recipe_values, rotate_complete_checkpoints
+
+        folder = Path(self.args.output_dir) / f"checkpoint-{self.global_step}"
+        self.save_stage(folder, with_state=True)
+        dist.barrier()
+        if self.rank == 0:
+            self.model.config.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+            outputs.write_record(folder, "trainer_state.json", self.trainer_state())
+            mark_complete(folder, self.global_step, self.layout(), recipe_values(self.recipe),
+                          self.data.summary.get("train_fingerprint"))
+            rotate_complete_checkpoints(self.args.output_dir, self.args.save_total_limit)
+        dist.barrier()
+
+    def layout(self) -> dict:
+        return {"world_size": self.world, "strategy": "pipeline", "zero_stage": None,
+                "pipeline_parallel_size": self.stage.count, "pipeline_schedule": self.schedule_name,
+                "sequences_per_step": self.args.per_device_train_batch_size * self.micro_batches}
+
+    def _load(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(folder / STAGE_WEIGHTS.format(stage=self.stage.index)))
+        with torch.no_grad():
+            for name, parameter in self.stage.named_parameters():
+                parameter.copy_(weights[name])
+        state = torch.load(folder / STAGE_STATE.format(stage=self.stage.index), weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.global_step = int(state["global_step"])
+        history = json.loads((folder / "trainer_state.json").read_text())
+        self.log_history = [entry for entry in history["log_history"] if entry.get("step", 0) <= self.global_step]
+
+    def save_final(self) -> None:
+        """Every stage's weights, consolidated by rank 0 into one model in output_dir (as `finetune export` does
+        for a checkpoint), with the tokenizer."""
+        output_dir = Path(self.args.output_dir)
+        self.save_stage(output_dir / STAGES_FOLDER, with_state=False)
+        dist.barrier()
+        if self.rank == 0:
+            model = consolidated_model(output_dir / STAGES_FOLDER, self.model.config)
+            model.save_pretrained(output_dir, safe_serialization=True)
+            self.tokenizer.save_pretrained(output_dir)
+            outputs.write_record(output_dir, "trainer_state.json", self.trainer_state())
+            for path in (output_dir / STAGES_FOLDER).iterdir():
+                path.unlink()
+            (output_dir / STAGES_FOLDER).rmdir()
+        dist.barrier()
+
+
+def consolidated_model(folder: Path, config):
+    """The model `config` describes, holding the stages' weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(consolidated_state(folder), strict=False)
+    tied = {name for name in missing if name.endswith("lm_head.weight") and config.tie_word_embeddings}
+    if set(missing) - tied or unexpected:
+        raise RecipeError(f"the pipeline stages in {folder} do not make the model (missing "
+                          f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}).")
+    model.tie_weights()
+    return model
+
+
+def stage_memory(trainer: PipelineTrainer) -> dict[str, int]:
+    """What this rank's stage holds: its parameters, their gradients and the optimizer's states, in bytes."""
+    parameters = [parameter for _, parameter in trainer.stage.named_parameters()]
+    states = [value for state in trainer.optimizer.state.values() for value in state.values()
+              if torch.is_tensor(value) and value.dim() > 0]
+    return {"params_bytes": sum(p.numel() * p.element_size() for p in parameters),
+            "grads_bytes": sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None),
+            "optimizer_bytes": sum(value.numel() * value.element_size() for value in states)}
+
+
+def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
+    """The estimator's terms for this rank's stage (finetune.memory.estimate: `pipeline_stage_elements`)."""
+    from finetune.memory import Setup, estimate
+    from finetune.memory.callback import optimizer_kind
+
+    args = trainer.args
+    setup = Setup(strategy="pipeline", num_gpus=trainer.world, pipeline_parallel_size=trainer.stage.count,
+                  pipeline_schedule=trainer.schedule_name, rank=trainer.rank, precision="fp32",
+                  optimizer=optimizer_kind(args.optim) or "adamw", micro_batch_size=args.per_device_train_batch_size,
+                  sequence_length=trainer.recipe.data.max_seq_length,
+                  gradient_accumulation_steps=trainer.micro_batches)
+    predicted = estimate(shape, setup)
+    return {"params_bytes": predicted.params_bytes, "grads_bytes": predicted.grads_bytes,
+            "optimizer_bytes": predicted.optimizer_bytes, "activations_bytes": predicted.activations_bytes,
+            "estimate": {"setup": {key: getattr(setup, key) for key in
+                                   ("strategy", "num_gpus", "pipeline_parallel_size", "pipeline_schedule", "rank")}}}
+
+
+def train_pipeline(recipe, model, tokenizer, data, resume: str | None) -> dict:
+    """The whole run of this rank's stage: train, checkpoint, consolidate the model into output_dir; rank 0 writes
+    the records a Trainer run writes (trainer_state.json, effective_config.json, memory_report.json,
+    eval_results.json). Returns the summary."""
+    from accelerate.utils import gather_object
+
+    from finetune.memory.estimate import pipeline_bubble_fraction
+    from finetune.memory.shapes import shape_of
+
+    args = recipe.training
+    size, rank = recipe.strategy.pipeline_parallel_size, dist.get_rank()
+    evaluating = args.eval_on_start or str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" \
+        or recipe.data.generation_eval_samples
+    if evaluating and rank == 0:
+        print("warning: pipeline parallelism evaluates nothing during training (`eval_on_start`, `eval_strategy`, "
+              "`generation_eval_samples` are not run): evaluate the model it writes to output_dir.", flush=True)
+    check_attention(model, recipe.data.max_seq_length)
+    shape = shape_of(model)  # the whole model's, before the other stages' weights are freed
+    stage = build_stage(model, rank, size)
+    trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, args.pipeline_schedule, resume)
+    result = trainer.train()
+    memory = {"rank": rank, "world_size": trainer.world, "strategy": recipe.strategy.label,
+              "layers": [stage.layers.start, stage.layers.stop], "measured": stage_memory(trainer),
+              "predicted": predicted_memory(trainer, shape)}
+    trainer.save_final()
+    ranks = gather_object([memory])
+    summary = {"method": recipe.method.name, "world_size": trainer.world, "strategy": recipe.strategy.to_dict(),
+               "deepspeed_zero_stage": None, "train_loss": result["train_loss"], "global_step": trainer.global_step}
+    if rank == 0:
+        output_dir = Path(args.output_dir)
+        outputs.write_record(output_dir, outputs.MEMORY_REPORT, {"ranks": ranks})
+        bounds = stage_layers(len(decoder_parts(model)[0].layers), size)
+        pipeline = {"stages": [[layers.start, layers.stop] for layers in bounds], "schedule": args.pipeline_schedule,
+                    "micro_batches": trainer.micro_batches,
+                    "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}
+        outputs.write_record(output_dir, outputs.EFFECTIVE_CONFIG, {
+            "values": {"world_size": {"value": trainer.world, "source": "the launch"},
+                       "seed": {"value": args.seed, "source": "recipe"},
+                       "strategy": {"value": "pipeline", "source": "the recipe (pipeline_parallel_size)"}},
+            "strategy": {"requested": recipe.strategy.to_dict(), "running": recipe.strategy.to_dict()},
+            "pipeline": pipeline})
+        outputs.write_record(output_dir, outputs.EVAL_RESULTS, summary)
+        print(f"pipeline: {size} stages (layers {pipeline['stages']}), {args.pipeline_schedule}, "
+              f"{trainer.micro_batches} micro-batches a step, bubble {pipeline['bubble_fraction']:.0%}", flush=True)
+    return summary

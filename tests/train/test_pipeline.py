@@ -1,0 +1,162 @@
+"""Pipeline parallelism on torch.distributed.pipelining (finetune.train.pipeline): 2 stages on 2 CPU processes train
+with the losses and gradient norms of one process at the same batch, clipping active, under 1F1B on the tiny preset
+(its head tied to the embedding, which the first and the last stage both hold) and under GPipe on a hub-shaped
+checkpoint (untied, bf16 safetensors); each rank holds its stage, as the estimator predicts; a resume from a
+checkpoint's stage files logs the uninterrupted losses; `finetune export` consolidates the stages into the model a
+one-process run trains; what the loop does not run is refused by name."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hub_fixtures import save_hub_model
+from support import assert_succeeded, launch_demo
+
+from finetune import outputs
+from finetune.checkpoints.complete import COMPLETE_MARKER
+from finetune.cli import main
+from finetune.errors import RecipeError
+from finetune.launch.parallelism import Parallelism
+from finetune.launch.strategies import Strategy
+from finetune.memory import Setup, estimate, model_shape
+from finetune.memory.estimate import pipeline_stage_elements
+from finetune.recipe.preflight import check_pipeline
+from finetune.train.pipeline import stage_layers
+
+STEPS = 6
+# 4 micro-batches of 4 a step (global batch 16), the gradient norm (2.4 to 5.8) clipped to 1.0 at every step,
+# complete checkpoints at steps 3 and 6.
+RUN = ["--max_steps", str(STEPS), "--logging_steps", "1", "--per_device_train_batch_size", "4",
+       "--gradient_accumulation_steps", "4", "--max_grad_norm", "1.0", "--warmup_steps", "0", "--eval_on_start",
+       "false", "--generation_eval_samples", "0", "--save_strategy", "steps", "--save_steps", "3", "--report_to",
+       "none"]
+PIPELINE = ["--pipeline_parallel_size", "2"]
+DDP_ON_CPU = "accelerate_configs/cpu_ddp.yaml"  # plain processes, one a stage
+
+
+def history(output_dir) -> list[dict]:
+    return [entry for entry in json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+            if "loss" in entry]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """1F1B on the tiny preset and GPipe on a hub-shaped checkpoint, each with its one-process twin (in this process,
+    through Trainer); and the 1F1B run resumed from its step-3 checkpoint alone."""
+    hub = save_hub_model(tmp_path_factory.mktemp("hub_untied"))
+    done = {}
+    for name, extra in (("1f1b", []), ("gpipe", ["--pipeline_schedule", "gpipe", "--model_name_or_path", str(hub)])):
+        output_dir = tmp_path_factory.mktemp(f"pp_{name}")
+        assert_succeeded(launch_demo(DDP_ON_CPU, output_dir, *RUN, *PIPELINE, *extra))
+        one = tmp_path_factory.mktemp(f"one_{name}")
+        assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN,
+                     *[arg for arg in extra if arg not in ("--pipeline_schedule", "gpipe")]]) == 0
+        done[name], done[f"{name}_one"] = output_dir, one
+    resumed = tmp_path_factory.mktemp("pp_resumed")
+    shutil.copytree(done["1f1b"] / "checkpoint-3", resumed / "checkpoint-3")
+    done["resume_output"] = launch_demo(DDP_ON_CPU, resumed, *RUN, *PIPELINE, "--resume_from_checkpoint", "auto")
+    done["resumed"] = resumed
+    return done
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_two_stages_train_with_the_losses_of_one_process(runs, name):
+    staged, one = history(runs[name]), history(runs[f"{name}_one"])
+    assert [entry["step"] for entry in staged] == list(range(1, STEPS + 1))
+    for a, b in zip(staged, one, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # over both stages, the tied weight once
+        assert a["grad_norm"] > 1.0  # clipping active at every step
+        assert a["learning_rate"] == pytest.approx(b["learning_rate"])
+    assert staged[-1]["loss"] < staged[0]["loss"] - 0.5
+    effective = json.loads((runs[name] / outputs.EFFECTIVE_CONFIG).read_text())
+    assert effective["pipeline"]["schedule"] == name and effective["pipeline"]["micro_batches"] == 4
+    assert effective["pipeline"]["bubble_fraction"] == pytest.approx(1 / 5)  # (p − 1) / (m + p − 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_each_rank_holds_its_stage_as_predicted(runs, name):
+    report = json.loads((runs[name] / outputs.MEMORY_REPORT).read_text())["ranks"]
+    layers = 3 if name == "1f1b" else 2
+    assert [rank["layers"] for rank in report] == [[bound.start, bound.stop] for bound in stage_layers(layers, 2)]
+    for rank in report:
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert rank["measured"][key] == rank["predicted"][key], (rank["rank"], key)
+    whole = sum(rank["measured"]["params_bytes"] for rank in report) // 4
+    config = json.loads((runs[f"{name}_one"] / "config.json").read_text())
+    embedding = config["vocab_size"] * config["hidden_size"]
+    held = json.loads((runs[f"{name}_one"] / outputs.MEMORY_REPORT).read_text())["ranks"][0]["measured"]
+    # the stages together hold the model once, and a tied embedding twice (first and last stage)
+    assert whole == held["params_bytes"] // 4 + (embedding if config["tie_word_embeddings"] else 0)
+
+
+@pytest.mark.distributed
+def test_a_resume_from_the_stages_checkpoint_logs_the_uninterrupted_losses(runs):
+    checkpoint = runs["1f1b"] / "checkpoint-3"
+    assert (checkpoint / COMPLETE_MARKER).is_file()
+    assert sorted(path.name for path in checkpoint.glob("pipeline_stage_*")) == [
+        "pipeline_stage_00.safetensors", "pipeline_stage_00_state.pt", "pipeline_stage_01.safetensors",
+        "pipeline_stage_01_state.pt"]
+    assert_succeeded(runs["resume_output"])
+    assert f"resuming from {runs['resumed'] / 'checkpoint-3'}" in runs["resume_output"].output
+    whole, resumed = history(runs["1f1b"]), history(runs["resumed"])
+    assert [entry["step"] for entry in resumed] == list(range(1, STEPS + 1))  # steps 1-3 from the checkpoint
+    for a, b in zip(whole[3:], resumed[3:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+
+
+@pytest.mark.distributed
+def test_export_consolidates_the_stages_into_the_model_one_process_trains(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    assert main(["export", str(runs["1f1b"] / "checkpoint-6"), str(tmp_path / "exported")]) == 0
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    logits = {name: AutoModelForCausalLM.from_pretrained(path)(ids).logits.detach()
+              for name, path in (("exported", tmp_path / "exported"), ("final", runs["1f1b"]),
+                                 ("one", runs["1f1b_one"]))}
+    assert torch.equal(logits["exported"], logits["final"])  # the run's own consolidation at its end
+    assert torch.allclose(logits["exported"], logits["one"], atol=1e-4)
+    assert not (runs["1f1b"] / "pipeline_stages").exists()
+
+
+def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    data = SimpleNamespace(packing=False, padding_free=False, streaming=False)
+    ddp = Strategy("ddp")
+    asked = {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 4}
+    assert check_pipeline(dict(asked), data, False, "sft", Parallelism(), ddp).label == "pp2"
+    refusals = [
+        ({**asked, "pipeline_parallel_size": 4}, {}, "launch has 2 process"),
+        (asked, {"strategy": Strategy("deepspeed", zero_stage=2)}, "not under a DeepSpeed or FSDP config"),
+        (asked, {"use_lora": True}, "with LoRA or QLoRA"),
+        (asked, {"method": "dpo"}, "`method: dpo`"),
+        (asked, {"data": SimpleNamespace(packing=True, padding_free=False, streaming=False)}, "packed"),
+        ({**asked, "gradient_accumulation_steps": 1}, {}, "needs at least 2 micro-batches"),
+        ({**asked, "pipeline_schedule": "interleaved"}, {}, "not one of gpipe, 1f1b"),
+        (asked, {"parallelism": Parallelism(tensor_parallel_size=2)}, "tensor_parallel_size 2 beside it"),
+    ]
+    for inputs, changes, message in refusals:
+        call = {"data": data, "use_lora": False, "method": "sft", "parallelism": Parallelism(), "strategy": ddp,
+                **changes}
+        with pytest.raises(RecipeError, match=message):
+            check_pipeline(dict(inputs), call["data"], call["use_lora"], call["method"], call["parallelism"],
+                           call["strategy"])
+
+
+def test_the_estimator_gives_each_stage_its_layers_and_ends():
+    shape = model_shape("llama-3-8b")  # 32 layers, untied
+    stages = [pipeline_stage_elements(shape, Setup(strategy="pipeline", pipeline_parallel_size=4, rank=rank))
+              for rank in range(4)]
+    assert sum(stages) == shape.num_parameters
+    embedding = shape.vocab_size * shape.hidden_size
+    assert stages[1] == stages[2] == 8 * shape.layer_parameters
+    assert stages[0] == stages[1] + embedding
+    one = estimate(shape, Setup(strategy="pipeline", pipeline_parallel_size=4, rank=1, gradient_accumulation_steps=8,
+                                sequence_length=4096))
+    gpipe = estimate(shape, Setup(strategy="pipeline", pipeline_parallel_size=4, rank=1,
+                                  gradient_accumulation_steps=8, sequence_length=4096, pipeline_schedule="gpipe"))
+    assert gpipe.activations_bytes == pytest.approx(one.activations_bytes * 8 / 3)  # 8 micro-batches in flight, not 3
