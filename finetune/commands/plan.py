@@ -206,6 +206,7 @@ def _row_to_json(row: dict | None) -> dict | None:
 def plan_to_json(plan: dict) -> dict:
     recommended = plan["recommended_estimate"]
     return {**plan, "strategies": [_row_to_json(row) for row in plan["strategies"]],
+            "axes": [_row_to_json(row) for row in plan.get("axes", [])],
             "your_strategy": _row_to_json(plan["your_strategy"]),
             "recommended_estimate": recommended and recommended.to_dict()}
 
@@ -261,7 +262,14 @@ def print_plan(plan: dict) -> None:
                       + ("fits." if yours["fits"] else f"does not fit ({yours['shortfall']})."))
     if plan["global_batch_note"]:
         console.print(f"Note: {plan['global_batch_note']}.")
-    if plan["recommended"] is None:
+    if plan.get("axes"):
+        print_axes(console, plan, size, unit_name)
+    choice = plan.get("axis_choice")
+    if choice is not None:
+        console.print(f"Recommended: [bold green]{choice['name']}[/] — chosen because {choice['because']}.",
+                      soft_wrap=True)
+        console.print("Launch:", choice["launch_command"], soft_wrap=True, highlight=False)
+    elif plan["recommended"] is None:
         console.print("[bold red]No data-parallel strategy fits[/]: more or larger GPUs, LoRA/QLoRA "
                       "(--lora-rank, --qlora), gradient checkpointing or a shorter --seq-len.")
         if any(row["shortfall"] == "host load" for row in plan["strategies"]):
@@ -298,6 +306,23 @@ def print_plan(plan: dict) -> None:
     console.print("Estimates: model states as DeepSpeed/Trainer allocate them; activations tensor by tensor as "
                   "autograd saves them (measured at real widths); buffers = communication buckets and gathered "
                   "layers. See docs/memory.md.")
+
+
+def print_axes(console, plan: dict, size, unit_name: str) -> None:
+    """The parallelism axes' rows (finetune.plan.decision_tree.axis_rows): memory per GPU and what each costs."""
+    from rich.table import Table
+
+    table = Table(title=f"Parallelism axes on {plan['gpus']} GPUs — {unit_name} per GPU (the fullest rank)")
+    for column in ("axis", "params", "grads", "optimizer", "activations", "buffers", "total / GPU", "costs", "fits"):
+        table.add_column(column, justify="left" if column in ("axis", "costs") else "right", no_wrap=True)
+    for row in plan["axes"]:
+        result = row["estimate"]
+        style = "bold green" if row["name"] == plan["recommended"] else None
+        table.add_row(row["name"], size(result.params_bytes), size(result.grads_peak_bytes),
+                      size(result.optimizer_bytes), size(result.activations_bytes), size(result.temporary_bytes),
+                      size(result.total_bytes), row["cost"], "yes" if row["fits"] else f"no ({row['shortfall']})",
+                      style=style)
+    console.print(table)
 
 
 def calibration_lines(plan: dict) -> list[str]:

@@ -639,6 +639,8 @@ def saved_per_layer_bytes(shape: ModelShape, setup: Setup) -> float:
             inputs += c * tokens * setup.lora_rank
             if precision.adapters != c:  # autocast's casts of the fp32 adapters
                 inputs += c * setup.lora_rank * (width + linear.out_features)
+    if setup.strategy == "tensor_parallel":  # each rank computes its share of the heads and of the MLP's width
+        attention, mlp = attention / setup.tensor_parallel_size, mlp / setup.tensor_parallel_size
     return norms + attention + mlp + inputs
 
 

@@ -22,7 +22,15 @@ from dataclasses import dataclass, field, replace
 from finetune.errors import RecipeError
 from finetune.launch.devices import Gpu, default_precision
 from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy, Strategy
-from finetune.memory.estimate import GiB, MemoryEstimate, Setup, estimate, largest_partition, parallel_3d
+from finetune.memory.estimate import (
+    GiB,
+    MemoryEstimate,
+    Setup,
+    estimate,
+    largest_partition,
+    parallel_3d,
+    pipeline_bubble_fraction,
+)
 from finetune.memory.shapes import ALIASES, model_shape
 from finetune.plan.calibration import overhead_of
 from finetune.recipe.batch_plan import plan_batch, plan_from_recipe, reachable_global_batch
@@ -252,12 +260,14 @@ def make_plan(request: PlanRequest) -> dict:
         "launch_note": None,
         "parallel_3d": None,
         "inter_node": None,
+        "axes": [],
+        "axis_choice": None,
     }
     if request.nodes > 1:
         plan["inter_node"] = inter_node_traffic(request, shape, plan["trainable_parameters"])
     if recommended is None:
         plan["parallel_3d"] = smallest_3d_fit(request, shape)
-        return plan
+        return _with_axes(request, shape, plan)
     candidate = next(c for c in candidates_for(request.gpus, request.cpu_processes) if c.name == recommended["name"])
     micro = largest_micro_batch(request, shape, candidate, recommended["overhead_bytes"])
     plan["batch_plan"] = batch_plan(request, micro)
@@ -270,7 +280,129 @@ def make_plan(request: PlanRequest) -> dict:
                                f"it to run {candidate.name}")
     if not any(row["fits"] and "offload" not in row["name"] for row in rows):
         plan["parallel_3d"] = smallest_3d_fit(request, shape)
+    return _with_axes(request, shape, plan)
+
+
+def _with_axes(request: PlanRequest, shape, plan: dict) -> dict:
+    """The parallelism axes' rows (`axis_rows`) beside the data-parallel tree. The first axis that fits is
+    recommended instead of the tree's answer where no data-parallel strategy fits, or only an offload one while a
+    long sequence's activations outweigh the model states (offloading states leaves them), and the plan says why."""
+    plan["axes"] = axis_rows(request, shape, request.micro_batch_size or 1)
+    plan["axis_choice"] = None
+    tree_fits = next((row for row in plan["strategies"] if row["fits"]), None)
+    zero3 = next((row for row in plan["strategies"] if row["key"] == "zero3"), None)
+    if tree_fits is not None and ("offload" not in tree_fits["name"] or zero3 is None
+                                  or not _long_sequence_bound(zero3["estimate"])):
+        return plan  # the tree's answer, offload included, unless offload would only make room for activations
+    chosen = next((row for row in plan["axes"] if row["fits"]), None)
+    if chosen is None:
+        return plan
+    because = "no data-parallel strategy fits" + (" without offload" if tree_fits is not None else "")
+    if zero3 is not None:
+        result = zero3["estimate"]
+        because += (f" (ZeRO-3 needs {_size(result.total_bytes)} per GPU, {_size(result.activations_bytes)} of it "
+                    "activations)")
+    plan["axis_choice"] = {"name": chosen["name"], "key": chosen["key"], "because": f"{because}; {chosen['why']}",
+                           "overrides": chosen["overrides"], "launch_command": axis_launch_command(request, chosen)}
+    plan["recommended"] = chosen["name"]
+    plan["recommended_estimate"] = chosen["estimate"]
+    plan["batch_plan"] = None  # the axis's overrides say how the batch splits (`finetune train` plans it)
+    plan["launch_command"] = plan["axis_choice"]["launch_command"]
+    plan["parallel_3d"] = None
     return plan
+
+
+LONG_SEQUENCE = 16384  # tokens: where sequence parallelism starts to pay (ALST, axolotl's long-context recipes)
+
+
+def _long_sequence_bound(result: MemoryEstimate) -> bool:
+    """A long sequence's activations outweigh the model states a GPU holds: offloading states does not solve that."""
+    states = result.params_bytes + result.grads_peak_bytes + result.optimizer_bytes
+    return result.setup.sequence_length >= LONG_SEQUENCE and result.activations_bytes > states
+
+
+def axis_sizes(count: int, gpus: int, per_node: int) -> int:
+    """The largest size ≤ the GPUs of a node (and of the run) that divides `count` (heads) and the GPU count."""
+    return max((size for size in range(2, min(gpus, per_node) + 1) if count % size == 0 and gpus % size == 0),
+               default=1)
+
+
+def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
+    """Sequence, tensor and pipeline parallelism for this request, each at the size a node allows, with its memory
+    per GPU (the estimator's terms) and what it costs in communication or idle time:
+
+    - SP (DeepSpeed Ulysses) × ZeRO-3: each sequence split over the GPUs of a node; activations ÷ sp, states sharded
+      over every GPU; per layer and micro-batch, all-to-alls of q, k, v and the output forward and backward;
+    - TP × FSDP2: each layer's matrices split over a node's GPUs, FSDP2 over the rest; the split layers' activations
+      ÷ t; per layer and micro-batch, 2 all-reduces of the hidden states forward and 2 backward (NVLink only);
+    - PP: the layers in one stage a GPU, the global batch in micro-batches; idle (p − 1)/(m + p − 1) of each step.
+
+    Full fine-tuning only for TP and PP (LoRA is refused there); none on one GPU."""
+    if request.gpus < 2:
+        return []
+    per_node = request.gpus // request.nodes
+    c = 4 if plan_precision(request) == "fp32" else 2
+    tokens = micro_batch_size * planned_sequence_length(request, micro_batch_size)
+    hidden = tokens * shape.hidden_size * c  # one micro-batch's hidden states
+    rows = []
+    heads = math.gcd(shape.num_attention_heads, shape.num_key_value_heads)
+    sequence = axis_sizes(heads, request.gpus, per_node)
+    if sequence > 1:
+        options = {"strategy": "deepspeed", "zero_stage": 3, "sequence_parallel_size": sequence}
+        rows.append(_axis_row(request, shape, micro_batch_size, f"SP {sequence} × ZeRO-3", "sequence_parallel",
+                              options, {"--sequence_parallel_size": sequence},
+                              "accelerate_configs/deepspeed_zero3.yaml", request.gpus // sequence,
+                              f"all-to-all per layer and micro-batch: ~{_size(8 * hidden / sequence)} a GPU",
+                              f"SP {sequence} splits each sequence over {sequence} GPUs of a node: activations ÷ "
+                              f"{sequence}"))
+    full = not (request.lora_rank or request.qlora)
+    tensor = axis_sizes(heads, request.gpus, per_node)
+    if full and tensor > 1:
+        shard = request.gpus // tensor
+        options = {"strategy": "tensor_parallel", "tensor_parallel_size": tensor, "dp_shard_size": shard}
+        name = f"TP {tensor}" + (f" × FSDP2 {shard}" if shard > 1 else "")
+        rows.append(_axis_row(request, shape, micro_batch_size, name, "tensor_parallel", options,
+                              {"--tensor_parallel_size": tensor, "--dp_shard_size": shard},
+                              "accelerate_configs/ddp.yaml", shard,
+                              f"all-reduce per layer and micro-batch: 4 × {_size(hidden)} (NVLink)",
+                              f"TP {tensor} splits each layer's matrices within a node: the split layers' "
+                              f"activations ÷ {tensor}, states over all {request.gpus} GPUs"))
+    if full and request.nodes == 1 and request.gpus <= shape.num_layers:
+        stages = request.gpus
+        micro_batches = max(stages, math.ceil(request.global_batch_size / micro_batch_size))
+        options = {"strategy": "pipeline", "pipeline_parallel_size": stages}
+        bubble = pipeline_bubble_fraction(stages, micro_batches)
+        row = _axis_row(request, shape, micro_batch_size, f"PP {stages} (1F1B)", "pipeline", options,
+                        {"--pipeline_parallel_size": stages, "--gradient_accumulation_steps": micro_batches},
+                        "accelerate_configs/ddp.yaml", 1,
+                        f"idle {bubble:.0%} of each step (bubble, {micro_batches} micro-batches)",
+                        f"PP {stages} holds 1/{stages} of the layers a GPU", micro_batches=micro_batches,
+                        ranks=stages)
+        rows.append(row)
+    return rows
+
+
+def _axis_row(request: PlanRequest, shape, micro_batch_size: int, name: str, key: str, options: dict,
+              overrides: dict, config: str, replicas: int, cost: str, why: str, micro_batches: int | None = None,
+              ranks: int = 1) -> dict:
+    """One axis's row: the estimate on the rank holding the most (for PP, every stage: the largest total)."""
+    results = []
+    for rank in range(ranks):
+        setup = replace(_setup(request, {**options, "rank": rank}, micro_batch_size),
+                        **({"gradient_accumulation_steps": micro_batches} if micro_batches else {}))
+        results.append(estimate(shape, setup))
+    result = max(results, key=lambda item: item.total_bytes)
+    row = _row(request, name, config, result, result.setup.strategy, key)
+    row.update(overrides=[f"{option} {value}" for option, value in overrides.items()], cost=cost, why=why,
+               replicas=replicas)
+    return row
+
+
+def axis_launch_command(request: PlanRequest, row: dict) -> str:
+    parts = ["accelerate launch", f"--config_file {row['config']}"]
+    if request.gpus != 2:
+        parts.append(f"--num_processes {request.gpus}")
+    return " ".join([*parts, "-m finetune train", request.recipe, *row["overrides"]])
 
 
 def plan_precision(request: PlanRequest) -> str:

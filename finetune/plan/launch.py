@@ -83,6 +83,13 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
     sections = read_recipe(recipe, overrides, auto_precision=precision)
     training = sections.training_inputs
     named = training.get("strategy") if training.get("strategy") != "auto" else None
+    axis = _recipe_axis(training)
+    if axis is not None and not (axis == "sequence_parallel" and (named or training.get("deepspeed"))):
+        # the recipe names an axis: its launch follows from it (SP under a named DeepSpeed strategy keeps that one)
+        return _axis_launch(axis, machine), {
+            "strategy": axis, "chosen_by": "the recipe's parallelism axes; not planned",
+            "plan_error": "the recipe names the parallelism axes itself", "device": machine.describe(),
+            "processes": machine.processes, "nodes": machine.nodes}, without_option(overrides, "--strategy")
     if training.get("deepspeed"):
         if named is not None:
             raise RecipeError(f"the recipe names `strategy: {named}` and a DeepSpeed config (`deepspeed: "
@@ -112,6 +119,15 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
     if not chosen_by_auto:
         # the table's row when the name is among the tree's candidates here, else the plan's "yours" row for it
         chosen = next((row for row in plan["strategies"] if named and row["key"] == named), plan["your_strategy"])
+    elif plan.get("axis_choice") is not None:  # no data-parallel strategy fits without offload: an axis does
+        choice = plan["axis_choice"]
+        chosen, how = next(row for row in plan["axes"] if row["name"] == choice["name"]), f"auto: {choice['because']}"
+        named = None
+        rejected = [{"strategy": row["name"], "key": row["key"], "reason": why_not(row, plan),
+                     "predicted_bytes": planned_total(row)} for row in plan["strategies"]]
+        launch = _axis_launch(choice["key"], machine)
+        overrides = [*without_option(overrides, "--strategy"),
+                     *(token for pair in choice["overrides"] for token in pair.split())]
     else:
         if plan["recommended"] is None:
             raise RecipeError(f"`strategy: auto`: no strategy fits {machine.describe()} at {machine.memory_gib:g} GiB "
@@ -173,6 +189,27 @@ def predicted_per_rank(row: dict, machine: Machine) -> dict:
         "host_load_bytes": {"rank 0": estimate.host_load_bytes_of_rank(0, device_is_host=machine.cpu),
                             "other ranks": estimate.host_load_bytes_of_rank(1, device_is_host=machine.cpu)},
     }
+
+
+def _recipe_axis(training: dict) -> str | None:
+    """The parallelism axis a recipe names (finetune.launch.parallelism, finetune.train.pipeline), if any."""
+    for key, axis in (("pipeline_parallel_size", "pipeline"), ("tensor_parallel_size", "tensor_parallel"),
+                      ("sequence_parallel_size", "sequence_parallel")):
+        if str(training.get(key) or 1) not in ("1", "None"):
+            return axis
+    return None
+
+
+def _axis_launch(axis: str, machine: Machine) -> Launch:
+    """How an axis launches with its sizes given as recipe keys: plain processes for a pipeline (one a stage) and for
+    tensor parallelism (Transformers shards the model; its CPU twin's program on CPU processes), DeepSpeed ZeRO-3
+    for sequence parallelism."""
+    if axis == "sequence_parallel":
+        return _launch_of("zero3", machine)
+    plain = SHIPPED_BY_NAME["ddp"].launch(cpu=machine.cpu)
+    if axis == "tensor_parallel" and machine.cpu:
+        return plain._replace(program=SHIPPED_BY_NAME["tensor_parallel"].launch(cpu=True).program)
+    return plain
 
 
 def _deepspeed_launch_config(machine: Machine) -> str:
@@ -237,6 +274,10 @@ def _gib(num_bytes: float) -> str:
 
 
 def print_launch_plan(plan: dict) -> None:
+    if plan.get("chosen_by", "").startswith("the recipe's parallelism axes"):
+        print(f"plan: {plan['strategy']}, as the recipe's parallelism axes say, on {plan['device']}; not planned here "
+              "(`finetune plan` prints the axes' memory).")
+        return
     if "plan_error" in plan:
         print(f"warning: no plan for this launch ({plan['plan_error']}); launching the named strategy "
               f"{plan['strategy']} on {plan['device']} without one.")

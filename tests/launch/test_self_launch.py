@@ -274,3 +274,14 @@ def test_two_nodes_on_loopback_meet_and_train_from_the_same_command(tmp_path):
     effective = json.loads((tmp_path / "node0" / "effective_config.json").read_text())
     assert effective["values"]["world_size"]["value"] == 2 and effective["strategy"]["running"]["zero_stage"] == 2
     assert effective["plan"]["nodes"] == 2 and effective["plan"]["processes"] == 2
+
+
+@pytest.mark.parametrize(("axis", "config", "program"), [
+    (["--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2"], "cpu_ddp.yaml", "finetune"),
+    (["--tensor_parallel_size", "2"], "cpu_ddp.yaml", "finetune.testing.parallelism_on_cpu"),
+    (["--sequence_parallel_size", "2", "--strategy", "zero3"], "cpu_deepspeed_zero2.yaml", "finetune"),
+])
+def test_a_recipe_naming_a_parallelism_axis_launches_as_that_axis_runs(capsys, axis, config, program):
+    out, command = dry_run(capsys, "--gpus", "2", *axis)
+    assert option(command, "--config_file").endswith(config) and option(command, "-m") == program
+    assert command[-len(axis):] == axis

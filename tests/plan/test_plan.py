@@ -178,3 +178,31 @@ def test_plan_option_errors_are_one_line(capsys, arguments, message):
     assert main(["plan", *arguments]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_plan_prints_the_parallelism_axes_and_picks_sequence_parallelism_for_a_long_sequence(capsys):
+    """Llama-3-8B at 32k tokens on 8 H100s: no data-parallel strategy fits (activations), SP 8 × ZeRO-3 does; TP and
+    PP are printed with their terms and costs."""
+    long = ["--model", "llama-3-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "32768", "--global-batch-size", "8"]
+    plan = planned(capsys, *long, "--json")
+    axes = {row["name"]: row for row in plan["axes"]}
+    assert list(axes) == ["SP 8 × ZeRO-3", "TP 8", "PP 8 (1F1B)"]
+    assert not any(row["fits"] for row in plan["strategies"])
+    sequence = axes["SP 8 × ZeRO-3"]
+    assert sequence["fits"] and plan["recommended"] == "SP 8 × ZeRO-3"
+    zero3 = next(row for row in plan["strategies"] if row["key"] == "zero3")
+    split, whole = sequence["per_gpu"], zero3["per_gpu"]
+    assert split["activations_bytes"] == pytest.approx(whole["activations_bytes"] / 8, rel=0.02)
+    assert split["params_bytes"] == whole["params_bytes"]  # ZeRO-3 still shards over all 8
+    assert "idle 47%" in axes["PP 8 (1F1B)"]["cost"]  # (8 − 1) / (8 + 8 − 1)
+    assert plan["axis_choice"]["launch_command"].endswith("-m finetune train RECIPE.yaml --sequence_parallel_size 8")
+    assert "activations" in plan["axis_choice"]["because"]
+    assert main(["plan", *long]) == 0
+    out = capsys.readouterr().out
+    assert "Parallelism axes on 8 GPUs" in out and "Recommended: SP 8 × ZeRO-3 — chosen because no data-parallel" in out
+
+
+def test_a_short_sequence_keeps_the_data_parallel_recommendation_beside_the_axes(capsys):
+    plan = planned(capsys, "--model", "llama-3-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--json")
+    assert plan["recommended"] in [row["name"] for row in plan["strategies"]] and plan["axis_choice"] is None
+    assert [row["name"] for row in plan["axes"]] == ["SP 8 × ZeRO-3", "TP 8", "PP 8 (1F1B)"]
