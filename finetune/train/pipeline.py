@@ -239,12 +239,14 @@ class PipelineTrainer:
         self.step_tokens = max(step_token_count(labels), 1)
         losses: list[torch.Tensor] = []
         self.optimizer.zero_grad(set_to_none=True)
-        if self.stage.index == 0:
-            self.schedule.step(input_ids, target=labels if self.stage.count == 1 else None, losses=losses)
-        elif self.stage.index == self.stage.count - 1:
-            self.schedule.step(target=labels, losses=losses)
-        else:
-            self.schedule.step()
+        # bf16 mixed precision as Trainer runs it: autocast over the forward, fp32 weights, gradients and states
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bool(self.args.bf16)):
+            if self.stage.index == 0:
+                self.schedule.step(input_ids, target=labels if self.stage.count == 1 else None, losses=losses)
+            elif self.stage.index == self.stage.count - 1:
+                self.schedule.step(target=labels, losses=losses)
+            else:
+                self.schedule.step()
         if self.stage.tied is not None and self.stage.tied.grad is not None:
             dist.all_reduce(self.stage.tied.grad, group=self.tied_group)
         norm = self._clip()
@@ -428,7 +430,8 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
 
     args = trainer.args
     setup = Setup(strategy="pipeline", num_gpus=trainer.world, pipeline_parallel_size=trainer.stage.count,
-                  pipeline_schedule=trainer.schedule_name, rank=trainer.rank, precision="fp32",
+                  pipeline_schedule=trainer.schedule_name, rank=trainer.rank,
+                  precision="bf16" if args.bf16 else "fp32",
                   optimizer=optimizer_kind(args.optim) or "adamw", micro_batch_size=args.per_device_train_batch_size,
                   sequence_length=trainer.recipe.data.max_seq_length,
                   gradient_accumulation_steps=trainer.micro_batches)

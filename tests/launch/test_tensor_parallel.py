@@ -2,9 +2,9 @@
 (finetune.testing.parallelism_on_cpu), the model loaded sharded by Transformers' `DistributedConfig`. TP 2 on the
 tiny preset (2 processes, tied embeddings) and TP 2 × FSDP2 2 on a hub-shaped checkpoint (4 processes, untied head,
 grouped-query attention, bf16 safetensors) train with the losses of one process at the same global batch, clipping
-active; each rank holds its slices (DTensor local shapes, the ledger equal to the prediction); a resume logs the
-uninterrupted losses; the gathered weights export to the one-process model; what cannot work is refused before any
-process group, in one line."""
+active; each rank holds its slices (DTensor local shapes, the ledger equal to the prediction); a resume of either
+logs the uninterrupted losses; the gathered weights export to the one-process model; what cannot work is refused
+before any process group, in one line."""
 
 import json
 import shutil
@@ -57,10 +57,11 @@ def runs(tmp_path_factory, hub_model):
         one = tmp_path_factory.mktemp(f"{name}_one")
         assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN, *extra]) == 0
         done[name], done[f"{name}_one"] = output_dir, one
-    resumed = tmp_path_factory.mktemp("tp_fsdp_resumed")
-    shutil.copytree(done["tp_fsdp"] / "checkpoint-3", resumed / "checkpoint-3")
-    done["resume_output"] = launch_demo(TP_FSDP_ON_CPU, resumed, *RUN, *hub, "--resume_from_checkpoint", "auto")
-    done["tp_fsdp_resumed"] = resumed
+    for name, launch, extra in (("tp", TP_ON_CPU, []), ("tp_fsdp", TP_FSDP_ON_CPU, hub)):
+        resumed = tmp_path_factory.mktemp(f"{name}_resumed")
+        shutil.copytree(done[name] / "checkpoint-3", resumed / "checkpoint-3")
+        done[f"{name}_resume_output"] = launch_demo(launch, resumed, *RUN, *extra, "--resume_from_checkpoint", "auto")
+        done[f"{name}_resumed"] = resumed
     return done
 
 
@@ -105,16 +106,19 @@ def test_each_rank_holds_its_slices_as_predicted(runs, name, world, sizes):
 
 
 @pytest.mark.distributed
-def test_a_resumed_tensor_parallel_run_logs_the_uninterrupted_losses(runs):
-    assert_succeeded(runs["resume_output"])
-    assert f"resuming from {runs['tp_fsdp_resumed'] / 'checkpoint-3'}" in runs["resume_output"].output
-    then, now = history(runs["tp_fsdp"]), history(runs["tp_fsdp_resumed"])
+@pytest.mark.parametrize("name, shard", [("tp", 1), ("tp_fsdp", 2)])
+def test_a_resumed_tensor_parallel_run_logs_the_uninterrupted_losses(runs, name, shard):
+    output = runs[f"{name}_resume_output"]
+    assert_succeeded(output)
+    assert f"resuming from {runs[f'{name}_resumed'] / 'checkpoint-3'}" in output.output
+    then, now = history(runs[name]), history(runs[f"{name}_resumed"])
     assert [entry["step"] for entry in now] == [1, 2, 3, 4, 5, 6]  # 1 to 3 restored from the checkpoint's state
     for a, b in zip(now[3:], then[3:], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"])
-    marker = json.loads((runs["tp_fsdp"] / "checkpoint-3" / COMPLETE_MARKER).read_text())
-    assert (marker["strategy"], marker["tensor_parallel_size"], marker["dp_shard_size"]) == ("tensor_parallel", 2, 2)
-    assert (runs["tp_fsdp"] / "checkpoint-3" / STATE_FOLDER / ".metadata").is_file()
+    marker = json.loads((runs[name] / "checkpoint-3" / COMPLETE_MARKER).read_text())
+    assert (marker["strategy"], marker["tensor_parallel_size"], marker["dp_shard_size"]) == ("tensor_parallel", 2,
+                                                                                            shard)
+    assert (runs[name] / "checkpoint-3" / STATE_FOLDER / ".metadata").is_file()
 
 
 @pytest.mark.distributed
