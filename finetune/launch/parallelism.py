@@ -166,6 +166,23 @@ def is_parallelism_launch(environ=None) -> bool:
     return str(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "")).lower() == "true"
 
 
+def launched(environ=None) -> Parallelism | None:
+    """The sizes `accelerate launch` exported for a config's `parallelism_config` section (None without one)."""
+    environ = os.environ if environ is None else environ
+    if not is_parallelism_launch(environ):
+        return None
+    return Parallelism(**{key: _size(key, environ.get(variable), "the launch's Accelerate config") or 1
+                          for key, variable in KEYS.items()})
+
+
+def describe_as_accelerate(parallelism: Parallelism) -> str:
+    """`dp_replicate 2 × dp_shard 2`: the sizes above 1 as an Accelerate config names them (`all 1` for none)."""
+    named = [f"{_accelerate_name(key).removesuffix('_size')} {getattr(parallelism, key)}" for key in
+             ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "sequence_parallel_size",
+              "tensor_parallel_size") if getattr(parallelism, key) > 1]
+    return " × ".join(named) or "all 1"
+
+
 def _accelerate_name(key: str) -> str:
     """The size's name in an Accelerate config's `parallelism_config` section, without its prefix."""
     from finetune.configs.accelerate import PARALLELISM_KEYS

@@ -20,7 +20,8 @@ import torch
 from finetune.configs.lint import lint_deepspeed
 from finetune.errors import RecipeError, launched_rank
 from finetune.launch.devices import visible_gpu
-from finetune.launch.parallelism import Parallelism, check, requested_on
+from finetune.launch.parallelism import Parallelism, check, describe_as_accelerate, requested_on
+from finetune.launch.parallelism import launched as launched_parallelism
 from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, is_true, launched_strategy, shipped
 
 
@@ -152,9 +153,6 @@ def check_named_strategy(name: str | None, launched: Strategy, world_size: int, 
               f"{name}.")
 
 
-PARALLELISM_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # Accelerate's ParallelismConfig.total_size
-
-
 def check_per_node_sizes(deepspeed: dict | None, environ=None) -> None:
     """Sizes written for one cluster shape must fit the launch's: Accelerate's parallelism sizes (FSDP hybrid shard's
     replicate × shard) multiply to the processes launched, and ZeRO++'s hpZ group is the processes of one node (its
@@ -162,19 +160,18 @@ def check_per_node_sizes(deepspeed: dict | None, environ=None) -> None:
     nodes and GPUs per node; `"auto"` hpZ is filled from the node's processes when DeepSpeed starts."""
     environ = os.environ if environ is None else environ
     world_size, per_node = int(environ.get("WORLD_SIZE", "1")), int(environ.get("LOCAL_WORLD_SIZE", "1"))
-    if is_true(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG")):
-        sizes = {name: int(environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")) for name in PARALLELISM_SIZES}
-        product = math.prod(sizes.values())
-        # all 1 is plain data parallelism over every process (Accelerate sets dp_replicate to the process count)
-        if product not in (1, world_size) and not (sizes["sp"] > 1 and environ.get("PARALLELISM_CONFIG_SP_BACKEND",
-                                                                          "deepspeed") == "deepspeed"):
-            shown = " × ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "all 1"
-            nodes = world_size // per_node if per_node and world_size % per_node == 0 else "?"
-            raise RecipeError(
-                f"the Accelerate config's parallelism sizes multiply to {product} ({shown}) but this launch runs "
-                f"{world_size} processes ({nodes} node(s) × {per_node}): give sizes for this cluster "
-                f"(`--parallelism_config_dp_replicate_size NODES --parallelism_config_dp_shard_size GPUS_PER_NODE`), "
-                "as scripts/launch_multinode.sh does from --nnodes and --gpus-per-node.")
+    sizes = launched_parallelism(environ)
+    # all 1 is plain data parallelism over every process (Accelerate sets dp_replicate to the process count); DeepSpeed
+    # Ulysses sizes its own groups
+    ulysses = sizes is not None and sizes.sequence_parallel_size > 1 and \
+        environ.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed") == "deepspeed"
+    if sizes is not None and sizes.total not in (1, world_size) and not ulysses:
+        nodes = world_size // per_node if per_node and world_size % per_node == 0 else "?"
+        raise RecipeError(
+            f"the Accelerate config's parallelism sizes multiply to {sizes.total} ({describe_as_accelerate(sizes)}) "
+            f"but this launch runs {world_size} processes ({nodes} node(s) × {per_node}): give sizes for this "
+            "cluster (`--parallelism_config_dp_replicate_size NODES --parallelism_config_dp_shard_size "
+            "GPUS_PER_NODE`), as scripts/launch_multinode.sh does from --nnodes and --gpus-per-node.")
     # read as the estimator reads it (Strategy.from_deepspeed): a number of ranks above 1, "auto", or None
     hpz = Strategy.from_deepspeed(deepspeed).hpz_partition_size if deepspeed else None
     if isinstance(hpz, int) and hpz != per_node:  # lint names a value that is neither
