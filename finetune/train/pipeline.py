@@ -55,9 +55,25 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
     return bounds
 
 
+# Model types whose decoder runs exactly embed_tokens → layers(hidden, position_embeddings) → norm → lm_head, which the
+# stages re-run piece by piece. Others of the same layout change something between the pieces (Gemma scales the
+# embeddings, Granite multiplies them, Gemma 3 alternates local and global rotary tables), which a stage would
+# silently skip: refused by name until their stage is written.
+PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def decoder_parts(model) -> tuple[nn.Module, nn.Module]:
     """`(decoder, head)`: the Transformers layout every decoder-only model of the Llama family has (embed_tokens,
     layers, norm, rotary_emb under `model.model`; `lm_head`)."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in PIPELINE_MODEL_TYPES:
+        raise RecipeError(f"pipeline parallelism cuts {', '.join(PIPELINE_MODEL_TYPES)} decoders into stages; this "
+                          f"model is `{model_type}`, whose forward does more between its layers than a stage would "
+                          "run: train it without pipeline parallelism.")
+    layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise RecipeError(f"pipeline parallelism runs every layer with full causal attention; this model mixes "
+                          f"{', '.join(sorted(layer_types))} layers (`layer_types` in its config).")
     decoder = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if decoder is None or not all(hasattr(decoder, name) for name in needed) or not hasattr(model, "lm_head"):

@@ -160,3 +160,21 @@ def test_the_estimator_gives_each_stage_its_layers_and_ends():
     gpipe = estimate(shape, Setup(strategy="pipeline", pipeline_parallel_size=4, rank=1,
                                   gradient_accumulation_steps=8, sequence_length=4096, pipeline_schedule="gpipe"))
     assert gpipe.activations_bytes == pytest.approx(one.activations_bytes * 8 / 3)  # 8 micro-batches in flight, not 3
+
+
+def test_a_decoder_the_stages_cannot_rerun_is_refused_by_name():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.train.pipeline import build_stage
+
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 128}
+    gemma = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma", **small))
+    with pytest.raises(RecipeError, match="this model is `gemma`, whose forward does more"):
+        build_stage(gemma, 0, 2)
+    qwen3 = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **small))
+    assert len(build_stage(qwen3, 1, 2).module.layers) == 1
+    mixed = AutoConfig.for_model("qwen3", **small, layer_types=["sliding_attention", "full_attention"],
+                                 use_sliding_window=True, sliding_window=8)
+    with pytest.raises(RecipeError, match="mixes full_attention, sliding_attention layers"):
+        build_stage(AutoModelForCausalLM.from_config(mixed), 0, 2)
