@@ -41,6 +41,7 @@ from finetune.checkpoints.complete import (
 )
 from finetune.checkpoints.disk import needed_checkpoint_bytes, saving_within_free_space, trainable_parameter_bytes
 from finetune.checkpoints.sharded_state import load_sharded_model, load_sharded_optimizer, save_sharded_state
+from finetune.launch.strategies import loaded_sharded
 from finetune.memory.ledger import optimizer_chain
 from finetune.models.loading import dtype_name, saved_dtype
 from finetune.recipe.batch_plan import BatchPlan, data_parallel_size
@@ -252,8 +253,9 @@ class FinetuneTrainerMixin:
         load_sharded_model(self.model, Path(resume_from_checkpoint))
 
     def _loaded_sharded(self) -> bool:
-        """The model was loaded sharded by Transformers (tensor parallel): its state is saved as slices."""
-        return getattr(self, "is_distributed_loading_by_transformers", False)
+        """The model was loaded sharded by Transformers (tensor parallel): its state is saved as slices. Read off the
+        model, as the strategy check and the ledger read it (finetune.launch.strategies.loaded_sharded)."""
+        return loaded_sharded(self.model) is not None
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None and self._loaded_sharded():
