@@ -16,8 +16,8 @@ from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME
 from finetune.models.lora import qlora_compute_dtype, qlora_load
 from finetune.recipe.parse import parse_recipe
 
-SHARDED = {"zero3", "zero3_offload", "zero3_nvme", "zero3_zeropp", "fsdp_full_shard", "fsdp_shard_grad_op",
-           "fsdp_hybrid_shard"}
+SHARDED = {"zero3", "zero3_offload", "zero3_nvme", "zero3_zeropp", "sequence_parallel", "fsdp_full_shard",
+           "fsdp_shard_grad_op", "fsdp_hybrid_shard"}  # sequence_parallel: SP beside ZeRO-3
 
 
 # QLoRA under tensor parallelism is refused before loading (finetune.launch.parallelism: no adapters on TP layers).
