@@ -56,6 +56,18 @@ def _base_model(name: str | None, seed: int | None, source: Path):
     return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES["auto"])
 
 
+def model_class(config_dir: Path):
+    """The Auto class that rebuilds what `config_dir/config.json` describes: a scorer (a reward model,
+    `...ForSequenceClassification`) or, by default, a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = config_dir / "config.json"
+    architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    if any(str(name).endswith("ForSequenceClassification") for name in architectures):
+        return AutoModelForSequenceClassification
+    return AutoModelForCausalLM
+
+
 def _zero_shards(directory: Path) -> bool:
     return any(path.is_dir() and path.name.startswith("global_step") for path in directory.iterdir())
 
@@ -99,7 +111,6 @@ def check_finished(source: Path) -> None:
 
 def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed: int | None):
     """`(model, is_adapter)` for `source`, once every file it will read has been checked."""
-    from transformers import AutoModelForCausalLM
 
     if not source.is_dir():
         raise RecipeError(f"{source} is not a directory: give a run's output_dir or one of its checkpoint-N folders.")
@@ -122,7 +133,7 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
     if merge_lora:
         raise RecipeError(f"--merge-lora: {source} holds no LoRA adapter (no adapter_config.json).")
     if (source / "model.safetensors").is_file() or (source / "model.safetensors.index.json").is_file():
-        return AutoModelForCausalLM.from_pretrained(source), False
+        return model_class(source).from_pretrained(source), False
     if (source / "config.json").is_file() and any(source.glob("pipeline_stage_[0-9][0-9].safetensors")):
         from finetune.checkpoints.pipeline_stages import consolidated_state
 
@@ -172,9 +183,9 @@ def _merged_fsdp_model(source: Path, merge_lora: bool, base_model: str | None, s
 
 def _model_from_state(state: dict, config_dir: Path, what: str):
     """The model `config_dir/config.json` describes, holding the consolidated `state` (a tied head may be absent)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    model = model_class(config_dir).from_config(AutoConfig.from_pretrained(config_dir))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {name for name in missing if name.endswith("lm_head.weight") and model.config.tie_word_embeddings}
     if set(missing) - tied or unexpected:

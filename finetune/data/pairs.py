@@ -136,6 +136,21 @@ def synthetic_pairs(dataset: Dataset, seed: int) -> Dataset:
     return Dataset.from_list([synthetic_pair(row, rng) for row in dataset])
 
 
+def check_pair_data_keys(data_args, method: str, trainer: str) -> None:
+    """Refuses the data keys that mean nothing for a method trained on pairs, which TRL's `trainer` tokenizes itself
+    when training starts."""
+    if data_args.packing or data_args.padding_free:
+        raise RecipeError(f"`packing` and `padding_free` are for supervised fine-tuning; TRL's {trainer} pads each "
+                          f"pair (drop them with `method: {method}`).")
+    if data_args.streaming:
+        raise RecipeError(f"`streaming: true` is for supervised fine-tuning; under `method: {method}` TRL's "
+                          f"{trainer} tokenizes every pair before training: drop `streaming`.")
+    if data_args.preprocessed_dir is not None:
+        raise RecipeError(f"`preprocessed_dir: {data_args.preprocessed_dir}` names a cache of tokenized SFT data "
+                          f"(`finetune preprocess`); under `method: {method}` TRL's {trainer} tokenizes the pairs "
+                          "itself and reads no cache: drop the key.")
+
+
 def load_preference_data(data_args, seed: int) -> PreferenceData:
     """The training and eval pairs of every source (mixed by `mix_weights`), checked, with a summary per source."""
     from finetune import presets

@@ -23,6 +23,7 @@ DEFAULT_METHOD = "sft"
 METHODS = {
     "sft": "finetune.train.methods.sft:SupervisedFineTuning",
     "dpo": "finetune.train.methods.dpo:DirectPreferenceOptimization",
+    "reward": "finetune.train.methods.reward:RewardModelling",
 }
 
 

@@ -227,12 +227,16 @@ AXOLOTL_KEYS = (
 
 # ----------------------------------------------------------------------------------------------------- LLaMA-Factory
 
+FACTORY_STAGES = {"rm": "reward"}  # LLaMA-Factory's stage names that differ from the method's
+
+
 def _factory_stage(value: Any, values: dict) -> dict:
     from finetune.recipe.methods import all_methods
 
     names = [method.name for method in all_methods()]
     if value in (None, "sft"):
         return {}
+    value = FACTORY_STAGES.get(value, value)
     if value in names:  # a stage finetune trains under the same name
         return {"method": value}
     raise ValueError(f"finetune trains {', '.join(f'`{name}`' for name in names)}; stage `{value}` is not supported")

@@ -171,7 +171,10 @@ def summarize_evaluations(log_history: list[dict], exact_match_history: list[dic
 # A preference method's evaluation (TRL's): how often the policy prefers the chosen answer more than the reference
 # does, and by how much (β times the log-ratio difference). Both are 0 before training, when the policy is the
 # reference.
-PREFERENCE_METRICS = {"eval_rewards/accuracies": "reward_accuracy", "eval_rewards/margins": "reward_margin"}
+# A reward model's (TRL's RewardTrainer): how often the chosen answer scores above the rejected one, and the mean
+# score margin.
+PREFERENCE_METRICS = {"eval_rewards/accuracies": "reward_accuracy", "eval_rewards/margins": "reward_margin",
+                      "eval_accuracy": "pair_accuracy", "eval_margin": "score_margin"}
 
 
 def preference_metrics(evaluation: dict) -> dict:

@@ -126,16 +126,9 @@ class DirectPreferenceOptimization(Method):
                                    "loss_weights": settings.dpo_loss_weights, "max_length": data_args.max_seq_length}
 
     def check_data_keys(self, data_args) -> None:
-        if data_args.packing or data_args.padding_free:
-            raise RecipeError("`packing` and `padding_free` are for supervised fine-tuning; TRL's DPO pads each pair "
-                              "(drop them with `method: dpo`).")
-        if data_args.streaming:
-            raise RecipeError("`streaming: true` is for supervised fine-tuning; under `method: dpo` TRL's DPOTrainer "
-                              "tokenizes every pair before training: drop `streaming`.")
-        if data_args.preprocessed_dir is not None:
-            raise RecipeError(f"`preprocessed_dir: {data_args.preprocessed_dir}` names a cache of tokenized SFT data "
-                              "(`finetune preprocess`); under `method: dpo` TRL's DPOTrainer tokenizes the pairs "
-                              "itself and reads no cache: drop the key.")
+        from finetune.data.pairs import check_pair_data_keys
+
+        check_pair_data_keys(data_args, self.name, "DPOTrainer")
 
     def plan_data(self, sections):
         """The pairs, loaded, checked and counted as `finetune train` loads them; TRL tokenizes them only when
