@@ -267,7 +267,8 @@ class PipelineTrainer:
             dist.all_reduce(self.stage.tied.grad, group=self.tied_group)
         norm = self._clip()
         self.optimizer.step()
-        loss = torch.tensor([float(sum(loss.detach() for loss in losses)) if losses else 0.0], dtype=torch.float64)
+        loss = torch.tensor([float(sum(loss.detach() for loss in losses)) if losses else 0.0], dtype=torch.float64,
+                            device=self.device)  # where the backend communicates (NCCL: the GPU)
         dist.broadcast(loss, src=self.stage.count - 1)  # the last stage computed it
         return float(loss), norm
 
@@ -276,9 +277,9 @@ class PipelineTrainer:
         as `torch.nn.utils.clip_grad_norm_` clips."""
         grads = [p.grad for name, p in self.stage.named_parameters()
                  if p.grad is not None and not (self.stage.index > 0 and p is self.stage.tied)]
-        squares = torch.zeros(1, dtype=torch.float64)
+        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
         for grad in grads:
-            squares += grad.detach().double().pow(2).sum().cpu()
+            squares += grad.detach().double().pow(2).sum()
         dist.all_reduce(squares)
         norm = float(squares.sqrt())
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
