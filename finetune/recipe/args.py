@@ -466,3 +466,30 @@ class FinetuneTrainingArguments(TrainingArguments):
 # In the order they are built: the training section last, since constructing it starts the process group.
 RECIPE_SECTIONS = (ModelArguments, DataArguments, LoraArguments, MethodArguments,
                    FinetuneTrainingArguments)
+
+
+
+def trl_config(trl_class: str, name: str, module: str, doc: str):
+    """A method's TRL config and ours in one dataclass (`trl_class`: "trl.module:Class"), built when first asked for,
+    and the `__getattr__` its method module answers with: Trainer pickles its arguments into training_args.bin and
+    unpickling finds the class by `module` and `name`. Every Trainer key keeps the value the recipe gave (or Trainer's
+    default): TRL's own defaults for them (bf16, gradient checkpointing, its learning rate, logging every 10 steps) do
+    not apply, so a method's recipe reads as an SFT one. Importing TRL is left to the first use: it costs every rank
+    of every run a quarter second."""
+    import functools
+    import importlib
+
+    @functools.cache
+    def config() -> type:
+        where, class_name = trl_class.split(":")
+        combined = dataclass(type(name, (FinetuneTrainingArguments, getattr(importlib.import_module(where),
+                                                                             class_name)), {"__doc__": doc}))
+        combined.__qualname__, combined.__module__ = name, module
+        return combined
+
+    def module_getattr(attribute: str):
+        if attribute == name:
+            return config()
+        raise AttributeError(f"module {module!r} has no attribute {attribute!r}")
+
+    return config, module_getattr

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from finetune.errors import RecipeError
 from finetune.memory.estimate import MethodTerms
 from finetune.recipe.aliases import TrlKey
-from finetune.recipe.args import FinetuneTrainingArguments
-from finetune.recipe.methods import Method
+from finetune.recipe.args import trl_config
+from finetune.train.methods.pairs import PairMethod
 
 DPO_CONFIG = "DPOConfig"
 
@@ -77,32 +77,17 @@ class DPOArguments:
                               f"{len(self.dpo_loss_type)} `dpo_loss_type`(s): give one per loss.")
 
 
-@functools.cache
-def finetune_dpo_config() -> type:
-    """The recipe's training arguments and TRL's DPO keys in one dataclass, as DPOTrainer reads them. Every Trainer
-    key keeps the value the recipe gave (or Trainer's default): TRL's own defaults for them (bf16, gradient
-    checkpointing, learning rate 1e-6, logging every 10 steps) do not apply, so a DPO recipe reads as an SFT one."""
-    from trl.trainer.dpo_config import DPOConfig
-
-    @dataclass
-    class FinetuneDPOConfig(FinetuneTrainingArguments, DPOConfig):
-        __doc__ = finetune_dpo_config.__doc__
-
-    FinetuneDPOConfig.__qualname__ = "FinetuneDPOConfig"  # found by name (module `__getattr__`): Trainer pickles
-    return FinetuneDPOConfig                            # its arguments into training_args.bin
+# TRL's DPOConfig and the recipe's training arguments in one dataclass, as DPOTrainer reads them
+finetune_dpo_config, __getattr__ = trl_config("trl.trainer.dpo_config:DPOConfig", "FinetuneDPOConfig", __name__,
+                                              "The recipe's training arguments and TRL's DPO keys.")
 
 
-def __getattr__(name: str):
-    if name == "FinetuneDPOConfig":
-        return finetune_dpo_config()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class DirectPreferenceOptimization(Method):
+class DirectPreferenceOptimization(PairMethod):
     name = "dpo"
     description = ("Direct Preference Optimization on prompt/chosen/rejected pairs (`dataset: synthetic` gives pairs "
                    "made from the synthetic tasks), against a frozen reference copy of the starting model (the "
                    "adapter-disabled base under LoRA), through TRL's DPOTrainer")
+    trainer_name = "DPOTrainer"
     arguments = DPOArguments
     trl_keys = (
         TrlKey("loss_type", DPO_CONFIG, ours="dpo_loss_type"),
@@ -125,37 +110,10 @@ class DirectPreferenceOptimization(Method):
         return finetune_dpo_config(), {"beta": settings.beta, "loss_type": list(settings.dpo_loss_type),
                                    "loss_weights": settings.dpo_loss_weights, "max_length": data_args.max_seq_length}
 
-    def check_data_keys(self, data_args) -> None:
-        from finetune.data.pairs import check_pair_data_keys
-
-        check_pair_data_keys(data_args, self.name, "DPOTrainer")
-
-    def plan_data(self, sections):
-        """The pairs, loaded, checked and counted as `finetune train` loads them; TRL tokenizes them only when
-        training starts, so each is planned at `max_seq_length`."""
-        from finetune.data.pairs import load_preference_data
-
-        return None, load_preference_data(sections.data, int(sections.training_inputs.get("seed") or 42)).summary
-
     def prepare_model(self, recipe, model):
         return model  # TRL applies any adapters (build_trainer), after which the trainable weights are held in fp32
-
-    def prepare_data(self, recipe, tokenizer, model):
-        """The preference pairs, with the fingerprint checkpoints record (of the pairs' text). TRL tokenizes them when
-        the trainer is built, which completes their summary."""
-        from finetune.data.pairs import SOURCE_COLUMN, load_preference_data
-        from finetune.data.summary import fingerprint
-
-        data = load_preference_data(recipe.data, recipe.training.seed)
-        data.summary["train_fingerprint"] = fingerprint(data.train.remove_columns(SOURCE_COLUMN))
-        return data
 
     def build_trainer(self, recipe, model, tokenizer, data, callbacks):
         from finetune.train.methods.dpo.trainer import dpo_trainer
 
         return dpo_trainer(recipe, model, tokenizer, data, callbacks)
-
-    def print_data_summary(self, summary: dict) -> None:
-        from finetune.data.pairs import print_preference_summary
-
-        print_preference_summary(summary)

@@ -16,13 +16,12 @@ only when a run builds it.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 from finetune.errors import RecipeError
 from finetune.memory.estimate import MethodTerms
-from finetune.recipe.args import FinetuneTrainingArguments
-from finetune.recipe.methods import Method
+from finetune.recipe.args import trl_config
+from finetune.train.methods.pairs import PairMethod
 
 
 @dataclass
@@ -40,31 +39,17 @@ class RewardArguments:
             raise RecipeError(f"`center_rewards_coefficient` must be ≥ 0, got {self.center_rewards_coefficient}.")
 
 
-@functools.cache
-def finetune_reward_config() -> type:
-    """The recipe's training arguments and TRL's reward keys in one dataclass, as RewardTrainer reads them; every
-    Trainer key keeps the value the recipe gave (TRL's own defaults for them do not apply)."""
-    from trl.trainer.reward_config import RewardConfig
-
-    @dataclass
-    class FinetuneRewardConfig(FinetuneTrainingArguments, RewardConfig):
-        __doc__ = finetune_reward_config.__doc__
-
-    FinetuneRewardConfig.__qualname__ = "FinetuneRewardConfig"  # found by name (module `__getattr__`): Trainer
-    return FinetuneRewardConfig                                   # pickles its arguments into training_args.bin
+# TRL's RewardConfig and the recipe's training arguments in one dataclass, as RewardTrainer reads them
+finetune_reward_config, __getattr__ = trl_config("trl.trainer.reward_config:RewardConfig", "FinetuneRewardConfig",
+                                                 __name__, "The recipe's training arguments and TRL's reward keys.")
 
 
-def __getattr__(name: str):
-    if name == "FinetuneRewardConfig":
-        return finetune_reward_config()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class RewardModelling(Method):
+class RewardModelling(PairMethod):
     name = "reward"
     description = ("A reward model trained on prompt/chosen/rejected pairs (`dataset: synthetic` gives pairs made "
                    "from the synthetic tasks): the starting model's decoder with a one-score head, TRL's "
                    "RewardTrainer; reports the held-out pair accuracy")
+    trainer_name = "RewardTrainer"
     arguments = RewardArguments
     # Chosen and rejected in one forward; a score per sequence, no vocabulary logits
     memory = MethodTerms(reference_model=False, sequences_per_example=2, logits_held=False)
@@ -74,16 +59,6 @@ class RewardModelling(Method):
     def training_arguments(self, data_args):
         return finetune_reward_config(), {"max_length": data_args.max_seq_length,
                                           "center_rewards_coefficient": self.settings.center_rewards_coefficient}
-
-    def check_data_keys(self, data_args) -> None:
-        from finetune.data.pairs import check_pair_data_keys
-
-        check_pair_data_keys(data_args, self.name, "RewardTrainer")
-
-    def plan_data(self, sections):
-        from finetune.data.pairs import load_preference_data
-
-        return None, load_preference_data(sections.data, int(sections.training_inputs.get("seed") or 42)).summary
 
     def prepare_model(self, recipe, model):
         from finetune.train.methods.reward.trainer import scorer_from
@@ -97,20 +72,7 @@ class RewardModelling(Method):
                               "or ZeRO-2.")
         return scorer_from(model, seed=recipe.training.seed)
 
-    def prepare_data(self, recipe, tokenizer, model):
-        from finetune.data.pairs import SOURCE_COLUMN, load_preference_data
-        from finetune.data.summary import fingerprint
-
-        data = load_preference_data(recipe.data, recipe.training.seed)
-        data.summary["train_fingerprint"] = fingerprint(data.train.remove_columns(SOURCE_COLUMN))
-        return data
-
     def build_trainer(self, recipe, model, tokenizer, data, callbacks):
         from finetune.train.methods.reward.trainer import reward_trainer
 
         return reward_trainer(recipe, model, tokenizer, data, callbacks)
-
-    def print_data_summary(self, summary: dict) -> None:
-        from finetune.data.pairs import print_preference_summary
-
-        print_preference_summary(summary)
