@@ -131,8 +131,8 @@ def requested(training_inputs: dict[str, Any], environ=None) -> tuple[Parallelis
     sizes: dict[str, int] = {}
     sources: dict[str, str] = {}
     for key, variable in KEYS.items():
-        launched = _size(key, environ.get(variable), "the launch's Accelerate config") if from_launch else None
-        asked = _size(key, training_inputs.get(key), "the recipe")
+        launched = process_count(key, environ.get(variable), "the launch's Accelerate config") if from_launch else None
+        asked = process_count(key, training_inputs.get(key), "the recipe")
         if asked is not None and launched not in (None, 1) and asked != launched:
             raise RecipeError(f"`{key}: {asked}` in the recipe, but the Accelerate config launched "
                               f"parallelism_config_{_accelerate_name(key)}: {launched}; give one of them.")
@@ -147,7 +147,7 @@ def from_accelerate_section(section: dict[str, Any], source: str) -> Parallelism
     """The sizes of an Accelerate config's `parallelism_config` section (all 1 without one)."""
     from finetune.configs.accelerate import PARALLELISM_KEYS
 
-    return Parallelism(**{key: _size(key, section.get(accelerate), source) or 1
+    return Parallelism(**{key: process_count(key, section.get(accelerate), source) or 1
                           for key, accelerate in PARALLELISM_KEYS.items()})
 
 
@@ -171,7 +171,7 @@ def launched(environ=None) -> Parallelism | None:
     environ = os.environ if environ is None else environ
     if not is_parallelism_launch(environ):
         return None
-    return Parallelism(**{key: _size(key, environ.get(variable), "the launch's Accelerate config") or 1
+    return Parallelism(**{key: process_count(key, environ.get(variable), "the launch's Accelerate config") or 1
                           for key, variable in KEYS.items()})
 
 
@@ -190,7 +190,8 @@ def _accelerate_name(key: str) -> str:
     return PARALLELISM_KEYS[key].removeprefix("parallelism_config_")
 
 
-def _size(key: str, value, where: str) -> int | None:
+def process_count(key: str, value, where: str) -> int | None:
+    """A size an axis is given (None when not given); anything but a whole number ≥ 1 is refused, naming `key`."""
     if value in (None, ""):
         return None
     try:

@@ -285,13 +285,22 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     )
 
 
+def pipeline_stage_layers(num_layers: int, stages: int) -> list[range]:
+    """Consecutive decoder layers for each pipeline stage, as even as whole layers go (earlier stages take the
+    remainder: the last stage also holds the norm, the head and the loss). The split the pipeline loop cuts
+    (finetune.train.pipeline) and the estimator counts."""
+    base, extra = divmod(num_layers, stages)
+    sizes = [base + (1 if stage < extra else 0) for stage in range(stages)]
+    starts = [sum(sizes[:stage]) for stage in range(stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
 def pipeline_stage_elements(shape: ModelShape, setup: Setup) -> int:
-    """Parameters `setup.rank`'s pipeline stage holds: its consecutive decoder layers (as even as whole layers go,
-    earlier stages taking the remainder: finetune.train.pipeline.stage_layers), the input embedding on the first
-    stage, the final norm and the output head on the last; a tied head is a second copy of the embedding there."""
+    """Parameters `setup.rank`'s pipeline stage holds: its layers (`pipeline_stage_layers`), the input embedding on
+    the first stage, the final norm and the output head on the last; a tied head is a second copy of the embedding
+    there."""
     p, stage = setup.pipeline_parallel_size, setup.rank
-    base, extra = divmod(shape.num_layers, p)
-    layers = base + (1 if stage < extra else 0)
+    layers = len(pipeline_stage_layers(shape.num_layers, p)[stage])
     embedding = shape.vocab_size * shape.hidden_size
     elements = layers * shape.layer_parameters
     if stage == 0:
@@ -310,8 +319,7 @@ def pipeline_activation_bytes(shape: ModelShape, setup: Setup) -> float:
     one micro-batch at a time."""
     p, stage, m = setup.pipeline_parallel_size, setup.rank, setup.gradient_accumulation_steps
     in_flight = m if setup.pipeline_schedule == "gpipe" else min(p - stage, m)
-    base, extra = divmod(shape.num_layers, p)
-    layers = base + (1 if stage < extra else 0)
+    layers = len(pipeline_stage_layers(shape.num_layers, p)[stage])
     blocks = layers * saved_per_layer_bytes(shape, setup) * in_flight
     if stage == p - 1:
         tokens = setup.micro_batch_size * setup.sequence_length

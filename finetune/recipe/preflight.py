@@ -20,7 +20,7 @@ import torch
 from finetune.configs.lint import lint_deepspeed
 from finetune.errors import RecipeError, launched_rank
 from finetune.launch.devices import visible_gpu
-from finetune.launch.parallelism import Parallelism, check, describe_as_accelerate, requested_on
+from finetune.launch.parallelism import Parallelism, check, describe_as_accelerate, process_count, requested_on
 from finetune.launch.parallelism import launched as launched_parallelism
 from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, is_true, launched_strategy, shipped
 
@@ -90,12 +90,9 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
                    parallelism: Parallelism, strategy: Strategy) -> Strategy:
     """`pipeline_parallel_size` against the launch and the rest of the recipe (finetune.train.pipeline says what the
     pipeline loop runs); the strategy becomes the pipeline when one is asked for."""
-    size = training_inputs.get("pipeline_parallel_size")
-    if size in (None, 1, "1"):
+    size = process_count("pipeline_parallel_size", training_inputs.get("pipeline_parallel_size"), "the recipe")
+    if size in (None, 1):
         return strategy
-    if isinstance(size, bool) or not str(size).isdigit() or int(size) < 1:
-        raise RecipeError(f"`pipeline_parallel_size` must be a whole number of stages ≥ 1, got {size!r}.")
-    size = int(size)
     schedule = str(training_inputs.get("pipeline_schedule") or "1f1b").lower()
     if schedule not in PIPELINE_SCHEDULES:
         raise RecipeError(f"`pipeline_schedule: {schedule}` is not one of {', '.join(PIPELINE_SCHEDULES)}.")

@@ -25,6 +25,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 from finetune import outputs
 from finetune.checkpoints.pipeline_stages import STAGE_STATE, STAGE_WEIGHTS, consolidated_state
 from finetune.errors import RecipeError
+from finetune.memory.estimate import pipeline_stage_layers
 from finetune.recipe.preflight import PIPELINE_SCHEDULES
 
 SCHEDULES = PIPELINE_SCHEDULES
@@ -41,18 +43,12 @@ STAGES_FOLDER = "pipeline_stages"  # the final stages, in output_dir until they 
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
-    """Consecutive decoder layers for each stage, as even as whole layers go (earlier stages take the remainder: the
-    last stage also holds the norm, the head and the loss)."""
+    """Consecutive decoder layers for each stage (the estimator's split: `pipeline_stage_layers`), refused where a
+    stage would hold none."""
     if stages > num_layers:
         raise RecipeError(f"`pipeline_parallel_size: {stages}` is more stages than the model has layers "
                           f"({num_layers}): each stage holds at least one.")
-    base, extra = divmod(num_layers, stages)
-    bounds, start = [], 0
-    for stage in range(stages):
-        size = base + (1 if stage < extra else 0)
-        bounds.append(range(start, start + size))
-        start += size
-    return bounds
+    return pipeline_stage_layers(num_layers, stages)
 
 
 # Model types whose decoder runs exactly embed_tokens → layers(hidden, position_embeddings) → norm → lm_head, which the
@@ -140,14 +136,16 @@ class Stage:
     names: dict[int, str]        # id(parameter) -> its name in the whole model
     tied: nn.Parameter | None    # the tied input/output embedding, held by the first and the last stage
 
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        seen, named = set(), []
-        for parameter in self.module.parameters():
-            if id(parameter) not in seen:
-                seen.add(id(parameter))
-                named.append((self.names[id(parameter)], parameter))
-        return named
+    @cached_property
+    def named(self) -> list[tuple[str, nn.Parameter]]:
+        """The stage's parameters once each (a tied one is one), by their names in the whole model."""
+        unique = {id(parameter): parameter for parameter in self.module.parameters()}
+        return [(self.names[key], parameter) for key, parameter in unique.items()]
 
+    @cached_property
+    def counted_in_norm(self) -> list[nn.Parameter]:
+        """What this stage adds to the gradient norm over all stages: the tied weight is counted on the first only."""
+        return [parameter for _, parameter in self.named if not (self.index > 0 and parameter is self.tied)]
 
 def build_stage(model, stage: int, stages: int) -> Stage:
     """This rank's stage, cut from the whole model; the layers of the other stages are dropped (freed)."""
@@ -191,8 +189,7 @@ class PipelineTrainer:
         self.model, self.stage, self.schedule_name, self.resume = model, stage, schedule, resume
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.micro_batches = self.args.gradient_accumulation_steps
-        self.device = torch.device("cpu") if self.args.use_cpu or not torch.cuda.is_available() else \
-            torch.device("cuda", torch.cuda.current_device())
+        self.device = self.args.device  # as Trainer places the model: this rank's GPU, or the CPU
         stage.module.to(self.device)
         self.step_tokens = 1
         pipe_stage = PipelineStage(stage.module, stage.index, stage.count, self.device)
@@ -208,7 +205,7 @@ class PipelineTrainer:
         from transformers import Trainer, get_scheduler
 
         decay = set(Trainer.get_decay_parameter_names(None, self.model))
-        named = self.stage.named_parameters()
+        named = self.stage.named
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
         optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
@@ -273,22 +270,15 @@ class PipelineTrainer:
         return float(loss), norm
 
     def _clip(self) -> float:
-        """The gradient norm over every stage (the tied weight counted on the first stage only), and clipping by it
-        as `torch.nn.utils.clip_grad_norm_` clips."""
-        grads = [p.grad for name, p in self.stage.named_parameters()
-                 if p.grad is not None and not (self.stage.index > 0 and p is self.stage.tied)]
-        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for grad in grads:
-            squares += grad.detach().double().pow(2).sum()
+        """The gradient norm over every stage, and clipping by it, with torch's own pieces of `clip_grad_norm_`: each
+        stage's norm, summed in squares over the stages."""
+        grads = [parameter.grad for parameter in self.stage.counted_in_norm if parameter.grad is not None]
+        squares = torch.nn.utils.get_total_norm(grads).to(self.device, torch.float64).pow(2).reshape(1)
         dist.all_reduce(squares)
-        norm = float(squares.sqrt())
+        norm = squares.sqrt()[0]  # 0-dim, as clip_grads_with_norm_ takes it
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            coefficient = min(self.args.max_grad_norm / (norm + 1e-6), 1.0)
-            if coefficient < 1.0:
-                for _, parameter in self.stage.named_parameters():
-                    if parameter.grad is not None:
-                        parameter.grad.mul_(coefficient)
-        return norm
+            torch.nn.utils.clip_grads_with_norm_([p for _, p in self.stage.named], self.args.max_grad_norm, norm)
+        return float(norm)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -358,7 +348,7 @@ class PipelineTrainer:
 
         folder.mkdir(parents=True, exist_ok=True)
         weights = {name: parameter.detach().to("cpu").contiguous() for name, parameter in
-                   self.stage.named_parameters()}
+                   self.stage.named}
         save_file(weights, str(folder / STAGE_WEIGHTS.format(stage=self.stage.index)), metadata={"format": "pt"})
         if with_state:
             torch.save({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -390,7 +380,7 @@ class PipelineTrainer:
 
         weights = load_file(str(folder / STAGE_WEIGHTS.format(stage=self.stage.index)))
         with torch.no_grad():
-            for name, parameter in self.stage.named_parameters():
+            for name, parameter in self.stage.named:
                 parameter.copy_(weights[name])
         state = torch.load(folder / STAGE_STATE.format(stage=self.stage.index), weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -432,7 +422,7 @@ def consolidated_model(folder: Path, config):
 
 def stage_memory(trainer: PipelineTrainer) -> dict[str, int]:
     """What this rank's stage holds: its parameters, their gradients and the optimizer's states, in bytes."""
-    parameters = [parameter for _, parameter in trainer.stage.named_parameters()]
+    parameters = [parameter for _, parameter in trainer.stage.named]
     states = [value for state in trainer.optimizer.state.values() for value in state.values()
               if torch.is_tensor(value) and value.dim() > 0]
     return {"params_bytes": sum(p.numel() * p.element_size() for p in parameters),

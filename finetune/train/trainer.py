@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
+from functools import cached_property
 from pathlib import Path
 
 from accelerate.utils import DDPCommunicationHookType
@@ -324,13 +325,14 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
             num_items_in_batch = None
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
-        excess = self._sequence_parallel_gradient_excess() if model.training else 1
+        excess = self._sequence_parallel_gradient_excess if model.training else 1
         if excess == 1:
             return result
         loss, outputs = result if return_outputs else (result, None)
         loss = loss.detach() + (loss - loss.detach()) / excess  # the same loss, its gradient divided back
         return (loss, outputs) if return_outputs else loss
 
+    @cached_property
     def _sequence_parallel_gradient_excess(self) -> int:
         """How many times the one-process gradient sequence parallelism (DeepSpeed Ulysses) would apply.
 
@@ -339,7 +341,8 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
         its share. DeepSpeed's ZeRO-0/1/2 reductions then sum over the sequence group (they divide by the data-parallel
         size only: stage_1_and_2.py, engine.py), so the update is `sp` times too large (measured at SP 2 with SGD:
         grad norm 19.01 against 9.505 on one process). ZeRO-3's reduce-scatter (`reduce_scatter: true`, its default)
-        averages over every rank instead, which divides the all-gather's `sp` back out: its update is right as is."""
+        averages over every rank instead, which divides the all-gather's `sp` back out: its update is right as is.
+        Read once, at the first training step (the engine is built by then)."""
         ranks = self.get_sp_size()
         if ranks == 1:
             return 1
