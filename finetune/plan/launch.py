@@ -192,12 +192,16 @@ def predicted_per_rank(row: dict, machine: Machine) -> dict:
 
 
 def _recipe_axis(training: dict) -> str | None:
-    """The parallelism axis a recipe names (finetune.launch.parallelism, finetune.train.pipeline), if any."""
-    for key, axis in (("pipeline_parallel_size", "pipeline"), ("tensor_parallel_size", "tensor_parallel"),
-                      ("sequence_parallel_size", "sequence_parallel")):
-        if str(training.get(key) or 1) not in ("1", "None"):
-            return axis
-    return None
+    """The parallelism axis a recipe names, read as the run reads it (finetune.launch.parallelism for TP and SP, the
+    pipeline's own key), if any."""
+    from finetune.launch.parallelism import process_count, requested
+
+    if (process_count("pipeline_parallel_size", training.get("pipeline_parallel_size"), "the recipe") or 1) > 1:
+        return "pipeline"
+    asked, _ = requested(training, environ={})  # the recipe's sizes alone: no launch has exported any yet
+    if asked.loads_sharded:
+        return "tensor_parallel"
+    return "sequence_parallel" if asked.sequence_parallel_size > 1 else None
 
 
 def _axis_launch(axis: str, machine: Machine) -> Launch:
