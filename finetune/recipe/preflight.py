@@ -111,7 +111,9 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
                (data_args.packing or data_args.padding_free, "packed or padding-free batches"),
                (data_args.streaming, "streamed data"),
                (is_true(training_inputs.get("gradient_checkpointing")), "gradient checkpointing"),
-               (is_true(training_inputs.get("fp16")), "fp16 (use bf16 or fp32)")]
+               (is_true(training_inputs.get("fp16")), "fp16 (use bf16 or fp32)"),
+               (is_true(training_inputs.get("save_on_preemption")),
+                "`save_on_preemption` (SIGTERM ends it at its newest complete checkpoint)")]
     for asked, what in refused:
         if asked:
             raise RecipeError(f"`pipeline_parallel_size: {size}` with {what}: the pipeline loop does not run it; "

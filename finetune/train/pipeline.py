@@ -455,6 +455,7 @@ def train_pipeline(recipe, model, tokenizer, data, resume: str | None) -> dict:
     eval_results.json). Returns the summary."""
     from accelerate.utils import gather_object
 
+    from finetune.checkpoints.preemption import save_on_preemption
     from finetune.memory.estimate import pipeline_bubble_fraction
     from finetune.memory.shapes import shape_of
 
@@ -465,6 +466,9 @@ def train_pipeline(recipe, model, tokenizer, data, resume: str | None) -> dict:
     if evaluating and rank == 0:
         print("warning: pipeline parallelism evaluates nothing during training (`eval_on_start`, `eval_strategy`, "
               "`generation_eval_samples` are not run): evaluate the model it writes to output_dir.", flush=True)
+    if save_on_preemption(args) and rank == 0:  # on by default under SLURM: said, not silently skipped
+        print("warning: pipeline parallelism does not save on SIGTERM: a preempted run resumes from its newest "
+              "complete checkpoint (`save_steps`).", flush=True)
     check_attention(model, recipe.data.max_seq_length)
     shape = shape_of(model)  # the whole model's, before the other stages' weights are freed
     stage = build_stage(model, rank, size)

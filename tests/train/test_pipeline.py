@@ -138,6 +138,7 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
         ({**asked, "gradient_accumulation_steps": 1}, {}, "needs at least 2 micro-batches"),
         ({**asked, "pipeline_schedule": "interleaved"}, {}, "not one of gpipe, 1f1b"),
         (asked, {"parallelism": Parallelism(tensor_parallel_size=2)}, "tensor_parallel_size 2 beside it"),
+        ({**asked, "save_on_preemption": True}, {}, "`save_on_preemption`"),
     ]
     for inputs, changes, message in refusals:
         call = {"data": data, "use_lora": False, "method": "sft", "parallelism": Parallelism(), "strategy": ddp,
