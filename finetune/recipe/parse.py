@@ -79,7 +79,11 @@ class RecipeParser(HfArgumentParser):
     """`HfArgumentParser` that raises `RecipeError` instead of printing usage and exiting."""
 
     def __init__(self):
-        super().__init__(method_sections() + RECIPE_SECTIONS, prog="finetune train", allow_abbrev=False)
+        # A key several methods declare (`beta`, as TRL's configs do) is one option; each method's own default
+        # applies where the recipe leaves it out (`shared_method_keys`)
+        super().__init__(method_sections() + RECIPE_SECTIONS, prog="finetune train", allow_abbrev=False,
+                         conflict_handler="resolve")
+        self.set_defaults(**dict.fromkeys(shared_method_keys(), None))
 
         # Without an accelerator, Trainer must be told `use_cpu`: otherwise a launcher's DeepSpeed or
         # multi-process config silently trains as ONE process per rank (world size 1).
@@ -133,6 +137,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def method_sections() -> tuple[type, ...]:
     """Every registered method's own keys: all are known keys, so that one given under another method is named."""
     return tuple(method.arguments for method in all_methods() if method.arguments is not None)
+
+
+def shared_method_keys() -> set[str]:
+    """Keys declared by more than one method, under TRL's one name (`beta`): given, they configure the recipe's
+    method; left out, each method's own default applies."""
+    seen, shared = set(), set()
+    for section in method_sections():
+        names = {field.name for field in dataclasses.fields(section) if field.init}
+        shared |= seen & names
+        seen |= names
+    return shared
 
 
 @dataclass
@@ -237,8 +252,11 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     if resolved_auto:
         for key in ("bf16", "fp16"):
             sources[key] = f"{sources.get('bf16', 'the recipe')}: {resolved_auto}"
+    shared = shared_method_keys()
     inputs = {section: {f.name: getattr(namespace, f.name) for f in dataclasses.fields(section)
-                        if f.init and hasattr(namespace, f.name)} for section in RECIPE_SECTIONS + method_sections()}
+                        if f.init and hasattr(namespace, f.name)
+                        and not (f.name in shared and getattr(namespace, f.name) is None)}
+              for section in RECIPE_SECTIONS + method_sections()}
     model = _build(ModelArguments, inputs[ModelArguments], values, overrides)
     data = _build(DataArguments, inputs[DataArguments], values, overrides)
     lora = _build(LoraArguments, inputs[LoraArguments], values, overrides)
@@ -254,13 +272,14 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
 
 def _refuse_other_methods_keys(method: type[Method], inputs: dict[type, dict[str, Any]]) -> None:
     """A key of another method's, given another value than its default, would do nothing: refused, naming it."""
+    own = set() if method.arguments is None else {field.name for field in dataclasses.fields(method.arguments)}
     for other in all_methods():
         if other is method or other.arguments is None:
             continue
         defaults = {field.name: field.default if field.default_factory is dataclasses.MISSING
                     else field.default_factory() for field in dataclasses.fields(other.arguments)}
         for key, value in inputs[other.arguments].items():
-            if value != defaults[key]:
+            if key not in own and value != defaults[key]:
                 raise RecipeError(f"`{key}` configures `method: {other.name}` but `method` is {method.name}: set "
                                   f"`method: {other.name}` (or drop `{key}`).")
 
