@@ -165,7 +165,8 @@ def test_train_has_no_method_branches():
             assert node.value.lower() not in ("sft", "dpo"), f"train() names a method: {node.value!r}"
 
 
-# Modules a recipe must not load: the trainer layer, checkpoints, and TRL's trainers (TRL's configs are allowed).
+# Modules a recipe must not load: the trainer layer, checkpoints, and TRL's trainers (TRL's configs are allowed; one of
+# trl.experimental is read from its own file, since its package imports the trainer beside it).
 TRAINER_LAYER = ("finetune.train.run", "finetune.train.trainer", "finetune.train.methods.dpo.trainer",
                  "finetune.checkpoints", "transformers.trainer", "trl.trainer.dpo_trainer", "trl.trainer.sft_trainer")
 
@@ -181,11 +182,14 @@ def test_parsing_any_shipped_recipe_imports_no_trainer_checkpoints_or_trls_train
                             cwd=PROJECT_ROOT, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(result.stdout.strip().splitlines()[-1])
-    assert {"sft", "dpo"} <= set(record["methods"])  # both kinds of recipe were parsed
-    assert "trl.trainer.dpo_config" in record["modules"]  # TRL's config class is what a DPO recipe builds
+    assert {"sft", "dpo", "kto", "cpo"} <= set(record["methods"])  # each kind of recipe was parsed
+    # TRL's config class is what a preference recipe builds
+    assert {"trl.trainer.dpo_config", "trl.trainer.kto_config", "trl.experimental.cpo.cpo_config"} <= set(
+        record["modules"])
     loaded = [name for name in record["modules"] if name == "transformers.trainer" or
-              any(name == layer or name.startswith(layer + ".") for layer in TRAINER_LAYER)]
-    trl_trainers = [name for name in record["modules"] if name.startswith("trl.trainer.") and name.endswith("_trainer")]
+              any(name == layer or name.startswith(layer + ".") for layer in TRAINER_LAYER)
+              or (name.startswith("finetune.train.methods.") and name.endswith("trainer"))]
+    trl_trainers = [name for name in record["modules"] if name.startswith("trl.") and name.endswith("_trainer")]
     assert not loaded and not trl_trainers, f"parsing a recipe loaded {loaded + trl_trainers}"
 
 

@@ -100,6 +100,7 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
         shipped(named)  # an unknown name stops here, with the choices
         launch, how = _launch_of(named, machine), f"named by the {sections.sources.get('strategy', 'recipe')}"
     micro = plan_from_recipe(training, sections.data.max_seq_length, machine.processes).micro_batch_size
+    sections.method.check_training_keys({**training, "per_device_train_batch_size": micro}, sections.sources)
     # the recipe and its data read as the run reads them: their errors stop here
     request, _ = request_from_recipe(recipe, machine.processes, machine.memory_gib, machine.gpu, overrides=overrides,
                                      sections=sections, host_memory_gib=machine.host_memory_gib,

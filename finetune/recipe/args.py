@@ -8,6 +8,7 @@ finetune.recipe.methods) and `TrainingArguments` keys side by side, every Traine
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -477,13 +478,12 @@ def trl_config(trl_class: str, name: str, module: str, doc: str):
     not apply, so a method's recipe reads as an SFT one. Importing TRL is left to the first use: it costs every rank
     of every run a quarter second."""
     import functools
-    import importlib
 
     @functools.cache
     def config() -> type:
         where, class_name = trl_class.split(":")
-        combined = dataclass(type(name, (FinetuneTrainingArguments, getattr(importlib.import_module(where),
-                                                                             class_name)), {"__doc__": doc}))
+        combined = dataclass(type(name, (FinetuneTrainingArguments, getattr(trl_config_module(where), class_name)),
+                                  {"__doc__": doc}))
         combined.__qualname__, combined.__module__ = name, module
         return combined
 
@@ -493,3 +493,44 @@ def trl_config(trl_class: str, name: str, module: str, doc: str):
         raise AttributeError(f"module {module!r} has no attribute {attribute!r}")
 
     return config, module_getattr
+
+
+TRL_EXPERIMENTAL_SILENCE = "TRL_EXPERIMENTAL_SILENCE"
+
+
+@contextmanager
+def quiet_trl_experimental():
+    """TRL's experimental trainers, imported without the notice `trl.experimental` prints on import unless
+    TRL_EXPERIMENTAL_SILENCE is set (trl/experimental/__init__.py): set for the import only. What is used of them is
+    pinned with TRL (pyproject.toml) and tested (tests/train/test_cpo.py)."""
+    before = os.environ.get(TRL_EXPERIMENTAL_SILENCE)
+    os.environ[TRL_EXPERIMENTAL_SILENCE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[TRL_EXPERIMENTAL_SILENCE]
+        else:
+            os.environ[TRL_EXPERIMENTAL_SILENCE] = before
+
+
+def trl_config_module(where: str):
+    """TRL's config module `where`. A config of trl.experimental is read from its own file: its package imports the
+    trainer beside it (trl/experimental/cpo/__init__.py), and reading a recipe loads no trainer. It is registered under
+    its name, so the package takes this one when a run imports the trainer."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if not where.startswith("trl.experimental.") or where in sys.modules:
+        return importlib.import_module(where)
+    trl_folder = Path(importlib.util.find_spec("trl").origin).parent
+    spec = importlib.util.spec_from_file_location(where, trl_folder.joinpath(*where.split(".")[1:]).with_suffix(".py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[where] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[where]
+        raise
+    return module

@@ -24,6 +24,9 @@ METHODS = {
     "sft": "finetune.train.methods.sft:SupervisedFineTuning",
     "dpo": "finetune.train.methods.dpo:DirectPreferenceOptimization",
     "reward": "finetune.train.methods.reward:RewardModelling",
+    "kto": "finetune.train.methods.kto:KahnemanTverskyOptimization",
+    "cpo": "finetune.train.methods.cpo:ContrastivePreferenceOptimization",
+    "orpo": "finetune.train.methods.orpo:OddsRatioPreferenceOptimization",
 }
 
 
@@ -56,6 +59,10 @@ class Method:
 
     def check_data_keys(self, data_args) -> None:
         """Refuses data keys that mean nothing for this method, before any launch."""
+
+    def check_training_keys(self, training_inputs: dict[str, Any], sources: dict[str, str]) -> None:
+        """Refuses training keys this method cannot train with, the micro-batch as planned for the launch
+        (`per_device_train_batch_size`), before any process group starts; `sources` names the keys the user gave."""
 
     def plan_data(self, sections) -> tuple[tuple[int, ...] | None, dict]:
         """The example lengths `finetune plan --recipe` plans with (None: planned at `max_seq_length`) and the data

@@ -198,6 +198,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     _check_steps_and_accumulation(training_inputs, sources, batch_plan)
     _apply_batch_plan(batch_plan, training_inputs, sources)
     _steps_of_the_data(data, batch_plan, training_inputs, sources)
+    sections.method.check_training_keys(training_inputs, sources)
     max_steps = int(training_inputs.get("max_steps") or -1)  # -1 (epochs): said once Trainer knows the steps
     warning = warmup_warning(float(training_inputs.get("warmup_steps") or 0), float(training_inputs["learning_rate"]),
                              max_steps)

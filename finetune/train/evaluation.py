@@ -171,6 +171,9 @@ def summarize_evaluations(log_history: list[dict], exact_match_history: list[dic
 # A preference method's evaluation (TRL's): how often the policy prefers the chosen answer more than the reference
 # does, and by how much (β times the log-ratio difference). Both are 0 before training, when the policy is the
 # reference.
+# KTO's (TRL's KTOTrainer), on unpaired examples, has the margin only: the mean reward of the desirable completions
+# minus that of the undesirable ones, also 0 before training. The reference-free methods' (CPO, SimPO, ORPO) reward is
+# β times the policy's own log-probability of an answer: not 0 before training.
 # A reward model's (TRL's RewardTrainer): how often the chosen answer scores above the rejected one, and the mean
 # score margin.
 PREFERENCE_METRICS = {"eval_rewards/accuracies": "reward_accuracy", "eval_rewards/margins": "reward_margin",

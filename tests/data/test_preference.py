@@ -125,7 +125,7 @@ def test_the_synthetic_dataset_gives_held_out_pairs_and_a_file_of_pairs_loads(tm
     (["--method", "dpo", "--dpo_loss_type", "orpo"], "`dpo_loss_type: orpo` is not one of sigmoid, hinge, ipo"),
     (["--method", "dpo", "--dpo_loss_type", "sigmoid", "sft", "--dpo_loss_weights", "1"],
      "`dpo_loss_weights` gives 1 weight"),
-    (["--method", "kto"], "`method: kto` is not one of sft, dpo"),
+    (["--method", "kto", "--dpo_loss_type", "ipo"], "`dpo_loss_type` configures `method: dpo` but `method` is kto"),
 ])
 def test_preference_keys_are_checked_by_name(overrides, message):
     with pytest.raises(RecipeError, match=message):

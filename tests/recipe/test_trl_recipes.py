@@ -16,6 +16,8 @@ from finetune.recipe.parse import RecipeParser, parse_recipe, read_recipe
 
 DEMO = PROJECT_ROOT / "recipes" / "demo.yaml"
 TRL_RECIPE = PROJECT_ROOT / "tests" / "fixtures" / "trl_sft_recipe.yaml"
+TRL_KTO_RECIPE = PROJECT_ROOT / "tests" / "fixtures" / "trl_kto_recipe.yaml"
+TRL_CPO_RECIPE = PROJECT_ROOT / "tests" / "fixtures" / "trl_cpo_recipe.yaml"
 
 # A value for each renamed key, as a recipe file and as the command line give it, and what our key then holds.
 RENAMED = {
@@ -144,3 +146,26 @@ def test_a_handbook_style_trl_recipe_trains_the_demo_model_unchanged(tmp_path):
               if "loss" in entry]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
     assert (tmp_path / "adapter_config.json").is_file()  # use_peft trained LoRA adapters
+
+
+def test_a_trl_kto_recipe_loads_as_it_is_with_its_keys_in_trls_config(tmp_path, capsys):
+    """`trl kto --config` names its trainer by the subcommand: here `--method kto`, the file unchanged."""
+    recipe = parse_recipe(TRL_KTO_RECIPE, ["--method", "kto", "--output_dir", str(tmp_path)])
+    args = recipe.training
+    assert recipe.method.name == "kto" and recipe.method.settings.kto_loss_type == "kto"
+    assert (args.loss_type, args.beta, args.desirable_weight, args.undesirable_weight) == ("kto", 0.1, 1.0, 1.33)
+    assert args.max_length == recipe.data.max_seq_length == 64 and args.train_sampling_strategy == "sequential"
+    assert recipe.model.torch_dtype == "bfloat16" and recipe.data.dataset_split == "train"
+    assert recipe.foreign_keys["renamed"]["loss_type"] == "kto_loss_type"
+    assert "accepted and ignored: `model_revision: main`" in capsys.readouterr().out
+
+
+def test_a_trl_simpo_recipe_loads_as_it_is_with_its_keys_in_trls_config(tmp_path, capsys):
+    recipe = parse_recipe(TRL_CPO_RECIPE, ["--method", "cpo", "--output_dir", str(tmp_path)])
+    args = recipe.training
+    assert recipe.method.name == "cpo" and recipe.method.settings.cpo_loss_type == "simpo"
+    assert (args.loss_type, args.cpo_alpha, args.beta, args.simpo_gamma, args.label_smoothing) == \
+        ("simpo", 0.0, 2.0, 0.5, 0.0)
+    assert args.max_length == 64 and type(args).__name__ == "FinetuneCPOConfig"
+    assert recipe.foreign_keys["renamed"]["loss_type"] == "cpo_loss_type"
+    assert "`max_completion_length: 32` (TRL reads it for encoder-decoder models only" in capsys.readouterr().out

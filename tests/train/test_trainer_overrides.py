@@ -7,10 +7,14 @@ from functools import cached_property
 
 import pytest
 from transformers import Trainer, TrainingArguments
-from trl import DPOTrainer
+from trl import DPOTrainer, KTOTrainer
 
 from finetune.recipe.args import FinetuneTrainingArguments
+from finetune.train.methods.cpo.trainer import CPOTrainer
 from finetune.train.methods.dpo.trainer import FinetuneDPOTrainer
+from finetune.train.methods.kto.trainer import FinetuneKTOTrainer
+from finetune.train.methods.orpo.trainer import ORPOTrainer
+from finetune.train.methods.reference_free_trainer import ReferenceFreePairTrainer
 from finetune.train.trainer import FinetuneTrainer, FinetuneTrainerMixin
 
 # Each toolkit class, the library class it extends, and the library methods it overrides. The private ones carry the
@@ -28,6 +32,11 @@ OVERRIDES = [
                                         "_save", "_load_optimizer_and_scheduler", "train", "_track_num_input_tokens",
                                         "log", "_save_optimizer_and_scheduler", "_load_from_checkpoint")),
     (FinetuneDPOTrainer, DPOTrainer, ("_prepare_dataset", "_send_telemetry", "create_model_card")),
+    (FinetuneKTOTrainer, KTOTrainer, ("_prepare_dataset", "_send_telemetry", "create_model_card")),
+    # TRL's experimental CPO and ORPO trainers: their pairs tokenized whole (tokenize_row) and cut by the length
+    # policies, their tokens counted from the pairs' own columns
+    *[(ReferenceFreePairTrainer, trainer, ("tokenize_row", "_track_num_input_tokens", "_send_telemetry",
+                                           "create_model_card")) for trainer in (CPOTrainer, ORPOTrainer)],
     (FinetuneTrainingArguments, TrainingArguments, ("_setup_devices",)),
 ]
 

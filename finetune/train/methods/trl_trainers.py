@@ -1,0 +1,57 @@
+"""What the methods built on TRL's trainers share, in one home: TRL's refusals of a setting said in one line
+(`trl_refusals`), and the frozen reference model of the methods that train against one (`reference_and_adapters`),
+which TRL prepares as the strategy says (trl/models/utils.py `prepare_deepspeed`)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from finetune.errors import RecipeError
+from finetune.models.loading import load_model
+from finetune.models.lora import lora_config
+
+
+@contextmanager
+def trl_refusals(trainer_name: str):
+    """TRL's trainers refuse a setting with a ValueError (or NotImplementedError) while they are built: said as the
+    one-line user error it is, naming the trainer; the toolkit's own refusals pass as they are."""
+    try:
+        yield
+    except RecipeError:
+        raise
+    except (ValueError, NotImplementedError) as error:
+        raise RecipeError(f"TRL's {trainer_name} refuses this recipe: {str(error).splitlines()[0]}") from None
+
+
+def reference_and_adapters(recipe, model, tokenizer):
+    """The reference model and the LoRA config TRL applies: a second copy of the starting model, frozen, and no
+    adapters; or under LoRA no copy, the reference being the policy with its adapters disabled (TRL applies them
+    from the config, so no reference adapter is copied). Under ZeRO-3 the buckets are filled first
+    (`prepare_reference_for_zero3`)."""
+    args = recipe.training
+    reference, peft_config = None, None
+    if recipe.lora.use_lora:
+        peft_config = lora_config(model, recipe.lora)
+    else:
+        reference = load_model(recipe.model, tokenizer, seed=args.seed, strategy=recipe.strategy)
+        frozen_reference(reference)
+    prepare_reference_for_zero3(args, model)
+    return reference, peft_config
+
+
+def prepare_reference_for_zero3(args, model) -> None:
+    """ZeRO-3 fills its "auto" bucket sizes from the model only when training starts, but TRL builds the reference
+    engine when the trainer is constructed, from the config as it is then: fill them now with the values Transformers
+    would (hidden², 0.9·hidden², 10·hidden), so the reference is partitioned like the policy."""
+    config = getattr(args, "hf_deepspeed_config", None)
+    hidden = getattr(model.config, "hidden_size", None)
+    if config is None or hidden is None or config.get_value("zero_optimization.stage") != 3:
+        return
+    config.fill_only("zero_optimization.reduce_bucket_size", hidden * hidden)
+    config.fill_only("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden * hidden))
+    config.fill_only("zero_optimization.stage3_param_persistence_threshold", 10 * hidden)
+
+
+def frozen_reference(model) -> None:
+    model.requires_grad_(False)
+    model.eval()
