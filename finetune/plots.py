@@ -106,17 +106,21 @@ def _finish(figure, axes, title: str, path):
 
 def run_results(output_dir) -> dict:
     """One row summarising a finished run: losses before/after, exact match, speed and memory per rank 0."""
+    from finetune.train.evaluation import PREFERENCE_METRICS
+
     summary = outputs.read_record(output_dir, outputs.EVAL_RESULTS)
     before, after = summary.get("before") or {}, summary.get("after") or {}
     row = {
         "eval loss before": before.get("eval_loss"),
         "eval loss after": after.get("eval_loss"),
         "train loss": summary.get("train_loss"),
+        "exact match before": _mean(before.get("exact_match")),
         "exact match after": _mean(after.get("exact_match")),
     }
-    if "reward_accuracy" in after:  # a preference method: held-out pairs won, against the reference
-        row.update({"reward accuracy before": before.get("reward_accuracy"),
-                    "reward accuracy after": after["reward_accuracy"], "reward margin after": after["reward_margin"]})
+    for metric in PREFERENCE_METRICS.values():  # a preference or RL method's own held-out measure
+        if metric in after:
+            name = metric.replace("_", " ")
+            row.update({f"{name} before": before.get(metric), f"{name} after": after[metric]})
     throughput = outputs.read_record(output_dir, outputs.THROUGHPUT, missing=None)
     if throughput is not None:
         row["tokens/s"] = throughput["tokens_per_second"]
@@ -130,6 +134,12 @@ def run_results(output_dir) -> dict:
         if "reference_bytes" in predicted:
             row["reference model GiB (measured)"] = measured.get("reference_bytes", 0) / GiB
             row["reference model GiB (predicted)"] = predicted["reference_bytes"] / GiB
+        if "reward_models_bytes" in predicted:
+            row["reward models GiB (measured)"] = measured.get("reward_models_bytes", 0) / GiB
+            row["reward models GiB (predicted)"] = predicted["reward_models_bytes"] / GiB
+        if measured.get("generation_cache"):
+            row["generation KV cache GiB (measured)"] = measured["generation_cache"]["bytes"] / GiB
+            row["generation GiB (predicted)"] = predicted["generation_bytes"] / GiB
         row["peak GiB"] = measured.get("peak_bytes", 0) / GiB
         row["peak kind"] = measured.get("peak_kind")
         row["trainable parameters"] = (predicted.get("estimate") or {}).get("trainable_parameters")

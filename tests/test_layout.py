@@ -182,9 +182,10 @@ def test_parsing_any_shipped_recipe_imports_no_trainer_checkpoints_or_trls_train
                             cwd=PROJECT_ROOT, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(result.stdout.strip().splitlines()[-1])
-    assert {"sft", "dpo", "kto", "cpo"} <= set(record["methods"])  # each kind of recipe was parsed
+    assert {"sft", "dpo", "kto", "cpo", "grpo"} <= set(record["methods"])  # each kind of recipe was parsed
     # TRL's config class is what a preference recipe builds
-    assert {"trl.trainer.dpo_config", "trl.trainer.kto_config", "trl.experimental.cpo.cpo_config"} <= set(
+    assert {"trl.trainer.dpo_config", "trl.trainer.kto_config", "trl.experimental.cpo.cpo_config",
+            "trl.trainer.grpo_config"} <= set(
         record["modules"])
     loaded = [name for name in record["modules"] if name == "transformers.trainer" or
               any(name == layer or name.startswith(layer + ".") for layer in TRAINER_LAYER)

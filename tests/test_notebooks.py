@@ -10,7 +10,7 @@ from support import PROJECT_ROOT
 
 NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
 TRAINING_NOTEBOOKS = {"01_full_finetune.ipynb": ["."], "02_lora_qlora_t4.ipynb": ["lora"],
-                      "04_preference_dpo.ipynb": ["sft"]}
+                      "04_preference_dpo.ipynb": ["sft"], "05_reward_grpo.ipynb": ["sft"]}
 # DPO runs: the held-out reward accuracy rises from 0 (before the first step the policy is the reference).
 PREFERENCE_NOTEBOOKS = {"04_preference_dpo.ipynb": "dpo"}
 
@@ -19,9 +19,10 @@ def code_cells(notebook):
     return [cell for cell in notebook.cells if cell.cell_type == "code"]
 
 
-def test_the_four_notebooks_are_shipped():
+def test_the_five_notebooks_are_shipped():
     assert [path.name for path in NOTEBOOKS] == ["01_full_finetune.ipynb", "02_lora_qlora_t4.ipynb",
-                                                 "03_memory_planning.ipynb", "04_preference_dpo.ipynb"]
+                                                 "03_memory_planning.ipynb", "04_preference_dpo.ipynb",
+                                                 "05_reward_grpo.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
@@ -58,3 +59,12 @@ def test_notebook_runs_on_the_tiny_default_and_draws_its_plots(path, tmp_path):
         summary = json.loads((tmp_path / "outputs" / PREFERENCE_NOTEBOOKS[path.name] / "eval_results.json").read_text())
         assert summary["method"] == "dpo" and summary["before"]["reward_accuracy"] == 0.0
         assert summary["after"]["reward_accuracy"] > 0.8, summary["after"]
+    if path.name == "05_reward_grpo.ipynb":  # the reward model learns to rank; GRPO reports and measures its round
+        reward = json.loads((tmp_path / "outputs" / "reward" / "eval_results.json").read_text())
+        assert reward["after"]["pair_accuracy"] > reward["before"]["pair_accuracy"]
+        grpo = json.loads((tmp_path / "outputs" / "grpo" / "eval_results.json").read_text())
+        assert grpo["method"] == "grpo" and len(grpo["after"]["rewards"]) == 2  # the exact match and the scorer
+        assert "exact_match" in grpo["after"]["rewards"] and "mean_reward" in grpo["before"]
+        rank = json.loads((tmp_path / "outputs" / "grpo" / "memory_report.json").read_text())["ranks"][0]
+        assert rank["measured"]["reward_models_bytes"] == rank["predicted"]["reward_models_bytes"] > 0
+        assert rank["measured"]["generation_cache"]["bytes"] > 0

@@ -15,7 +15,8 @@ from finetune.recipe.methods import DEFAULT_METHOD, METHODS
 # Options that describe the model and run: a recipe gives them itself (`--recipe`), so they are refused beside it.
 RECIPE_GIVES = {"model": "model_name_or_path", "precision": "bf16/fp16", "optimizer": "optim", "lora_rank": "lora_r",
                 "lora_dropout": "lora_dropout", "qlora": "use_qlora", "seq_len": "max_seq_length",
-                "gradient_checkpointing": "gradient_checkpointing"}
+                "gradient_checkpointing": "gradient_checkpointing", "method": "method",
+                "num_generations": "num_generations", "completion_length": "max_completion_length"}
 BATCH_OPTIONS = ("global_batch_size", "max_micro_batch_size", "learning_rate", "base_batch_size", "lr_scaling")
 
 
@@ -53,7 +54,13 @@ def plan_command_parser(subparsers) -> None:
     model.add_argument("--gradient-checkpointing", action="store_true")
     model.add_argument("--method", choices=tuple(METHODS),
                        help="the training method: a preference method adds its frozen reference model and two "
-                            "sequences per pair (default sft)")
+                            "sequences per pair, grpo its generation round (default sft)")
+    model.add_argument("--num-generations", type=int,
+                       help="grpo: the group size asked for (default 8, TRL's): planned on the recommended strategy "
+                            "beside the other sizes; one that does not fit stops the plan, naming the term")
+    model.add_argument("--completion-length", type=int,
+                       help="grpo: new tokens a completion may have (default 256, TRL's); --seq-len bounds the prompt "
+                            "and completion together")
     batch = parser.add_argument_group("batch and learning rate (with --recipe: override the recipe's)")
     batch.add_argument("--global-batch-size", type=int,
                        help="sequences per optimizer step; must split over --gpus (default "
@@ -87,6 +94,7 @@ def plan_command_parser(subparsers) -> None:
 def plan_command(args) -> int:
     from finetune.errors import RecipeError
     from finetune.launch.devices import gpu_named
+    from finetune.plan.generation import refuse_group_size
 
     if args.gpu is not None and args.compute_capability is not None:
         raise RecipeError("give `--gpu` or `--compute-capability`, not both.")
@@ -114,12 +122,15 @@ def plan_command(args) -> int:
         print(json.dumps(plan_to_json(plan), indent=2))
     else:
         print_plan(plan)
+    refuse_group_size(plan)
     return 0
 
 
 def make_plan_for(args, gpu, gpu_memory: float) -> dict:
+    from finetune.errors import RecipeError
     from finetune.plan.calibration import calibration_for
     from finetune.plan.decision_tree import PlanRequest, make_plan
+    from finetune.recipe.methods import method_class
 
     hardware = dict(host_memory_gib=args.host_memory, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
                     tflops_per_gpu=args.tflops_per_gpu, calibrations=calibration_for(gpu and gpu.name))
@@ -143,8 +154,12 @@ def make_plan_for(args, gpu, gpu_memory: float) -> dict:
         global_batch_size=batch["global_batch_size"], max_micro_batch_size=batch["max_micro_batch_size"] or 64,
         learning_rate=batch["learning_rate"], base_batch_size=batch["base_batch_size"],
         lr_scaling=batch["lr_scaling"], your_strategy=your_strategy, your_config=your_config,
-        method=args.method or DEFAULT_METHOD, **hardware,
+        method=args.method or DEFAULT_METHOD, num_generations=args.num_generations,
+        completion_length=args.completion_length, **hardware,
     )
+    if (args.num_generations or args.completion_length) and not method_class(request.method).memory.generates:
+        raise RecipeError(f"`--num-generations` and `--completion-length` plan an online RL method's generation "
+                          f"(`--method grpo`); `--method {request.method}` generates nothing.")
     return make_plan(request)
 
 
@@ -208,7 +223,10 @@ def plan_to_json(plan: dict) -> dict:
     return {**plan, "strategies": [_row_to_json(row) for row in plan["strategies"]],
             "axes": [_row_to_json(row) for row in plan.get("axes", [])],
             "your_strategy": _row_to_json(plan["your_strategy"]),
-            "recommended_estimate": recommended and recommended.to_dict()}
+            "recommended_estimate": recommended and recommended.to_dict(),
+            "group_sizes": plan.get("group_sizes") and {
+                **plan["group_sizes"], "rows": [{**row, "estimate": row["estimate"].to_dict()}
+                                                for row in plan["group_sizes"]["rows"]]}}
 
 
 def _gib(value: int) -> str:
@@ -249,6 +267,8 @@ def print_plan(plan: dict) -> None:
             "yes" if row["fits"] else f"no ({row['shortfall']})", style=style,
         )
     console.print(table)
+    if plan.get("group_sizes"):
+        print_group_sizes(console, plan["group_sizes"], size, unit_name)
     if plan.get("data") is not None:
         print_data_lengths(console, plan)
     for line in calibration_lines(plan):
@@ -343,13 +363,19 @@ def calibration_lines(plan: dict) -> list[str]:
     return lines
 
 
+UNTOKENIZED = {"pairs": "two sequences each, tokenized by TRL when training starts",
+               "examples": "tokenized by TRL when training starts",
+               "prompts": "completed by the policy while training"}
+
+
 def print_data_lengths(console, plan: dict) -> None:
     """The recipe's data as the plan read it: rows, length percentiles, packing, and the length planned."""
-    if any("pairs" in (source.get("train") or {}) for source in plan["data"]["sources"]):
-        # preference pairs: TRL tokenizes them when training starts, so they are planned at full length
+    if not any("length_percentiles" in (source.get("train") or {}) for source in plan["data"]["sources"]):
+        # pairs, examples and prompts TRL tokenizes (or completes) when training starts: planned at full length
         for source in plan["data"]["sources"]:
-            console.print(f"Data {source['name']} ({source['format']}): {source['train']['pairs']:,} training pairs, "
-                          "two sequences each, tokenized by TRL when training starts.")
+            unit = next(unit for unit in UNTOKENIZED if unit in source["train"])
+            console.print(f"Data {source['name']} ({source['format']}): {source['train'][unit]:,} training {unit}, "
+                          f"{UNTOKENIZED[unit]}.")
         if plan["sequence_length"] is not None:
             console.print(f"Activations planned at max_seq_length {plan['sequence_length']} tokens per sequence.")
         return
@@ -396,3 +422,26 @@ def print_inter_node(console, traffic: dict) -> None:
                       f"({zeropp['seconds']:.2f} s, {zeropp['config']}) or FSDP hybrid shard "
                       f"({hybrid['seconds']:.2f} s, {hybrid['config']}) pay off where the model fits their memory.",
                       soft_wrap=True)
+
+
+def print_group_sizes(console, groups: dict, size, unit_name: str) -> None:
+    """GRPO's group sizes on the recommended strategy (finetune.plan.generation)."""
+    from rich.table import Table
+
+    table = Table(title=f"GRPO group sizes under {groups['strategy']} ({unit_name} per GPU): a generation round "
+                        "holds whole groups")
+    for column in ("num_generations", "micro-batch", "prompts / round", "completions / GPU", "generation",
+                   "activations", "total / GPU", "fits"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for row in groups["rows"]:
+        result = row["estimate"]
+        style = "bold green" if row["num_generations"] == groups["recommended"] else None
+        table.add_row(str(row["num_generations"]), str(row["micro_batch_size"]), str(row["prompts_per_round"]),
+                      str(row["completions_per_gpu"]), size(result.generation_bytes),
+                      size(result.activations_bytes + result.temporary_bytes), size(result.total_bytes),
+                      "yes" if row["fits"] else "no", style=style)
+    console.print(table)
+    if groups["recommended"] is not None:
+        console.print(f"Group size: [bold green]num_generations: {groups['recommended']}[/]"
+                      + ("" if groups["recommended"] == groups["asked"] else
+                         f" (the {groups['asked']} asked for does not fit)"), highlight=False)

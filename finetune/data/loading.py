@@ -29,6 +29,14 @@ class Source:
     eval: Dataset | None = None
     format: str | None = None  # this source's own dataset_format (a mixture's entry); None: the recipe's
 
+    def splits(self, max_eval_samples: int | None) -> dict[str, Dataset | None]:
+        """Its `train` and `eval` splits (None where there is none), the eval one cut to its first `max_eval_samples`
+        rows."""
+        evaluation = self.eval
+        if max_eval_samples is not None and evaluation is not None:
+            evaluation = evaluation.select(range(min(max_eval_samples, len(evaluation))))
+        return {"train": self.train, "eval": evaluation}
+
     def declared_format(self, data_args) -> str:
         """The format this source is read in: its own (a mixture entry's), else the recipe's `dataset_format`."""
         return self.format if self.format not in (None, "auto") else data_args.dataset_format
@@ -140,7 +148,7 @@ def _load_named(dataset: str, config: str | None = None, **kwargs) -> DatasetDic
     if dataset == presets.SYNTHETIC_DATASET:
         directory = presets.synthetic_data_dir()
         files = {"train": str(directory / "train.jsonl"), "eval": str(directory / "eval.jsonl")}
-        return _load(dataset, "json", data_files=files)
+        return synthetic_tasks(_load(dataset, "json", data_files=files), config)
     path = Path(dataset)
     if path.is_file():
         return DatasetDict(train=_load_file(dataset, "dataset"))
@@ -148,6 +156,19 @@ def _load_named(dataset: str, config: str | None = None, **kwargs) -> DatasetDic
         loaded = load_from_disk(dataset)  # written by save_to_disk
         return loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded)
     return _load(dataset, dataset, name=config, **kwargs)  # a local dataset directory or a hub id
+
+
+def synthetic_tasks(splits: DatasetDict, config: str | None) -> DatasetDict:
+    """The embedded tasks, all of them or those `dataset_config` names (`add`, or `sort,add`)."""
+    if config is None:
+        return splits
+    tasks = sorted(set(splits["train"]["task"]))
+    wanted = [task.strip() for task in config.split(",")]
+    unknown = [task for task in wanted if task not in tasks]
+    if unknown:
+        raise RecipeError(f"`dataset_config: {config}`: the synthetic tasks are {', '.join(tasks)} (one, or several "
+                          "separated by commas).")
+    return DatasetDict({name: split.filter(lambda row: row["task"] in wanted) for name, split in splits.items()})
 
 
 def _pick_split(splits: DatasetDict, split: str, source: str, config: str | None) -> Dataset:

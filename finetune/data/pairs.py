@@ -229,10 +229,7 @@ def load_preference_data(data_args, seed: int, unpaired: bool = False) -> Prefer
     trains, evals, sources = [], [], []
     for source in raw.sources:
         record = {"name": source.name}
-        splits = {"train": source.train, "eval": source.eval}
-        if data_args.max_eval_samples is not None and source.eval is not None:
-            splits["eval"] = source.eval.select(range(min(data_args.max_eval_samples, len(source.eval))))
-        for split, dataset in splits.items():
+        for split, dataset in source.splits(data_args.max_eval_samples).items():
             if dataset is None:
                 record[split] = None
                 continue

@@ -40,6 +40,9 @@ def open_stream(data_args, split: str, world_size: int = 1) -> IterableDataset:
     """`split` of the recipe's dataset as a stream."""
     try:
         if data_args.train_file is None and data_args.dataset == presets.SYNTHETIC_DATASET:  # one file per split
+            if data_args.dataset_config is not None:
+                raise RecipeError(f"`dataset_config: {data_args.dataset_config}` picks synthetic tasks of the files "
+                                  "read whole; with `streaming: true` every task is streamed: drop one of them.")
             path = str(presets.synthetic_data_dir() / f"{split}.jsonl")
             return load_dataset("json", data_files={"train": path}, split="train", streaming=True)
         if data_args.train_file is not None:

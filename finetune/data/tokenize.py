@@ -357,9 +357,7 @@ def prepare_datasets(raw, tokenizer, data_args, training_args) -> PreparedData:
             trains.append(train)
             if source.eval is not None:
                 detect_format(source.eval.column_names, dataset_format)  # the eval split must have the same columns
-                eval_split = source.eval
-                if data_args.max_eval_samples is not None:
-                    eval_split = eval_split.select(range(min(data_args.max_eval_samples, len(eval_split))))
+                eval_split = source.splits(data_args.max_eval_samples)["eval"]
                 evaluation, record["eval"] = _tokenize_split(eval_split, "eval", tokenizer, data_args, dataset_format)
                 evals.append(evaluation)
                 wanted = data_args.generation_eval_samples - len(examples)

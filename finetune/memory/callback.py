@@ -24,7 +24,14 @@ from finetune.launch.strategies import (
     loaded_sharded,
     prepared_strategy,
 )
-from finetune.memory.estimate import MethodTerms, Setup, estimate, precision_of
+from finetune.memory.estimate import (
+    MethodTerms,
+    Setup,
+    estimate,
+    generated_at_once,
+    kv_cache_bytes_per_token,
+    precision_of,
+)
 from finetune.memory.ledger import (
     GradientProbe,
     PhasePeaks,
@@ -107,7 +114,8 @@ def _lora_dropout(model) -> float:
 def predicted_ledger(model, args, sequence_length: int | None,
                      method: MethodTerms = MethodTerms()) -> tuple[Strategy, dict]:
     strategy, setup = running_setup(args, model, sequence_length, method)
-    prediction = estimate(shape_of(model), setup)
+    shape = shape_of(model)
+    prediction = estimate(shape, setup)
     cpu_only = not torch.cuda.is_available()  # the "GPU" partitions are host memory too
     offloaded = prediction.offloaded
     ledger = {key: getattr(prediction, key) + offloaded.get(key, 0) for key in STATE_KEYS}
@@ -116,6 +124,12 @@ def predicted_ledger(model, args, sequence_length: int | None,
     ledger["offloaded_bytes"] = sum(offloaded.values())
     if setup.method.reference_model:
         ledger["reference_bytes"] = prediction.reference_bytes
+    if setup.method.reward_model_parameters:
+        ledger["reward_models_bytes"] = prediction.reward_models_bytes
+    if setup.method.generates:  # at the planned lengths, and per token to compare with the round measured
+        ledger["generation_bytes"] = prediction.generation_bytes
+        ledger["generated_at_once"] = generated_at_once(setup)
+        ledger["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(shape, setup)
     ledger["host_load_bytes"] = prediction.host_load_bytes_of_rank(args.process_index, device_is_host=cpu_only)
     ledger["peak_bytes"] = prediction.total_bytes
     ledger["estimate"] = prediction.to_dict()
@@ -146,6 +160,10 @@ class MemoryReportCallback(TrainerCallback):
         # A preference method's frozen reference model as the trainer prepared it (`trainer.ref_model`; None under
         # LoRA, where the reference is the policy without its adapters), counted as `reference_bytes`.
         self.reference_model = None
+        # An online RL method's frozen reward models (`reward_models_bytes`) and the KV cache its generation rounds
+        # held at their largest (`generation_cache`: set by its trainer, finetune.memory.generation.CacheMeter)
+        self.reward_models: list = []
+        self.generation_cache = None
         # Host RAM this rank took while the model loaded (`finetune.memory.ledger.HostLoadProbe`), when measured.
         self.host_load_bytes: int | None = None
         self.probe: GradientProbe | None = None
@@ -172,8 +190,10 @@ class MemoryReportCallback(TrainerCallback):
             self.measured = measure_states(model, optimizer, self.probe.by_device())
             if self.method.reference_model:
                 self.measured["reference_bytes"] = reference_bytes(self.reference_model)
+            if self.method.reward_model_parameters:
+                self.measured["reward_models_bytes"] = sum(reference_bytes(model) for model in self.reward_models)
             self.probe.remove()
-            keys = (*STATE_KEYS, *GRADIENT_PEAK_KEYS, "reference_bytes")
+            keys = (*STATE_KEYS, *GRADIENT_PEAK_KEYS, "reference_bytes", "reward_models_bytes")
             self.pending_log = {f"memory/{key}": value for key, value in self.measured.items() if key in keys}
         if state.global_step >= PROBED_STEPS or args.gradient_accumulation_steps == 1:
             self._finish_probe()
@@ -208,6 +228,8 @@ class MemoryReportCallback(TrainerCallback):
         measured = None if self.measured is None else {**self.measured, **peak_memory(self.phases.by_phase)}
         if measured is not None and self.host_load_bytes is not None:
             measured["host_load_bytes"] = self.host_load_bytes
+        if measured is not None and self.generation_cache is not None and self.generation_cache.largest:
+            measured["generation_cache"] = self.generation_cache.largest
         if measured is not None and self.phases.by_phase:
             measured["peak_bytes_by_phase"] = dict(self.phases.by_phase)
         record = {"rank": args.process_index, "world_size": args.world_size, "strategy": strategy,

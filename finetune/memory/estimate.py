@@ -27,7 +27,9 @@ Model states follow what DeepSpeed and Trainer really allocate, measured on real
 
 A training method adds its own terms (`MethodTerms`, declared by each method in finetune/train/methods/): a
 preference method's frozen reference model (`reference_model_bytes`), two sequences per example (a chosen and a
-rejected answer), logits it never holds whole.
+rejected answer), logits it never holds whole; an online RL method's generation round (`generation_bytes`: the KV
+cache of every completion a rank generates at once, at the prompt and completion length) and its frozen reward
+models (`reward_models_bytes`).
 
 Activations are counted tensor by tensor as autograd saves them for today's decoder block (RMSNorm, gated MLP,
 grouped-query attention, LoRA adapters with their dropout) under the dtypes each strategy holds, and checked against
@@ -61,6 +63,13 @@ class MethodTerms:
     reference_model: bool = False      # a frozen copy of the starting model beside the policy (none under LoRA)
     sequences_per_example: int = 1     # sequences in one forward per example (a pair: chosen and rejected)
     logits_held: bool = True           # the (batch, sequence, vocab) logits are held for the loss
+    completion_length: int = 0         # online RL: new tokens the policy generates per completion (0: no generation)
+    steps_per_generation: int | None = None  # micro-batches one generation round feeds (None: an optimizer step's)
+    reward_model_parameters: int = 0   # frozen reward models beside the policy (scorers of the completions)
+
+    @property
+    def generates(self) -> bool:
+        return self.completion_length > 0
 
 
 # Bytes of optimizer state per trainable parameter, besides any master copy.
@@ -192,6 +201,8 @@ class MemoryEstimate:
     grads_between_micro_steps_bytes: int = 0  # on the GPU between two micro-steps of one accumulation window
     loaded_model_bytes: int = 0               # the whole model as a rank that loads it holds it (host RAM)
     reference_bytes: int = 0                  # a preference method's frozen reference model on this GPU
+    generation_bytes: int = 0                 # online RL: one generation round's KV cache and logits on this GPU
+    reward_models_bytes: int = 0              # online RL: its frozen reward models on this GPU
 
     @property
     def model_states_bytes(self) -> int:
@@ -207,8 +218,8 @@ class MemoryEstimate:
     def total_bytes(self) -> int:
         """Predicted peak allocated on one GPU: every part counted as live at once, gradients at their peak (an
         upper bound: in practice activations shrink as gradients appear)."""
-        return (self.params_bytes + self.grads_peak_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.temporary_bytes + self.reference_bytes)
+        return (self.params_bytes + self.grads_peak_bytes + self.optimizer_bytes + self.reference_bytes
+                + self.reward_models_bytes + max(self.activations_bytes + self.temporary_bytes, self.generation_bytes))
 
     @property
     def host_load_bytes_per_node(self) -> int:
@@ -237,6 +248,7 @@ class MemoryEstimate:
                         "grads_peak_bytes": self.grads_peak_bytes,
                         "optimizer_bytes": self.optimizer_bytes, "activations_bytes": self.activations_bytes,
                         "temporary_bytes": self.temporary_bytes, "reference_bytes": self.reference_bytes,
+                        "generation_bytes": self.generation_bytes, "reward_models_bytes": self.reward_models_bytes,
                         "total_bytes": self.total_bytes},
             "offloaded_per_rank": dict(self.offloaded),
             "host_bytes_per_node": self.host_bytes_per_node,
@@ -282,6 +294,8 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
         loaded_model_bytes=int(loaded_model_bytes(trainable, frozen_bytes, setup)),
         reference_bytes=int(reference_model_bytes(shape, setup)),
+        generation_bytes=int(generation_bytes(shape, setup)),
+        reward_models_bytes=int(frozen_model_bytes(setup.method.reward_model_parameters, setup)),
     )
 
 
@@ -366,10 +380,40 @@ def reference_model_bytes(shape: ModelShape, setup: Setup) -> float:
     dtype."""
     if not setup.method.reference_model or setup.lora_rank or setup.peft:
         return 0
-    model = shape.num_parameters * _half_or_fp32(setup)
+    return frozen_model_bytes(shape.num_parameters, setup)
+
+
+def frozen_model_bytes(parameters: int, setup: Setup) -> float:
+    """A frozen model beside the policy (a reference, a reward model) on one GPU, as TRL prepares one: under
+    DeepSpeed an inference engine in the half dtype, ZeRO-3 partitioned; under FSDP sharded like the policy; else
+    whole."""
+    model = parameters * _half_or_fp32(setup)
     if setup.strategy == "deepspeed":
         return model / setup.num_gpus if setup.zero_stage == 3 else model
     return model / setup.shard_degree
+
+
+def generated_at_once(setup: Setup) -> int:
+    """Completions one rank generates in one round (TRL's GRPO: the micro-batches of `steps_per_generation`, by
+    default an optimizer step's, generated together)."""
+    return setup.micro_batch_size * (setup.method.steps_per_generation or setup.gradient_accumulation_steps)
+
+
+def kv_cache_bytes_per_token(shape: ModelShape, setup: Setup) -> int:
+    """Key and value of every layer for one token of one sequence, in the dtype the model generates in."""
+    return 2 * shape.num_layers * shape.kv_width * _half_or_fp32(setup)
+
+
+def generation_bytes(shape: ModelShape, setup: Setup) -> int:
+    """One generation round of an online RL method on one GPU: the KV cache of every completion generated at once
+    (`generated_at_once`), each `sequence_length` tokens long at the end (its prompt and completion), and the
+    next-token logits of the last position (the model's dtype, then fp32 for the sampler's softmax). Held while
+    generating, when no activation is: the peak counts the larger of the two."""
+    if not setup.method.generates:
+        return 0
+    completions = generated_at_once(setup)
+    cache = completions * setup.sequence_length * kv_cache_bytes_per_token(shape, setup)
+    return cache + completions * shape.vocab_size * (_half_or_fp32(setup) + 2 * 4)
 
 
 def lora_trainable_parameters(shape: ModelShape, setup: Setup) -> int:

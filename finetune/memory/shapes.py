@@ -75,6 +75,15 @@ class ModelShape:
     attention_projections: tuple[str, ...] = ()  # names of the linears inside attention modules (by class)
 
     @property
+    def kv_width(self) -> int:
+        """Features of one token's key (or value) in one layer: the key projection's outputs (its heads × head
+        size), else what the attention heads give."""
+        key = next((linear for linear in self.linears if linear.in_layers and linear.name.endswith("k_proj")), None)
+        if key is not None:
+            return key.out_features
+        return self.hidden_size // self.num_attention_heads * self.num_key_value_heads
+
+    @property
     def block_linear_parameters(self) -> int:
         return sum(linear.in_features * linear.out_features for linear in self.linears if linear.in_layers)
 

@@ -25,6 +25,7 @@ from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy
 from finetune.memory.estimate import (
     GiB,
     MemoryEstimate,
+    MethodTerms,
     Setup,
     estimate,
     largest_partition,
@@ -108,6 +109,9 @@ class PlanRequest:
     your_strategy: Strategy | None = None  # the strategy the recipe or `--config` launches, checked beside the tree
     your_config: str | None = None
     method: str = DEFAULT_METHOD  # a training method's name (finetune.recipe.methods): what it adds to the memory
+    method_terms: MethodTerms | None = None  # what a recipe's settings of it add (None: the method's, by name)
+    num_generations: int | None = None  # an online RL method's group size asked for (None: its default, 8)
+    completion_length: int | None = None  # an online RL method's new tokens a completion (None: the method's)
     recipe_sets_deepspeed: bool = False  # the recipe's `deepspeed` key, which wins over the launch config
     # Measured beyond the prediction on this GPU, by strategy label (finetune.plan.calibration.calibration_for)
     calibrations: dict = field(default_factory=dict, hash=False)
@@ -163,8 +167,17 @@ def _setup(request: PlanRequest, options: dict, micro_batch_size: int) -> Setup:
         gradient_checkpointing=request.gradient_checkpointing,
         gpus_per_node=request.gpus // request.nodes if request.nodes > 1 else None,
         gradient_accumulation_steps=accumulation_steps(request, micro_batch_size),
-        method=method_class(request.method).memory,
+        method=method_terms(request),
     )
+
+
+def method_terms(request: PlanRequest) -> MethodTerms:
+    """What the method adds to the estimate: a recipe's settings of it, else the method's own terms by name, with the
+    completion length asked for where it generates."""
+    terms = request.method_terms or method_class(request.method).memory
+    if terms.generates and request.completion_length:
+        terms = replace(terms, completion_length=request.completion_length)
+    return terms
 
 
 def shortfall(request: PlanRequest, result: MemoryEstimate, overhead_bytes: int = 0) -> str | None:
@@ -262,6 +275,7 @@ def make_plan(request: PlanRequest) -> dict:
         "inter_node": None,
         "axes": [],
         "axis_choice": None,
+        "group_sizes": None,
     }
     if request.nodes > 1:
         plan["inter_node"] = inter_node_traffic(request, shape, plan["trainable_parameters"])
@@ -280,6 +294,10 @@ def make_plan(request: PlanRequest) -> dict:
                                f"it to run {candidate.name}")
     if not any(row["fits"] and "offload" not in row["name"] for row in rows):
         plan["parallel_3d"] = smallest_3d_fit(request, shape)
+    if method_terms(request).generates:
+        from finetune.plan.generation import group_sizes
+
+        plan["group_sizes"] = group_sizes(request, shape, candidate, plan["batch_plan"], recommended["overhead_bytes"])
     return _with_axes(request, shape, plan)
 
 

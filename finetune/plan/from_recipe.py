@@ -78,7 +78,9 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
         lr_scaling=given.get("lr_scaling") or training.get("lr_scaling"),
         recipe=recipe, from_recipe=True, launch_keys=tuple(launch_keys), token_lengths=lengths,
         padding_free=data.padding_free, packing=data.packing, your_strategy=strategy, your_config=strategy_source,
-        recipe_sets_deepspeed=bool(training.get("deepspeed")), method=sections.method.name, **hardware,
+        recipe_sets_deepspeed=bool(training.get("deepspeed")), method=sections.method.name,
+        method_terms=sections.method.terms(),
+        num_generations=getattr(sections.method.settings, "num_generations", None), **hardware,
     )
     if lengths is not None and not lengths:
         raise RecipeError(f"recipe `{recipe}`: no training row is left after the data policies.")

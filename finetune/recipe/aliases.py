@@ -13,6 +13,7 @@ few Trainer keys that recipes still carry (`warmup_ratio`: a `warmup_steps` belo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -288,6 +289,9 @@ def _read_into(key: TrlKey, value: Any, context: dict, where: str, translation: 
 def _answer(name: str, value: Any, where: str, translation: Translation, method: type[Method] | None,
             key: TrlKey | None = None) -> str | None:
     """The key `name` goes to (itself when it is not TRL's), or None when it is accepted without effect."""
+    if key is None and method is not None and method.arguments is not None and name in {
+            field.name for field in dataclasses.fields(method.arguments)}:
+        return name  # the recipe's method declares it as its own (GRPO's `max_completion_length`)
     key = key or method_trl_key(name, method)
     if key is None:
         wanting = _other_method_wanting(name, method)

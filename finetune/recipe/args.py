@@ -79,7 +79,8 @@ class DataArguments:
     dataset_config: str | None = field(
         default=None,
         metadata={"help": "The configuration (subset) of `dataset` to load (`load_dataset(dataset, name=...)`); the "
-                          "dataset's default when unset."},
+                          "dataset's default when unset. With `dataset: synthetic`: the tasks to keep (`add`, or "
+                          "`sort,add`)."},
     )
     dataset_split: str = field(
         default="train",

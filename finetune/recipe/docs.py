@@ -134,6 +134,8 @@ def _answer(key: TrlKey, method: str | None = None) -> str:
         return under + f"renamed to `{key.ours}`" + converted.get(getattr(key.convert, "__name__", ""), "")
     if key.ignored:
         return under + "any value: noted and ignored"
+    if not key.kept:
+        return under + "refused, naming what to do instead"
     return under + "accepted with " + " or ".join(f"`{shown(value)}`" for value in key.kept) + ", refused otherwise"
 
 

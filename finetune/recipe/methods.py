@@ -27,6 +27,7 @@ METHODS = {
     "kto": "finetune.train.methods.kto:KahnemanTverskyOptimization",
     "cpo": "finetune.train.methods.cpo:ContrastivePreferenceOptimization",
     "orpo": "finetune.train.methods.orpo:OddsRatioPreferenceOptimization",
+    "grpo": "finetune.train.methods.grpo:GroupRelativePolicyOptimization",
 }
 
 
@@ -49,6 +50,11 @@ class Method:
 
     def __init__(self, settings: Any = None):
         self.settings = settings
+
+    def terms(self) -> MethodTerms:
+        """What this recipe's settings of the method add to the memory estimate and ledger (the class's `memory`
+        unless they change it)."""
+        return self.memory
 
     # --- reading the recipe (no trainer is imported here)
     def training_arguments(self, data_args) -> tuple[type, dict[str, Any]]:

@@ -176,12 +176,22 @@ def summarize_evaluations(log_history: list[dict], exact_match_history: list[dic
 # β times the policy's own log-probability of an answer: not 0 before training.
 # A reward model's (TRL's RewardTrainer): how often the chosen answer scores above the rejected one, and the mean
 # score margin.
+# GRPO's (TRL's GRPOTrainer): the mean reward of completions sampled for the eval prompts.
 PREFERENCE_METRICS = {"eval_rewards/accuracies": "reward_accuracy", "eval_rewards/margins": "reward_margin",
-                      "eval_accuracy": "pair_accuracy", "eval_margin": "score_margin"}
+                      "eval_accuracy": "pair_accuracy", "eval_margin": "score_margin",
+                      "eval_reward": "mean_reward"}
+
+
+REWARD_PREFIX, REWARD_SUFFIX = "eval_rewards/", "/mean"  # TRL's GRPO: each reward function's mean, sampled
 
 
 def preference_metrics(evaluation: dict) -> dict:
-    return {name: evaluation[key] for key, name in PREFERENCE_METRICS.items() if key in evaluation}
+    """A preference or RL method's held-out measures; an RL method's mean of each reward over the completions sampled
+    for the eval prompts under `rewards` (`{"exact_match": 0.1}`)."""
+    metrics = {name: evaluation[key] for key, name in PREFERENCE_METRICS.items() if key in evaluation}
+    rewards = {key.removeprefix(REWARD_PREFIX).removesuffix(REWARD_SUFFIX): value for key, value in evaluation.items()
+               if key.startswith(REWARD_PREFIX) and key.endswith(REWARD_SUFFIX)}
+    return metrics | ({"rewards": rewards} if rewards else {})
 
 
 def _pick_samples(samples: list[dict]) -> list[dict]:
@@ -220,6 +230,9 @@ def print_before_after(summary: dict, console: Console | None = None) -> None:
         if name in after:
             then = before.get(name)
             table.add_row(name.replace("_", " "), "–" if then is None else f"{then:.3f}", f"{after[name]:.3f}")
+    for name, value in after.get("rewards", {}).items():
+        then = before.get("rewards", {}).get(name)
+        table.add_row(f"reward {name} (sampled)", "–" if then is None else f"{then:.3f}", f"{value:.3f}")
     for task, accuracy in after.get("exact_match", {}).items():
         then = before.get("exact_match", {}).get(task)
         table.add_row(f"exact match: {task}", "–" if then is None else f"{then:.1%}", f"{accuracy:.1%}")

@@ -10,6 +10,7 @@ import gc
 import os
 from pathlib import Path
 
+import torch
 from accelerate.utils import gather_object
 from transformers import set_seed
 
@@ -82,7 +83,7 @@ def train(recipe: Recipe) -> dict:
         check_fsdp_wrap_classes(model)
         frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
         memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length,
-                                             method=method.memory) if args.memory_report else None
+                                             method=method.terms()) if args.memory_report else None
         throughput = ThroughputCallback(peak_tflops=args.peak_tflops) if args.throughput_report else None
         divergence = NonFiniteLossCallback(fp16=args.fp16)
         preemption = PreemptionCallback() if save_on_preemption(args) else None  # SIGTERM saves: checkpoints.preemption
@@ -92,6 +93,9 @@ def train(recipe: Recipe) -> dict:
         if memory_report is not None:
             memory_report.host_load_bytes = loading.bytes
             memory_report.reference_model = getattr(trainer, "ref_model", None)  # TRL's name for a frozen reference
+            memory_report.reward_models = [reward for reward in getattr(trainer, "reward_funcs", ())
+                                           if isinstance(reward, torch.nn.Module)]  # TRL's GRPO: reward models
+            memory_report.generation_cache = getattr(trainer, "generation_cache", None)
         if trainer.is_world_process_zero():
             method.print_data_summary(data.summary)
             write_data_summary(data.summary, args.output_dir)

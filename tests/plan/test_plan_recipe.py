@@ -5,7 +5,7 @@ GPU report."""
 import json
 
 import pytest
-from support import slack  # the ledger's documented slack: alignment, ZeRO-1/2 gradient buffers
+from support import PROJECT_ROOT, slack  # the ledger's documented slack: alignment, ZeRO-1/2 gradient buffers
 
 from finetune import outputs
 from finetune.cli import main
@@ -186,3 +186,20 @@ def test_a_finished_gpu_run_stores_its_calibration_and_a_cpu_run_nothing(tmp_pat
     (tmp_path / "cache" / "plan_calibration.json").unlink()
     learn_from_memory(load_memory_report(run), SimpleNamespace(output_dir=str(run), save_calibration=False))
     assert not (tmp_path / "cache" / "plan_calibration.json").exists()
+
+
+@pytest.mark.parametrize("method", ["dpo", "kto", "simpo", "grpo"])
+def test_every_shipped_method_recipe_plans_with_what_its_method_holds(method, tmp_path, capsys):
+    """The shipped recipes of the methods TRL tokenizes (or completes) while training plan at full length, with
+    their method's terms; GRPO's with its recipe's completion length and the group sizes on the recommended row."""
+    recipe = tmp_path / f"{method}.yaml"
+    recipe.write_text((PROJECT_ROOT / "recipes" / f"{method}.yaml").read_text().replace("outputs/demo", "tiny"))
+    plan = planned(capsys, "--recipe", str(recipe), "--gpus", "2", "--gpu-memory", "16")
+    terms = plan["strategies"][0]["setup"]["method"]
+    assert terms["reference_model"] == (method in ("dpo", "kto"))
+    assert terms["completion_length"] == (8 if method == "grpo" else 0)
+    assert (plan["group_sizes"] is not None) == (method == "grpo")
+    if method == "grpo":
+        assert plan["group_sizes"]["asked"] == plan["group_sizes"]["recommended"] == 8
+    assert main(["plan", "--recipe", str(recipe), "--gpus", "2", "--gpu-memory", "16"]) == 0
+    assert "training " in capsys.readouterr().out  # the data line: pairs, examples or prompts

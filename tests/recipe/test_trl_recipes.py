@@ -169,3 +169,21 @@ def test_a_trl_simpo_recipe_loads_as_it_is_with_its_keys_in_trls_config(tmp_path
     assert args.max_length == 64 and type(args).__name__ == "FinetuneCPOConfig"
     assert recipe.foreign_keys["renamed"]["loss_type"] == "cpo_loss_type"
     assert "`max_completion_length: 32` (TRL reads it for encoder-decoder models only" in capsys.readouterr().out
+
+
+
+def test_a_trl_grpo_recipe_loads_as_it_is_with_its_keys_in_trls_config(tmp_path, capsys):
+    recipe = parse_recipe(PROJECT_ROOT / "tests" / "fixtures" / "trl_grpo_recipe.yaml",
+                          ["--method", "grpo", "--output_dir", str(tmp_path)])
+    args, settings = recipe.training, recipe.method.settings
+    assert recipe.method.name == "grpo" and settings.reward_funcs == ["think_format_reward", "exact_match"]
+    assert (args.loss_type, args.beta, args.num_generations, args.max_completion_length, args.temperature,
+            args.scale_rewards) == ("dr_grpo", 0.04, 4, 16, 0.9, "batch")
+    assert type(args).__name__ == "FinetuneGRPOConfig" and recipe.data.max_seq_length == 64
+    assert recipe.method.terms().reference_model  # beta > 0: a reference copy, planned and measured
+    assert recipe.foreign_keys["renamed"]["loss_type"] == "grpo_loss_type"
+    out = capsys.readouterr().out
+    assert "`max_prompt_length: 32`" in out and "`vllm_mode: colocate`" in out and "`log_completions: true`" in out
+    with pytest.raises(RecipeError, match="vLLM generation is not wired up yet"):
+        read_recipe(PROJECT_ROOT / "tests" / "fixtures" / "trl_grpo_recipe.yaml",
+                    ["--method", "grpo", "--use_vllm", "true"])

@@ -1,0 +1,243 @@
+"""GRPO (`method: grpo`, TRL's GRPOTrainer) with verifiable rewards: from the demo's SFT model, 2 processes under
+ZeRO-2 raise the held-out exact match of the synthetic `add` task and the mean reward of sampled completions; each
+rank's ledger equals the prediction, the generation round's KV cache, a reward model and a reference model included;
+a resumed run logs the uninterrupted run's losses; `finetune plan --method grpo` recommends a group size that fits
+and refuses one that does not, naming the term; bad rewards, data and keys stop with a named error."""
+
+import json
+import shutil
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from support import CPU_LAUNCHES, assert_succeeded, launch_demo
+
+from finetune.cli import main
+from finetune.errors import RecipeError
+from finetune.memory.estimate import MethodTerms, Setup, estimate, generation_bytes, kv_cache_bytes_per_token
+from finetune.memory.generation import CacheMeter
+from finetune.memory.shapes import model_shape
+from finetune.recipe.parse import parse_recipe, read_recipe
+from finetune.train.methods.grpo import GRPOArguments
+from finetune.train.methods.grpo.rewards import CheckedReward, answer_format, exact_match
+
+# 300 steps of 2 x 16 completions (2 prompts x 8 a rank), the `add` prompts only; greedy exact match and TRL's mean
+# sampled reward on the 100 held-out `add` prompts at the start, step 150 and the end; a checkpoint at step 250
+RUN = ["--method", "grpo", "--dataset_config", "add", "--reward_funcs", "exact_match", "--num_generations", "8",
+       "--max_completion_length", "8", "--max_steps", "300", "--per_device_train_batch_size", "16",
+       "--learning_rate", "1e-4", "--warmup_steps", "0", "--logging_steps", "25", "--eval_strategy", "steps",
+       "--eval_steps", "150", "--eval_on_start", "true", "--per_device_eval_batch_size", "40",
+       "--max_eval_samples", "100", "--generation_eval_samples", "100", "--save_strategy", "steps",
+       "--save_steps", "250", "--disable_tqdm", "true", "--report_to", "none"]
+ALIGNMENT = 1024  # bytes: DeepSpeed pads each flat partition to an alignment boundary
+
+
+@pytest.fixture(scope="module")
+def grpo_run(trained_demo, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("grpo")
+    result = launch_demo(CPU_LAUNCHES["zero2"], output_dir, *RUN, "--model_name_or_path", str(trained_demo))
+    return SimpleNamespace(output_dir=output_dir, result=result)
+
+
+def losses(output_dir) -> dict[int, float]:
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+@pytest.mark.distributed
+def test_grpo_raises_the_held_out_exact_match_and_mean_reward(grpo_run):
+    assert_succeeded(grpo_run.result)
+    summary = json.loads((grpo_run.output_dir / "eval_results.json").read_text())
+    assert summary["method"] == "grpo" and summary["world_size"] == 2
+    before, after = summary["before"], summary["after"]
+    # measured on 2 processes, seeds 0 and 1: greedy exact match 0.12 → 0.15 both; the exact match of the completions
+    # sampled at temperature 1 (8 a prompt, 800 in all) 0.066 → 0.095 and 0.085 → 0.085. The SFT'd demo model gets
+    # `add` about 1 time in 8; faster rates (3e-4, 5e-4) raised the training prompts' reward and lost held-out ones.
+    assert before["exact_match"]["add"] <= 0.15 and after["exact_match"]["add"] >= before["exact_match"]["add"] + 0.02
+    assert after["rewards"]["exact_match"] >= before["rewards"]["exact_match"]
+    assert after["mean_reward"] == pytest.approx(after["rewards"]["exact_match"])  # the one reward, weight 1
+
+
+@pytest.mark.distributed
+def test_ledger_equals_the_prediction_the_generation_rounds_kv_cache_included(grpo_run):
+    report = json.loads((grpo_run.output_dir / "memory_report.json").read_text())["ranks"]
+    assert [rank["rank"] for rank in report] == [0, 1]
+    for rank in report:
+        measured, predicted = rank["measured"], rank["predicted"]
+        for key in ("params_bytes", "optimizer_bytes"):
+            assert abs(measured[key] - predicted[key]) <= ALIGNMENT, (rank["rank"], key)
+        cache = measured["generation_cache"]  # the largest round: its completions, each at its longest
+        assert cache["sequences"] == predicted["generated_at_once"] == 16
+        assert cache["bytes"] == cache["sequences"] * cache["tokens"] * predicted["kv_cache_bytes_per_token"]
+        assert cache["tokens"] <= 64 and cache["bytes"] < predicted["generation_bytes"]  # planned at max_seq_length
+
+
+@pytest.mark.distributed
+def test_a_resumed_grpo_run_logs_the_uninterrupted_runs_losses(grpo_run, trained_demo, tmp_path):
+    """Resumed from the step-250 checkpoint (as a run killed after it leaves its folder), the sampled completions,
+    and so the losses of steps 275 and 300, are the uninterrupted run's: the generator's state is restored."""
+    resumed = tmp_path / "resumed"
+    shutil.copytree(grpo_run.output_dir / "checkpoint-250", resumed / "checkpoint-250")
+    result = launch_demo(CPU_LAUNCHES["zero2"], resumed, *RUN, "--model_name_or_path", str(trained_demo),
+                         "--resume_from_checkpoint", "auto", "--eval_on_start", "false")
+    assert_succeeded(result)
+    then, now = losses(grpo_run.output_dir), losses(resumed)
+    assert sorted(now) == sorted(then) == list(range(25, 301, 25))  # up to 250 restored from the checkpoint's state
+    assert [now[step] for step in (275, 300)] == pytest.approx([then[step] for step in (275, 300)], rel=1e-4,
+                                                               abs=1e-6)
+
+
+@pytest.mark.distributed
+def test_a_reward_model_and_a_reference_are_held_as_predicted_under_zero3(trained_demo, tmp_path):
+    """A reward model (a one-score scorer of the demo model, as `method: reward` saves one) beside the exact match,
+    and a KL penalty's reference, under ZeRO-3 (TRL partitions both like the policy): 2 processes, two steps; each
+    rank's ledger counts both as measured."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.train.methods.reward.trainer import scorer_from
+
+    scorer = scorer_from(AutoModelForCausalLM.from_pretrained(trained_demo), seed=0)
+    scorer.save_pretrained(tmp_path / "scorer")
+    with pytest.raises(RecipeError, match="has no tokenizer"):
+        GRPOArguments(reward_funcs=[str(tmp_path / "scorer")])
+    AutoTokenizer.from_pretrained(trained_demo).save_pretrained(tmp_path / "scorer")
+    output_dir = tmp_path / "run"
+    result = launch_demo(CPU_LAUNCHES["zero3"], output_dir, "--model_name_or_path", str(trained_demo),
+                         "--method", "grpo", "--reward_funcs", str(tmp_path / "scorer"), "exact_match",
+                         "--beta", "0.04", "--num_generations", "4", "--max_completion_length", "8",
+                         "--per_device_train_batch_size", "8", "--max_steps", "2", "--report_to", "none")
+    assert_succeeded(result)
+    report = json.loads((output_dir / "memory_report.json").read_text())["ranks"]
+    scorer_bytes = sum(p.numel() * p.element_size() for p in scorer.parameters())
+    for rank in report:
+        measured, predicted = rank["measured"], rank["predicted"]
+        assert measured["reward_models_bytes"] == predicted["reward_models_bytes"] == scorer_bytes // 2, rank["rank"]
+        assert measured["reference_bytes"] == predicted["reference_bytes"] == measured["params_bytes"] > 0
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    logged = {key for entry in history for key in entry if key.startswith("rewards/") and key.endswith("/mean")}
+    assert len(logged) == 2 and "rewards/exact_match/mean" in logged  # and the scorer's
+
+
+def test_the_kv_cache_measured_is_the_estimators_per_token_bytes():
+    """The meter reads what `generate` holds; the estimator's bytes a token are those bytes."""
+    from finetune import presets
+
+    tokenizer = presets.build_tokenizer()
+    model = presets.build_model(tokenizer, seed=0)
+    meter = CacheMeter()
+    batch = tokenizer(["abc", "defgh"], return_tensors="pt", padding=True)
+    with meter.watching(model), torch.no_grad():
+        model.generate(**batch, max_new_tokens=5, do_sample=False, min_new_tokens=5,
+                       pad_token_id=tokenizer.pad_token_id)
+    shape = model_shape("tiny")
+    setup = Setup(precision="fp32", micro_batch_size=2, sequence_length=meter.largest["tokens"],
+                  method=MethodTerms(completion_length=5))
+    assert meter.largest["sequences"] == 2
+    assert meter.largest["bytes"] == 2 * meter.largest["tokens"] * kv_cache_bytes_per_token(shape, setup)
+    # the round's bytes: that cache, plus the next-token logits (the sampler's fp32 copies)
+    assert generation_bytes(shape, setup) == meter.largest["bytes"] + 2 * shape.vocab_size * (4 + 8)
+    assert estimate(shape, setup).generation_bytes == generation_bytes(shape, setup)
+
+
+def test_the_plan_recommends_a_group_size_that_fits_and_refuses_one_that_does_not(capsys):
+    base = ["plan", "--model", "Qwen/Qwen2.5-7B", "--gpus", "2", "--gpu-memory", "80", "--method", "grpo",
+            "--seq-len", "4096", "--completion-length", "2048"]
+    assert main([*base, "--num-generations", "16", "--json"]) == 0
+    groups = json.loads(capsys.readouterr().out)["group_sizes"]
+    assert groups["asked"] == groups["recommended"] == 16
+    rows = {row["num_generations"]: row for row in groups["rows"]}
+    # a round (1 × 2 GPUs × 16 accumulation) holds 32 completions: up to 32 a group costs nothing more
+    assert rows[16]["micro_batch_size"] == rows[32]["micro_batch_size"] == 1 and rows[16]["prompts_per_round"] == 2
+    assert rows[16]["estimate"]["per_gpu"]["generation_bytes"] > 0
+    assert not rows[64]["fits"] and rows[64]["micro_batch_size"] == 2
+    assert main([*base, "--num-generations", "64"]) == 2
+    error = capsys.readouterr().err
+    assert "`num_generations: 64` does not fit" in error and "activations" in error
+    assert "`num_generations: 32` fits" in error
+
+
+def test_built_in_rewards_score_text_and_chat_completions():
+    chat = [[{"role": "assistant", "content": " 42\n"}], [{"role": "assistant", "content": "41"}]]
+    assert exact_match(chat, ["42", "42"]) == [1.0, 0.0]
+    assert exact_match(["42"], [None]) == [None]
+    assert answer_format(["41", "4a", "4", "41\n2"], ["42", "42", "42", "42"]) == [1.0, 0.0, 0.0, 0.0]
+
+
+def _reward_module(tmp_path, body: str) -> str:
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(body))
+    sys.path.insert(0, str(tmp_path))
+    return "my_rewards"
+
+
+def test_a_reward_that_cannot_be_used_is_refused_by_name(tmp_path, monkeypatch):
+    module = _reward_module(tmp_path, """
+        def short(completions, **kwargs):
+            return [1.0] * (len(completions) - 1)
+        def words(completions, **kwargs):
+            return ["good"] * len(completions)
+        def positional(prompts, completions, answer):
+            return [0.0] * len(completions)
+        not_a_function = 3
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RecipeError, match="module `no_such_module` cannot be imported"):
+        GRPOArguments(reward_funcs=["no_such_module:reward"])
+    with pytest.raises(RecipeError, match=f"module `{module}` has no function `missing`"):
+        GRPOArguments(reward_funcs=[f"{module}:missing"])
+    with pytest.raises(RecipeError, match="it is a int"):
+        GRPOArguments(reward_funcs=[f"{module}.not_a_function"])
+    import my_rewards
+
+    with pytest.raises(RecipeError, match="returned 1 scores for 2 completions"):
+        CheckedReward(f"{module}:short", my_rewards.short)(prompts=["a", "b"], completions=["x", "y"])
+    with pytest.raises(RecipeError, match="returned 'good' \\(str\\)"):
+        CheckedReward(f"{module}:words", my_rewards.words)(prompts=["a"], completions=["x"])
+    with pytest.raises(RecipeError, match="cannot be called as TRL calls one"):
+        CheckedReward(f"{module}:positional", my_rewards.positional)(prompts=["a"], completions=["x"],
+                                                                     completion_ids=[[1]], answer=["x"], task=["t"])
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "lm" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(RecipeError, match="a reward model is a one-score ...ForSequenceClassification"):
+        GRPOArguments(reward_funcs=[str(tmp_path / "lm")])
+
+
+def test_bad_grpo_keys_and_data_are_refused_by_name(tmp_path, monkeypatch):
+    with pytest.raises(RecipeError, match="give at least 2"):
+        GRPOArguments(num_generations=1)
+    with pytest.raises(RecipeError, match="`grpo_loss_type: ppo` is not one of .*dapo"):
+        GRPOArguments(grpo_loss_type="ppo")
+    with pytest.raises(RecipeError, match="`reward_weights` gives 1 weight"):
+        GRPOArguments(reward_funcs=["exact_match", "format"], reward_weights=[1.0])
+    with pytest.raises(RecipeError, match="`num_generations` configures `method: grpo`"):
+        read_recipe("recipes/demo.yaml", ["--num_generations", "4"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match=r"`num_generations: 8` does not divide a generation round's 12 completions "
+                                          r"\(`per_device_train_batch_size: 6` × 2 process"):
+        parse_recipe("recipes/demo.yaml", ["--method", "grpo", "--per_device_train_batch_size", "6",
+                                           "--max_completion_length", "8", "--output_dir", str(tmp_path / "o")])
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(RecipeError, match="leaves no room for a prompt in `max_seq_length: 64`"):
+        read_recipe("recipes/demo.yaml", ["--method", "grpo"]).method.training_arguments(
+            read_recipe("recipes/demo.yaml", []).data)
+    with pytest.raises(RecipeError, match="`dataset_config: mul`: the synthetic tasks are add, reverse, sort"):
+        from finetune.data.prompts import load_prompt_data
+
+        load_prompt_data(read_recipe("recipes/demo.yaml", ["--dataset_config", "mul"]).data, 0)
+
+
+def test_prompts_without_answers_stop_an_exact_match_run(tmp_path):
+    """A row of TRL's prompt-only format has no answer for `exact_match` to check: named before training."""
+    from finetune.data.prompts import load_prompt_data
+    from finetune.train.methods.grpo import check_answers
+
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"say {i}"}]}) for i in range(8)))
+    summary = load_prompt_data(read_recipe("recipes/demo.yaml", ["--train_file", str(rows)]).data, 0).summary
+    assert summary["sources"][0]["train"] == {"rows": 8, "prompts": 8, "dropped": {"overlong": 0}, "with_answer": 0,
+                                              "longest_prompt_tokens": None}
+    check_answers(summary, ["my_rewards:length"])  # a reward of the user's needs no answer column
+    with pytest.raises(RecipeError, match=f"`reward_funcs: exact_match` checks each completion against the row's "
+                                          f"answer, but {rows} has rows without one"):
+        check_answers(summary, ["exact_match"])
