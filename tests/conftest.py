@@ -31,7 +31,9 @@ os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get(
 # (`make test` runs two workers, one per core: a launch leaves a core idle while its launcher and ranks start and stop)
 # the test files reading the same one go to the same worker, and each file stays whole on one worker for its
 # module-scoped runs.
-LAUNCHING_SESSION_FIXTURES = ("deepspeed_runs", "ddp_run", "lora_runs", "checkpointed_runs", "demo_run")
+# The demo run is not among them: it is trained once for every worker (`demo_run`), so its readers (chat, and every
+# method that starts from the SFT'd model) spread over the workers instead of queueing on one.
+LAUNCHING_SESSION_FIXTURES = ("deepspeed_runs", "ddp_run", "lora_runs", "checkpointed_runs")
 
 
 def worker_groups(items) -> dict[str, str]:
@@ -206,18 +208,33 @@ def hub_model_dir(tmp_path_factory):
     return save_hub_model(tmp_path_factory.mktemp("hub_chatml"), "chatml")
 
 
+def shared_folder(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this session sees (their base folders' parent; without xdist, the
+    session's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """The main job exactly as `make demo` runs it on a machine without GPUs: `finetune train recipes/demo.yaml --gpus
     2`, which launches itself on 2 CPU processes under the recipe's DeepSpeed ZeRO-2, 1500 steps. Returns its
-    output_dir and the launcher's output."""
+    output_dir and the launcher's output. Trained once for the session: the first worker to ask trains it under a lock
+    (both cores busy with its 2 processes), the others wait and read it."""
+    from filelock import FileLock
     from support import run
 
     from finetune.launch.commands import finetune_command
 
-    output_dir = tmp_path_factory.mktemp("demo")
-    command = finetune_command("train", "recipes/demo.yaml", "--gpus", "2", "--output_dir", str(output_dir))
-    return SimpleNamespace(output_dir=output_dir, result=run(command, timeout=900))
+    shared = shared_folder(tmp_path_factory)
+    output_dir, record = shared / "demo", shared / "demo_run.json"
+    with FileLock(str(shared / "demo_run.lock")):
+        if not record.is_file():
+            command = finetune_command("train", "recipes/demo.yaml", "--gpus", "2", "--output_dir", str(output_dir))
+            result = run(command, timeout=900)
+            record.write_text(json.dumps({"args": [str(arg) for arg in result.args], "returncode": result.returncode,
+                                          "output": result.output}))
+    return SimpleNamespace(output_dir=output_dir, result=SimpleNamespace(**json.loads(record.read_text())))
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,27 @@ def reference_and_adapters(recipe, model, tokenizer):
     return reference, peft_config
 
 
+def trainer_against_a_reference(trainer_class, trainer_name: str, recipe, model, tokenizer, data, callbacks):
+    """A TRL trainer that trains against a frozen reference (DPO's, KTO's): the reference and adapters as
+    `reference_and_adapters` makes them, TRL's refusals in one line, the data TRL tokenizes sent through the recipe's
+    length policies (the trainer's `data_args` and `summary`, completing the data summary), and the trainable weights
+    held in fp32 under mixed precision whatever dtype the checkpoint was stored in (the adapters TRL added, or every
+    weight of a full run; the frozen base and the reference keep the loaded dtype)."""
+    from finetune.checkpoints.complete import recipe_values
+    from finetune.models.loading import hold_trainable_parameters, trainable_dtype
+
+    args = recipe.training
+    reference, peft_config = reference_and_adapters(recipe, model, tokenizer)
+    with trl_refusals(trainer_name):
+        trainer = trainer_class(model=model, ref_model=reference, args=args, train_dataset=data.train,
+                                eval_dataset=data.eval, processing_class=tokenizer, callbacks=callbacks,
+                                peft_config=peft_config, recipe_values=recipe_values(recipe),
+                                train_data=data.summary["train_fingerprint"], data_args=recipe.data,
+                                summary=data.summary)
+    hold_trainable_parameters(trainer.model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
+    return trainer
+
+
 def prepare_reference_for_zero3(args, model) -> None:
     """ZeRO-3 fills its "auto" bucket sizes from the model only when training starts, but TRL builds the reference
     engine when the trainer is constructed, from the config as it is then: fill them now with the values Transformers

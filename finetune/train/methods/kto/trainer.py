@@ -1,5 +1,5 @@
-"""TRL's KTOTrainer with the toolkit's guarantees (`FinetuneKTOTrainer`), and how a run builds it (`kto_trainer`):
-the reference model (finetune.train.methods.trl_trainers), TRL's refusals in one line."""
+"""TRL's KTOTrainer with the toolkit's guarantees (`FinetuneKTOTrainer`), and how a run builds it (`kto_trainer`),
+as every trainer against a frozen reference is built (finetune.train.methods.trl_trainers)."""
 
 from __future__ import annotations
 
@@ -7,27 +7,13 @@ from collections import Counter
 
 from trl import KTOTrainer
 
-from finetune.checkpoints.complete import recipe_values
 from finetune.data.pairs import SOURCE_COLUMN, apply_pair_length_policies
-from finetune.models.loading import hold_trainable_parameters, trainable_dtype
-from finetune.train.methods.trl_trainers import reference_and_adapters, trl_refusals
+from finetune.train.methods.trl_trainers import trainer_against_a_reference
 from finetune.train.trainer import FinetuneTrainerMixin
 
 
 def kto_trainer(recipe, model, tokenizer, data, callbacks):
-    """The reference is a second copy of the starting model, frozen, or under LoRA the policy with its adapters
-    disabled. The examples TRL tokenizes go through the length policies, completing the data summary."""
-    args = recipe.training
-    reference, peft_config = reference_and_adapters(recipe, model, tokenizer)
-    with trl_refusals("KTOTrainer"):
-        trainer = FinetuneKTOTrainer(model=model, ref_model=reference, args=args, train_dataset=data.train,
-                                     eval_dataset=data.eval, processing_class=tokenizer, callbacks=callbacks,
-                                     peft_config=peft_config, recipe_values=recipe_values(recipe),
-                                     train_data=data.summary["train_fingerprint"], data_args=recipe.data,
-                                     summary=data.summary)
-    # fp32 master weights under mixed precision; the frozen base and the reference keep the loaded dtype
-    hold_trainable_parameters(trainer.model, trainable_dtype(recipe.strategy, args.mixed_precision, args.pure_bf16))
-    return trainer
+    return trainer_against_a_reference(FinetuneKTOTrainer, "KTOTrainer", recipe, model, tokenizer, data, callbacks)
 
 
 class FinetuneKTOTrainer(FinetuneTrainerMixin, KTOTrainer):
