@@ -40,7 +40,7 @@ def reference_and_adapters(recipe, model, tokenizer):
 
 
 def trainer_against_a_reference(trainer_class, trainer_name: str, recipe, model, tokenizer, data, callbacks):
-    """A TRL trainer that trains against a frozen reference (DPO's, KTO's): the reference and adapters as
+    """A TRL trainer that trains against a frozen reference (the pair methods', KTO's): the reference and adapters as
     `reference_and_adapters` makes them, TRL's refusals in one line, the data TRL tokenizes sent through the recipe's
     length policies (the trainer's `data_args` and `summary`, completing the data summary), and the trainable weights
     held in fp32 under mixed precision whatever dtype the checkpoint was stored in (the adapters TRL added, or every
