@@ -5,7 +5,7 @@
 #   2. DeepSpeed from source without prebuilt ops (they are JIT-built when first used), against that torch; on a
 #      machine without a GPU its CPU Adam (what ZeRO-Offload steps with, about 90 CPU-seconds of C++) is built
 #      meanwhile into $VENV/torch_extensions, where the tests point TORCH_EXTENSIONS_DIR;
-#   3. the project itself, editable, with its dev extras.
+#   3. the project itself, editable, with its dev extras and the after-training ones (eval, serve, gguf, tracking).
 set -euo pipefail
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
@@ -46,7 +46,7 @@ if ! gpu_visible; then
 fi
 
 echo "install: finetune and its dependencies"
-"${pip[@]}" -e ".[dev,plots]"
+"${pip[@]}" -e ".[dev,plots,eval,serve,gguf,tracking]"
 if [ -n "$prebuild" ]; then
     if wait "$prebuild"; then
         echo "install: CPU Adam built"
