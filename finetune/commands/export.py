@@ -1,7 +1,11 @@
 """`finetune export CHECKPOINT OUT_DIR [--merge-lora] [--dtype bf16] [--force]`: a plain Hugging Face model directory
-in safetensors that `from_pretrained` loads; never the source, and a user's files only with `--force`."""
+in safetensors that `from_pretrained` loads; never the source, and a user's files only with `--force`.
+`--gguf [--gguf-type f16|q8_0]`: instead, one GGUF file for llama.cpp and Ollama (finetune.models.gguf), with the
+tokenizer and the chat template training used, under the same destination rules."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def export_command_parser(subparsers) -> None:
@@ -20,13 +24,53 @@ def export_command_parser(subparsers) -> None:
                         "recorded in its effective_config.json)")
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory that holds no "
                         "earlier export")
+    parser.add_argument("--gguf", action="store_true", help="write one GGUF file for llama.cpp and Ollama instead: "
+                        "OUT_DIR/<OUT_DIR's name>-<type>.gguf, with the tokenizer and the chat template training used "
+                        "(a LoRA adapter needs --merge-lora)")
+    parser.add_argument("--gguf-type", help="the GGUF weights' type: f16 (default) or q8_0 (8-bit, about half the "
+                        "size); norms stay f32")
     parser.set_defaults(func=export_command)
 
 
 def export_command(args) -> int:
     from finetune.checkpoints.export import export
+    from finetune.errors import RecipeError
 
+    if args.gguf:
+        path = export_gguf(args)
+        print(f"exported {args.checkpoint} to {path}")
+        return 0
+    if args.gguf_type is not None:
+        raise RecipeError(f"--gguf-type {args.gguf_type} is the type of a GGUF export: add --gguf, or leave it out.")
     out_dir = export(args.checkpoint, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype,
                      base_model=args.base_model, seed=args.seed, force=args.force)
     print(f"exported {args.checkpoint} to {out_dir}")
     return 0
+
+
+def export_gguf(args) -> Path:
+    """The model and tokenizer as `finetune chat` loads them, written as one GGUF file: checked for what GGUF can
+    hold before the destination is touched, then under `finetune export`'s destination rules and record."""
+    from finetune import outputs
+    from finetune.checkpoints.export import EXPORT_RECORD, check_destination, forget_earlier_export
+    from finetune.errors import RecipeError
+    from finetune.models.gguf import GGUF_TYPES, check_convertible, write_gguf
+    from finetune.train.trained_model import load_with_tokenizer
+
+    gguf_type = args.gguf_type or "f16"
+    if gguf_type not in GGUF_TYPES:
+        raise RecipeError(f"--gguf-type {gguf_type} is not one of {', '.join(GGUF_TYPES)}.")
+    if args.dtype is not None:
+        raise RecipeError(f"--dtype {args.dtype} casts a safetensors export: with --gguf, the weights' type is "
+                          "--gguf-type (f16 or q8_0).")
+    source, out_dir = Path(args.checkpoint), Path(args.out_dir)
+    model, tokenizer = load_with_tokenizer(source, args.merge_lora, args.base_model, args.seed)
+    check_convertible(model, tokenizer, gguf_type)
+    check_destination(source, out_dir, args.force)
+    forget_earlier_export(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = out_dir.resolve().name
+    path = write_gguf(model, tokenizer, out_dir / f"{name}-{gguf_type}.gguf", gguf_type, name=name)
+    outputs.write_record(out_dir, EXPORT_RECORD, {"source": str(source.resolve()), "format": "gguf",
+                                                  "dtype": gguf_type, "files": [path.name]})
+    return path
