@@ -143,12 +143,24 @@ def reference_bytes(reference_model) -> int:
     return 0 if reference_model is None else StorageCount().add(local_parameters(reference_model)).total
 
 
+def every_ranks_figures(figures: dict, world_size: int) -> dict:
+    """Rank 0's `memory/*` as they are and each other rank's as `memory/rank_N/*`, the same on every rank: Trainer's
+    `report_to` integrations log only global rank 0's logs. A collective: every rank calls it at the same log."""
+    if world_size == 1:
+        return figures
+    every_rank = gather_object([figures])
+    named = dict(every_rank[0])
+    for rank, theirs in enumerate(every_rank[1:], start=1):
+        named.update({key.replace("memory/", f"memory/rank_{rank}/", 1): value for key, value in theirs.items()})
+    return named
+
+
 class MemoryReportCallback(TrainerCallback):
     """Measures each rank's parameters, gradients, optimizer states and peak memory; writes the report.
 
     `sequence_length` sizes the predicted activations (default: the model's maximum context). The measured bytes go
-    into the first training log as `memory/*`; in a plain `Trainer`, `finetune.train.trainer.log_metrics_first(trainer)`
-    lets `report_to` (TensorBoard, W&B, MLflow) see them."""
+    into the first training log as `memory/*` (rank 0's) and `memory/rank_N/*` (rank N's); in a plain `Trainer`,
+    `finetune.train.trainer.log_metrics_first(trainer)` lets `report_to` (TensorBoard, W&B, MLflow) see them."""
 
     adds_logged_metrics = True  # finetune.train.trainer.log_metrics_first: runs before the reporting integrations
 
@@ -209,9 +221,10 @@ class MemoryReportCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.pending_log and logs is not None:  # once: into the printed logs and the log history
-            logs.update(self.pending_log)
+            figures = every_ranks_figures(self.pending_log, args.world_size)
+            logs.update(figures)
             if state.log_history:
-                state.log_history[-1].update(self.pending_log)
+                state.log_history[-1].update(figures)
             self.pending_log = None
 
     def on_train_end(self, args, state, control, model=None, **kwargs):

@@ -317,12 +317,14 @@ class FinetuneTrainingArguments(TrainingArguments):
         default="outputs/run",
         metadata={"help": "Where checkpoints and reports go; a default, so that a recipe may leave it out."},
     )
-    report_to: None | str | list[str] = field(
-        default="tensorboard",
+    report_to: list[str] | None = field(
+        default_factory=lambda: ["tensorboard"],
         metadata={"help": "Where the training logs go, as Trainer takes it (tensorboard, wandb, mlflow, ..., all or "
-                          "none). TensorBoard by default: an event file under <output_dir>/runs with the loss, "
-                          "learning rate, memory/* and throughput/* (`tensorboard --logdir <output_dir>/runs`), "
-                          "nothing to sign up for."},
+                          "none; several: `--report_to wandb mlflow`). TensorBoard by default: an event file under "
+                          "<output_dir>/runs with the loss, learning rate, memory/* and throughput/* (`tensorboard "
+                          "--logdir <output_dir>/runs`), nothing to sign up for. A W&B or MLflow run also gets the "
+                          "effective configuration (effective_config.json's values and the model, data, LoRA and "
+                          "method keys) as parameters named finetune/*."},
     )
     ddp_comm_hook: Literal["no", "fp16", "bf16"] = field(
         default="no",

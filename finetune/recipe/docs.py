@@ -50,13 +50,16 @@ def _default(value) -> str:
     return str(value)
 
 
+def _field_default(field: dataclasses.Field):
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("%%", "%").replace("|", "\\|")  # help texts escape % for argparse
 
 
 def _row(field: dataclasses.Field, default: str | None = None, help: str | None = None) -> str:
-    value = default if default is not None else _default(
-        field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default)
+    value = default if default is not None else _default(_field_default(field))
     return f"| `{field.name}` | `{value}` | {_cell(help or field.metadata.get('help', ''))} |"
 
 
@@ -73,7 +76,7 @@ def toolkit_training_fields() -> tuple[list[tuple[dataclasses.Field, dataclasses
         base = trainer.get(field.name)
         if base is None:
             added.append(field)
-        elif _default(base.default) != _default(field.default):
+        elif _default(_field_default(base)) != _default(_field_default(field)):
             changed.append((field, base))
     return changed, added
 
@@ -111,7 +114,7 @@ def recipe_reference() -> str:
     lines += ["## Training: Trainer's keys with another default here", "",
               "Every other Trainer key keeps Trainer's default. Each of these says why it differs.", "",
               "| key | Trainer's default | here | why |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{field.name}` | `{_default(base.default)}` | `{_default(field.default)}` | "
+    lines += [f"| `{field.name}` | `{_default(_field_default(base))}` | `{_default(_field_default(field))}` | "
               f"{_cell(field.metadata.get('help', ''))} |" for field, base in changed]
     lines += ["| `use_cpu` | `false` | `true when no GPU is visible` | Without it, Trainer on a machine without a GPU "
               "quietly trains one process per rank under a multi-process launch. |", ""]

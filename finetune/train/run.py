@@ -46,6 +46,7 @@ from finetune.train.effective import report_and_guard_launch
 from finetune.train.evaluation import ExactMatchCallback, print_before_after, record_stop_tokens, summarize_evaluations
 from finetune.train.pipeline import train_pipeline
 from finetune.train.throughput import ThroughputCallback
+from finetune.train.tracking import TrackedRunCallback, run_parameters
 
 
 def train(recipe: Recipe) -> dict:
@@ -100,7 +101,8 @@ def train(recipe: Recipe) -> dict:
             method.print_data_summary(data.summary)
             write_data_summary(data.summary, args.output_dir)
             print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
-        report_and_guard_launch(trainer, recipe)  # effective_config.json; stops on a fallback
+        effective = report_and_guard_launch(trainer, recipe)  # effective_config.json; stops on a fallback
+        trainer.add_callback(TrackedRunCallback(run_parameters(recipe, effective)))  # W&B's and MLflow's run parameters
 
         train_output = trainer.train(resume_from_checkpoint=resume)
         final_evaluation = trainer.evaluate() if data.eval is not None else None  # "after" is always of these weights
