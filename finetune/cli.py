@@ -13,12 +13,14 @@ from finetune.commands.bench import bench_command_parser
 from finetune.commands.chat import chat_command_parser
 from finetune.commands.configs import configs_command_parser
 from finetune.commands.env import env_command_parser
+from finetune.commands.eval import eval_command_parser
 from finetune.commands.export import export_command_parser
 from finetune.commands.labels import labels_command_parser
 from finetune.commands.plan import plan_command_parser
 from finetune.commands.preprocess import preprocess_command_parser
 from finetune.commands.rendezvous import rendezvous_command_parser
 from finetune.commands.report import report_command_parser
+from finetune.commands.serve import serve_command_parser
 from finetune.commands.train import train_command_parser
 from finetune.commands.universal import universal_command_parser
 from finetune.errors import RecipeError, report_user_error
@@ -29,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add in (train_command_parser, configs_command_parser, plan_command_parser, report_command_parser,
                 export_command_parser, bench_command_parser, rendezvous_command_parser, labels_command_parser,
-                preprocess_command_parser, chat_command_parser, universal_command_parser, env_command_parser):
+                preprocess_command_parser, chat_command_parser, universal_command_parser, env_command_parser,
+                eval_command_parser, serve_command_parser):
         add(subparsers)
     return parser
 

@@ -104,7 +104,8 @@ class LaunchedOnRead(Mapping):
 # precision, shared by the strategy and memory tests so the start-up cost is paid once per config.
 BF16_RUNS = ["zero2", "zero3"]
 # The fp32 ZeRO-3 run also leaves a checkpoint (ZeRO shards) for the export tests.
-EXTRA_ARGS = {"zero3": ("--save_strategy", "steps", "--save_steps", "3")}
+# It also scores the final model with lm-eval when training ends (tests/train/test_harness.py).
+EXTRA_ARGS = {"zero3": ("--save_strategy", "steps", "--save_steps", "3", "--eval_harness_tasks", "synthetic_add")}
 SELF_LAUNCHED = {"zero3"}  # launched by `finetune train --strategy zero3` itself, not typed
 
 

@@ -13,9 +13,7 @@ stdout token by token (Transformers' `TextStreamer`); notes go to stderr, so std
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
-from pathlib import Path
 
 COMMANDS_HELP = "/reset clears the conversation, /exit or Ctrl-D ends it; end a line with \\ to go on on the next"
 
@@ -66,59 +64,6 @@ def generation_settings(max_new_tokens: int, temperature: float | None, top_p: f
             "top_p": top_p or 1.0}
 
 
-def render_prompt(tokenizer, messages: list[dict]) -> str:
-    """The conversation as the model sees it: the chat template with the generation prompt, as `generate_answers`
-    (finetune.train.evaluation) renders eval prompts and training renders the turns before each answer."""
-    from jinja2.exceptions import TemplateError
-
-    from finetune.data.tokenize import template_name
-    from finetune.errors import RecipeError
-
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except (TemplateError, TypeError) as error:
-        fix = " (leave out --system: it may not take a system turn)" if messages[0]["role"] == "system" else ""
-        raise RecipeError(f"{template_name(tokenizer)} cannot render the conversation: {error}{fix}.") from None
-
-
-def run_folders(checkpoint: str) -> list[Path]:
-    """Where the records of the run a model comes from may be: its folder, the run's when it is a checkpoint-N, and
-    for a `finetune export`, the same of the folder it was exported from."""
-    from finetune import outputs
-    from finetune.checkpoints.complete import CHECKPOINT_NAME
-    from finetune.checkpoints.export import EXPORT_RECORD
-
-    source = Path(checkpoint)
-    export = outputs.read_record(source, EXPORT_RECORD, missing=None)
-    exported_from = [Path(export["source"])] if isinstance(export, dict) and export.get("source") else []
-    return [folder for model in (source, *exported_from)
-            for folder in ((model, model.parent) if CHECKPOINT_NAME.match(model.name) else (model,))]
-
-
-def plain_text_format(checkpoint: str, system: str | None = None) -> str | None:
-    """The data format(s) a run learned when none was a conversation (`prompt_completion`, `text`: trained without a
-    chat template, finetune.data.tokenize.encode_example), read from its data_summary.json (`run_folders`); None for
-    a run that learned a template's turns, and for a model without that record (a hub model), which get the
-    template. A system turn is refused for plain-text runs: they have none."""
-    from finetune import outputs
-    from finetune.data.summary import trained_as_plain_text
-    from finetune.errors import RecipeError
-
-    for folder in run_folders(checkpoint):
-        summary = outputs.read_record(folder, outputs.DATA_SUMMARY, missing=None)
-        if summary is None:
-            continue
-        if not trained_as_plain_text(summary):
-            return None
-        formats = {source.get("format") for source in summary["sources"]}
-        trained_on = " and ".join(sorted(formats))
-        if system:
-            raise RecipeError(f"--system: {checkpoint} was trained on {trained_on} data, without a chat template, so "
-                              "it knows no system turn; leave out --system and write the instructions in the prompt.")
-        return trained_on
-    return None
-
-
 class Conversation:
     """The turns so far (after an optional system turn), answered one user turn at a time by `model`, the answer
     streamed to stdout as it is generated. A run trained on plain text (`plain_text_format`) gets each prompt as
@@ -144,6 +89,8 @@ class Conversation:
         if self.plain_text:
             inputs = self.tokenizer(messages[-1]["content"], return_tensors="pt")
             return self.tokenizer.decode(inputs["input_ids"][0], clean_up_tokenization_spaces=False), inputs
+        from finetune.train.trained_model import render_prompt
+
         prompt = render_prompt(self.tokenizer, messages)
         return prompt, self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
 
@@ -208,6 +155,7 @@ def chat_command(args) -> int:
     import torch
     from transformers import set_seed
 
+    from finetune.train.trained_model import load_with_tokenizer, plain_text_format
 
     generation = generation_settings(args.max_new_tokens, args.temperature, args.top_p)
     trained_on = plain_text_format(args.checkpoint, args.system)
@@ -229,25 +177,3 @@ def chat_command(args) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
     return 0
-
-
-def load_with_tokenizer(source: str | Path, merge_lora: bool = False, base_model: str | None = None,
-                        seed: int | None = None):
-    """`(model, tokenizer)` for `source` in memory (what `finetune chat` talks to): the model as `load_for_export`
-    loads it (an adapter not merged stays a peft model), and the tokenizer saved beside it, else its base's
-    (`base_model`, or the one the adapter names), through `models.load_tokenizer` as training loaded it: a tokenizer
-    without a chat template gets the default one training gave it."""
-    from finetune.checkpoints.export import beside, load_for_export
-    from finetune.errors import RecipeError
-    from finetune.models.loading import load_tokenizer
-    from finetune.recipe.args import ModelArguments
-
-    source = Path(source)
-    model, _ = load_for_export(source, merge_lora, base_model, seed)
-    saved, adapter = beside(source, "tokenizer_config.json"), beside(source, "adapter_config.json")
-    name = str(saved.parent) if saved is not None else base_model or (
-        adapter is not None and json.loads(adapter.read_text()).get("base_model_name_or_path"))
-    if not name:
-        raise RecipeError(f"{source} has no tokenizer (no tokenizer_config.json there, nor in {source.parent}): copy "
-                          "the tokenizer files of the model it was trained from next to the weights.")
-    return model, load_tokenizer(ModelArguments(model_name_or_path=name))

@@ -173,6 +173,12 @@ class DataArguments:
     generation_max_new_tokens: int = field(
         default=32, metadata={"help": "Longest answer generated when scoring exact match."}
     )
+    eval_harness_tasks: list[str] | None = field(
+        default=None,
+        metadata={"help": "Score the final model with lm-evaluation-harness when training ends, as `finetune eval "
+                          "<output_dir> --tasks ...` does: lm-eval task names, `synthetic`, or JSONL files of yours "
+                          "(results under <output_dir>/eval_harness/; needs the `eval` extra)."},
+    )
     preprocessed_dir: str | None = field(
         default=None,
         metadata={"help": "Where `finetune preprocess` writes the tokenized (and packed) data, and where `finetune "
@@ -222,6 +228,8 @@ class DataArguments:
             self.generation_eval_samples = SYNTHETIC_GENERATION_SAMPLES if self.uses_synthetic_tasks else 0
         if self.generation_eval_samples < 0:
             raise RecipeError(f"`generation_eval_samples` must be 0 or more, got {self.generation_eval_samples}.")
+        if isinstance(self.eval_harness_tasks, str):
+            self.eval_harness_tasks = [self.eval_harness_tasks]
 
     mixture = None  # the parsed `dataset_mixture` (finetune.data.mixture.Mixture), set by __post_init__
 

@@ -68,6 +68,10 @@ def describe_effective_config(trainer, recipe) -> dict:
 
     add("world_size", args.world_size, f"{launcher} (WORLD_SIZE)" if "WORLD_SIZE" in os.environ else "single process")
     add("seed", args.seed, "recipe" if "seed" in sources else "Trainer's default")  # rebuilds `tiny` for export/chat
+    # the model before training and the answers' length in exact match: `finetune eval --compare-base` and `synthetic`
+    add("model_name_or_path", recipe.model.model_name_or_path, sources.get("model_name_or_path", "recipe"))
+    add("generation_max_new_tokens", recipe.data.generation_max_new_tokens,
+        sources.get("generation_max_new_tokens", "default"))
     add("strategy", requested.kind, requested.source if requested.kind == "deepspeed" else launcher)
     if requested.kind == "deepspeed":
         for key in ("zero_stage", "offload_optimizer", "offload_param"):

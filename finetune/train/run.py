@@ -211,4 +211,19 @@ def check_fsdp_wrap_classes(model) -> None:
 
 
 def train_command(recipe_path: str | None, overrides: list[str]) -> dict:
-    return train(parse_recipe(recipe_path, overrides))
+    recipe = parse_recipe(recipe_path, overrides)
+    harness_tasks = recipe.data.eval_harness_tasks
+    if harness_tasks:  # a task lm-eval does not know stops here, before hours of training
+        from finetune.train.harness import check_installed, evaluate_run, print_scores, select_tasks
+
+        check_installed()
+        selection = select_tasks(harness_tasks)
+    summary = train(recipe)
+    if harness_tasks and recipe.training.process_index == 0:  # the other ranks are done: the saved model, on one
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()  # else from_pretrained would build the model under ZeRO-3's partitioning again
+        record = evaluate_run(recipe.training.output_dir, selection)
+        print_scores(record)
+        summary["eval_harness"] = {"results_file": record["results_file"], "scores": record["scores"]}
+    return summary

@@ -322,7 +322,7 @@ def test_a_lora_run_with_seed_7_exports_and_chats_with_the_trained_model(lora_se
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from finetune.commands.chat import load_with_tokenizer
+    from finetune.train.trained_model import load_with_tokenizer
 
     trained = PeftModel.from_pretrained(presets.build_model(presets.build_tokenizer(), seed=7), lora_seed7)
     other_seed = PeftModel.from_pretrained(presets.build_model(presets.build_tokenizer(), seed=0), lora_seed7)

@@ -81,7 +81,7 @@ def test_chat_stops_at_the_templates_end_of_turn_not_only_at_eos(rambling_base, 
 
 
 def test_the_conversation_keeps_the_answer_up_to_its_turns_end(rambling_base, capsys, monkeypatch):
-    from finetune.commands.chat import render_prompt
+    from finetune.train.trained_model import render_prompt
 
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\nand then?\n"))
     assert main(["chat", str(rambling_base), "--show-prompt", "--max-new-tokens", "20"]) == 0

@@ -1,0 +1,164 @@
+"""`finetune serve OUTPUT_DIR|CHECKPOINT`: an OpenAI-compatible API for a trained model, by delegation (what
+`llamafactory-cli api` and `swift deploy` give): `transformers serve`, or `vllm serve` where vLLM and CUDA are there.
+
+The model is written once as a plain model folder that either server reads as it is: loaded as `finetune chat` loads
+it (any run folder, checkpoint-N, ZeRO or FSDP shards, a LoRA adapter merged into its base), its tokenizer saved with
+the chat template training used, and its generation config stopping at every token that ended an answer in training
+(`finetune.train.evaluation.stop_token_ids`), so a client's answers end where `finetune chat`'s do. The server is a
+child process: Ctrl-C or SIGTERM stops it and removes a folder written for this serve alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+ENGINES = ("auto", "transformers", "vllm")
+
+
+def serve_command_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve a trained model behind an OpenAI-compatible API (transformers serve, or vLLM)",
+        description="Write the model of a run's output_dir or checkpoint-N folder (full weights, ZeRO or FSDP shards, "
+        "a LoRA adapter merged into its base) as a plain model folder with the chat template training used and its "
+        "stop tokens, and serve it with `transformers serve` (or `vllm serve` with --engine vllm, or auto where vLLM "
+        "and CUDA are installed): /v1/chat/completions, streaming or not, under --model-name. Loopback only unless "
+        "--host says otherwise; Ctrl-C stops it.",
+    )
+    parser.add_argument("checkpoint", help="a run's output_dir or one of its checkpoint-N folders")
+    parser.add_argument("--host", default=LOOPBACK, help=f"address to listen on (default {LOOPBACK}: this machine "
+                        "only; the API has no authentication)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--model-name", help="the name clients give as `model` (default: the folder's name)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="auto: vLLM where it and CUDA are installed, else transformers serve")
+    parser.add_argument("--export-dir", help="write the served model folder here and keep it (default: a temporary "
+                        "folder, removed when the server stops)")
+    parser.add_argument("--base-model", help="the adapter's base model (default: the one the adapter names)")
+    parser.add_argument("--seed", type=int, help="seed that built the `tiny` base (default: the run's)")
+    parser.set_defaults(func=serve_command)
+
+
+def check_name(name: str) -> str:
+    from finetune.errors import RecipeError
+
+    if not name or any(mark in name for mark in (":", "@", "\\")) or name.startswith(("/", ".")) or ".." in name:
+        raise RecipeError(f"--model-name {name!r}: give a name of letters, digits, '-', '_', '.' and '/' (no ':', "
+                          "'@', or leading '/' or '.'): the servers read ':' and '@' as a file and a revision.")
+    return name
+
+
+def pick_engine(engine: str) -> str:
+    """vLLM when asked, or under `auto` where it is installed and CUDA is there; else transformers serve."""
+    import importlib.util
+
+    import torch
+
+    from finetune.errors import RecipeError
+
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if engine == "vllm" and not (has_vllm and torch.cuda.is_available()):
+        raise RecipeError("--engine vllm needs vLLM and a CUDA GPU here: pip install vllm on a GPU machine, or use "
+                          "--engine transformers.")
+    if engine == "auto":
+        engine = "vllm" if has_vllm and torch.cuda.is_available() else "transformers"
+    if engine == "transformers" and importlib.util.find_spec("fastapi") is None:
+        raise RecipeError("transformers serve needs its serving extras: pip install 'finetune-kit[serve]' (or "
+                          "'transformers[serving]').")
+    return engine
+
+
+def write_served_model(source: str, folder: Path, base_model: str | None, seed: int | None) -> bool:
+    """The model of `source` as a plain folder a server loads: weights (an adapter merged), the tokenizer with its
+    chat template, stops in the generation config. True when the run learned plain text (no template to chat in)."""
+    import contextlib
+
+    from finetune.train.evaluation import stop_token_ids
+    from finetune.train.trained_model import load_with_tokenizer, plain_text_format
+
+    plain_text = plain_text_format(source) is not None
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's consolidation prints
+        model, tokenizer = load_with_tokenizer(source, base_model=base_model, seed=seed)
+    if hasattr(model, "peft_config"):  # a LoRA run: the servers read plain weights
+        model = model.merge_and_unload()
+    ids = stop_token_ids(tokenizer, model.generation_config, chat_template=not plain_text)
+    model.generation_config.eos_token_id = ids[0] if len(ids) == 1 else ids
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return plain_text
+
+
+def server_command(engine: str, name: str, host: str, port: int) -> list[str]:
+    """The server's command line, run in the folder that holds the model under `name` (transformers serve pins a
+    model by the path it loads it from, and answers only to that name)."""
+    if engine == "vllm":
+        return ["vllm", "serve", name, "--served-model-name", name, "--host", host, "--port", str(port),
+                "--generation-config", "auto"]
+    return [str(Path(sys.executable).parent / "transformers"), "serve", name, "--host", host, "--port", str(port)]
+
+
+def serve_command(args) -> int:
+    from finetune.errors import RecipeError
+
+    source = Path(args.checkpoint)
+    name = check_name(args.model_name or source.resolve().name)
+    if not 0 < args.port < 65536:
+        raise RecipeError(f"--port {args.port}: give a port between 1 and 65535.")
+    engine = pick_engine(args.engine)
+    if args.export_dir is not None and Path(args.export_dir).exists() and any(Path(args.export_dir).iterdir()):
+        raise RecipeError(f"--export-dir {args.export_dir} is not empty: give a new or empty folder.")
+    workspace = Path(tempfile.mkdtemp(prefix="finetune-serve-"))
+    try:
+        folder = Path(args.export_dir).resolve() if args.export_dir else workspace / "model"
+        plain_text = write_served_model(str(source), folder, args.base_model, args.seed)
+        link = workspace / name  # the name clients give, as the path the server loads
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(folder, target_is_directory=True)
+        if args.host not in (LOOPBACK, "localhost", "::1"):
+            print(f"warning: listening on {args.host}: anyone who can reach this port can use the model (no "
+                  "authentication).", file=sys.stderr)
+        if plain_text:
+            print(f"note: {source} learned plain text, without a chat template: ask /v1/completions with the prompt "
+                  "as it was trained; chat completions wrap it in a template it never saw.", file=sys.stderr)
+        print(f"serving {source} as `{name}` with {engine} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)",
+              file=sys.stderr, flush=True)
+        return run_server(server_command(engine, name, args.host, args.port), workspace)
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
+
+
+def run_server(command: list[str], folder: Path) -> int:
+    """Runs the server until it ends or this process is asked to stop (SIGINT, SIGTERM), which it passes on; a stop
+    asked for is a clean end (0)."""
+    server = subprocess.Popen(command, cwd=folder, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    stopping = []
+
+    def stop(signum, frame):
+        stopping.append(signum)
+        if server.poll() is None:
+            server.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            returncode = server.wait()
+        except KeyboardInterrupt:
+            returncode = server.wait()
+        if stopping:
+            print("server stopped", file=sys.stderr)
+            return 0
+        return returncode
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -1,0 +1,378 @@
+"""Benchmarks through lm-evaluation-harness (`finetune eval`, and `eval_harness_tasks:` at the end of training): any
+run folder, checkpoint-N or LoRA run, loaded as `finetune chat` loads it, scored by lm-eval's `HFLM` on its tasks.
+
+Three kinds of task, each an lm-eval task in the end:
+- `synthetic` (or `synthetic_add`, `synthetic_reverse`, `synthetic_sort`): the embedded tasks' eval split;
+- a user's JSONL file (any format training reads: messages, sharegpt, alpaca, prompt/completion): a task named after
+  the file, its answer the last assistant turn (the completion);
+- any task lm-eval knows (its own, or a user's YAML under `--include-path`): run as lm-eval runs it, with the chat
+  template when the run learned one (`apply_chat_template`), and needing the dataset it names (offline: a local copy).
+
+The first two are written as lm-eval task definitions (YAML + JSONL, kept with the results), each prompt rendered as
+training rendered it (`finetune.train.trained_model.render_prompt`: the chat template with the generation prompt, system
+and earlier turns included, or plain text for a run that learned plain text), generated greedily up to the tokens that
+end an answer in training (`finetune.train.evaluation.stop_token_ids`), and scored by lm-eval's `exact_match` with
+surrounding whitespace ignored: what the toolkit's own exact match (`finetune.train.evaluation.exact_match`) scores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune.errors import RecipeError, did_you_mean
+
+RESULTS_FOLDER = "eval_harness"  # beside the model: one results file an evaluation, never overwritten
+SYNTHETIC = "synthetic"
+SYNTHETIC_TASKS = ("add", "reverse", "sort")
+DEFAULT_MAX_NEW_TOKENS = 256
+# lm-eval's exact_match after these are removed from both sides: `answer.strip() == reference.strip()`
+STRIP_WHITESPACE = [r"^\s+", r"\s+$"]
+
+
+@dataclass
+class LocalTask:
+    """An exact-match task from rows of data: its name, where it came from, and its examples as chat prompts."""
+
+    name: str
+    source: str
+    examples: list[dict] = field(default_factory=list)  # {"messages": [...prompt turns], "reference": str}
+
+
+@dataclass
+class TaskSelection:
+    local: list[LocalTask]
+    registered: list[str]  # lm-eval's names (its own tasks, or a user's YAML under include_path)
+    task_manager: object = None  # lm-eval's index that knows them (a TaskManager), when there are any
+
+
+def check_installed() -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise RecipeError("finetune eval runs on lm-evaluation-harness, which is not installed: "
+                          "pip install 'finetune-kit[eval]' (or lm-eval).") from None
+
+
+def select_tasks(names: list[str], include_path: str | None = None) -> TaskSelection:
+    """Each name as a task: `synthetic[_<task>]`, a JSONL file, else a name lm-eval knows (checked against its index,
+    did-you-mean included), so a typo stops before any model is loaded."""
+    if not names:
+        raise RecipeError("no task given: name lm-eval tasks, `synthetic`, or a JSONL file of your own.")
+    if include_path is not None and not Path(include_path).exists():
+        raise RecipeError(f"--include-path {include_path} does not exist: give a folder (or file) of lm-eval task "
+                          "YAML.")
+    local, registered = [], []
+    for name in names:
+        if name == SYNTHETIC or name.startswith(f"{SYNTHETIC}_") and name.removeprefix(f"{SYNTHETIC}_") in \
+                SYNTHETIC_TASKS:
+            local += synthetic_tasks(name.removeprefix(SYNTHETIC).lstrip("_") or None)
+        elif name.endswith((".jsonl", ".json")) or Path(name).is_file():
+            local.append(jsonl_task(Path(name)))
+        else:
+            registered.append(name)
+    taken = [task.name for task in local]
+    clash = next((name for name in taken if taken.count(name) > 1 or name in registered), None)
+    if clash is not None:
+        raise RecipeError(f"two tasks are named {clash}: rename one of the files.")
+    return TaskSelection(local, registered, task_manager(registered, include_path) if registered else None)
+
+
+def synthetic_tasks(only: str | None) -> list[LocalTask]:
+    from finetune.data.formats import to_messages
+    from finetune.presets import synthetic_data_dir
+
+    eval_file = synthetic_data_dir() / "eval.jsonl"
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines() if line.strip()]
+    tasks = []
+    for task in SYNTHETIC_TASKS if only is None else (only,):
+        examples = [prompt_and_reference(to_messages(row, "alpaca"), f"{eval_file}:{number}")
+                    for number, row in enumerate(rows, start=1) if row["task"] == task]
+        tasks.append(LocalTask(f"{SYNTHETIC}_{task}", f"{eval_file} ({task})", examples))
+    return tasks
+
+
+def jsonl_task(path: Path) -> LocalTask:
+    """A user's file as a task: each row's conversation cut before its last assistant turn (the reference), or its
+    prompt and completion."""
+    from finetune.data.formats import detect_format, to_messages
+    from finetune.data.loading import first_bad_json_line, first_non_utf8_line
+
+    if not path.is_file():
+        raise RecipeError(f"task file {path} does not exist.")
+    if bad := first_non_utf8_line(str(path)) or first_bad_json_line(str(path)):
+        raise RecipeError(f"task file: {bad}; fix or remove that line.")
+    text = path.read_text(encoding="utf-8")
+    rows = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in text.splitlines()
+                                                             if line.strip()]
+    if not isinstance(rows, list) or not rows or not all(isinstance(row, dict) for row in rows):
+        raise RecipeError(f"task file {path} holds no rows of data (one JSON object a line).")
+    dataset_format = detect_format(rows[0].keys())
+    examples = []
+    for number, row in enumerate(rows, start=1):
+        where = f"{path}:{number}"
+        if dataset_format == "text":
+            raise RecipeError(f"{where}: a `text` row has no answer to score; give prompt/completion or conversations.")
+        if dataset_format == "prompt_completion":
+            examples.append({"messages": [{"role": "user", "content": row["prompt"]}],
+                             "reference": str(row["completion"])})
+        else:
+            examples.append(prompt_and_reference(to_messages(row, dataset_format), where))
+    name = re.sub(r"\W+", "_", path.stem).strip("_") or "task"
+    return LocalTask(name, str(path), examples)
+
+
+def prompt_and_reference(messages: list[dict], where: str) -> dict:
+    answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if not answers or not isinstance(messages[answers[-1]].get("content"), str):
+        raise RecipeError(f"{where}: the conversation has no assistant answer in text to score against.")
+    return {"messages": messages[: answers[-1]], "reference": messages[answers[-1]]["content"]}
+
+
+def task_manager(names: list[str], include_path: str | None):
+    """lm-eval's index of tasks that knows every name: the user's folder alone when it holds them all (indexing
+    lm-eval's own thousands of tasks takes seconds), else with lm-eval's own; an unknown name is refused."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        if set(names) <= set(manager.all_tasks):
+            return manager
+    manager = TaskManager(include_path=include_path)
+    for name in names:
+        if name not in manager.all_tasks:
+            raise RecipeError(f"lm-eval knows no task `{name}`{did_you_mean(name, manager.all_tasks)}: name one of "
+                              "its tasks (lm-eval ls tasks), `synthetic`, a JSONL file, or a YAML task under "
+                              "--include-path.")
+    return manager
+
+
+def write_task_definitions(tasks: list[LocalTask], folder: Path, tokenizer, plain_text: bool, until: list[str],
+                           max_new_tokens: int) -> None:
+    """Each local task as lm-eval reads a task: `<name>.yaml` over `<name>.jsonl`, whose `prompt` is the text the
+    model is given, rendered here as training rendered it."""
+    import yaml
+
+    from finetune.train.trained_model import render_prompt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for task in tasks:
+        data = folder / f"{task.name}.jsonl"
+        with data.open("w", encoding="utf-8") as file:
+            for example in task.examples:
+                if plain_text and len(example["messages"]) > 1:
+                    raise RecipeError(f"{task.source}: the model learned plain text, without a chat template; a "
+                                      "prompt of several turns has no plain-text form. Give one-turn prompts.")
+                prompt = (example["messages"][-1]["content"] if plain_text else
+                          render_prompt(tokenizer, example["messages"]))
+                file.write(json.dumps({"prompt": prompt, "reference": example["reference"]}) + "\n")
+        definition = {
+            "task": task.name,
+            "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
+            "test_split": "test",
+            "output_type": "generate_until",
+            "doc_to_text": "{{prompt}}",
+            "doc_to_target": "{{reference}}",
+            "target_delimiter": "",
+            "generation_kwargs": {"until": until, "do_sample": False, "max_gen_toks": max_new_tokens},
+            "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                             "regexes_to_ignore": STRIP_WHITESPACE}],
+            "metadata": {"version": 1.0, "source": task.source},
+        }
+        (folder / f"{task.name}.yaml").write_text(yaml.safe_dump(definition, sort_keys=False))
+
+
+def stop_strings(model, tokenizer, plain_text: bool) -> list[str]:
+    """The texts of the tokens that end an answer in training, for lm-eval's `until` (generation also stops at them
+    by id: the model's generation config holds them, finetune.train.evaluation.record_stop_tokens)."""
+    from finetune.train.evaluation import stop_token_ids
+
+    ids = stop_token_ids(tokenizer, model.generation_config, chat_template=not plain_text)
+    return sorted({text for token in ids if (text := tokenizer.decode([token], skip_special_tokens=False))})
+
+
+def evaluate_run(source: str | Path, selection: TaskSelection, *, compare_base: str | None = None,
+                 max_new_tokens: int | None = None, batch_size: int = 32, limit: int | None = None,
+                 merge_lora: bool = False, base_model: str | None = None, seed: int | None = None,
+                 output: str | None = None) -> dict:
+    """Scores the model in `source` (and, with `compare_base`, the model it was trained from, given the same prompts
+    and stops) on `selection`; writes the record, the task definitions and every answer beside the model (or at
+    `output`) and returns the record."""
+    import contextlib
+    import sys
+
+    from finetune.train.trained_model import load_with_tokenizer, plain_text_format
+
+    source = Path(source)
+    plain_text = plain_text_format(str(source)) is not None
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's consolidation prints: stdout is for the results
+        model, tokenizer = load_with_tokenizer(source, merge_lora, base_model, seed)
+    max_new_tokens = answer_length(model, max_new_tokens, trained_value(source, "generation_max_new_tokens"))
+    base_name = None
+    if compare_base is not None:
+        base_name = trained_value(source, "model_name_or_path") if compare_base == RUN_BASE else compare_base
+        if not base_name:
+            raise RecipeError(f"{source} does not record the model it was trained from: name it, --compare-base "
+                              "MODEL (a directory, hub id, or tiny).")
+    path = results_file(source, output)
+    tasks_folder = path.with_suffix("")  # the local tasks as lm-eval read them, and every answer
+    record = {"model": str(source), "tasks": [task.name for task in selection.local] + selection.registered,
+              "max_new_tokens": max_new_tokens, "limit": limit}
+    try:
+        if selection.local:
+            write_task_definitions(selection.local, tasks_folder, tokenizer, plain_text,
+                                   stop_strings(model, tokenizer, plain_text), max_new_tokens)
+        scoring = dict(selection=selection, tasks_folder=tasks_folder, tokenizer=tokenizer, plain_text=plain_text,
+                       max_new_tokens=max_new_tokens, batch_size=batch_size, limit=limit)
+        record["scores"], samples = score(model, **scoring)
+        del model
+        if base_name is not None:
+            record["base_model"] = base_name
+            record["before"], _ = score(load_base(base_name, source, seed), **scoring)
+        write_answers(tasks_folder, samples)
+    except BaseException:
+        shutil.rmtree(tasks_folder, ignore_errors=True)  # no half-written evaluation left beside the model
+        raise
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    record["results_file"] = str(path)
+    return record
+
+
+def answer_length(model, asked: int | None, trained: int | None) -> int:
+    """Tokens an answer may take: asked, else the run's, else 256; the prompt must keep room in the model's context
+    (lm-eval's check), so a default is halved to fit and a value asked for that does not fit is refused."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if asked is not None and context is not None and asked >= context:
+        raise RecipeError(f"--max-new-tokens {asked} leaves no room for the prompt in the model's {context} "
+                          "positions: give fewer.")
+    length = asked or trained or DEFAULT_MAX_NEW_TOKENS
+    return min(length, context // 2) if context is not None else length
+
+
+RUN_BASE = "run"  # --compare-base without a value: the model the run started from
+
+
+def score(model, *, selection: TaskSelection, tasks_folder: Path, tokenizer, plain_text: bool, max_new_tokens: int,
+          batch_size: int, limit: int | None) -> tuple[dict, dict]:
+    """`({task: {metric: value}}, {task: [answers]})` of `model` through lm-eval's `HFLM`: the local tasks as
+    written (a rendered template writes BOS itself; plain text gets what the tokenizer adds, as in training), lm-eval's
+    own with the chat template when the run learned one."""
+    import torch
+    from datasets.exceptions import DatasetNotFoundError
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    harness = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_gen_toks=max_new_tokens)
+    runs = []
+    if selection.local:
+        runs.append(([task.name for task in selection.local],
+                     TaskManager(include_path=str(tasks_folder), include_defaults=False), False,
+                     None if plain_text else False))
+    if selection.registered:
+        runs.append((selection.registered, selection.task_manager, not plain_text, None))
+    scores, samples = {}, {}
+    for names, manager, chat_template, add_bos in runs:
+        harness.add_bos_token = add_bos
+        try:
+            result = simple_evaluate(model=harness, tasks=names, task_manager=manager,
+                                     apply_chat_template=chat_template, limit=limit, log_samples=True, random_seed=0,
+                                     numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        except (ConnectionError, OSError, DatasetNotFoundError) as error:  # the task's data cannot be read
+            raise RecipeError(f"lm-eval cannot read the data of {', '.join(names)}: {error}. Its datasets come from "
+                              "the Hugging Face hub: evaluate where it can be reached, or point a YAML task under "
+                              "--include-path at a local copy.") from None
+        for task, metrics in result["results"].items():
+            scores[task] = {name.split(",")[0]: value for name, value in metrics.items()
+                            if "," in name and "_stderr" not in name and isinstance(value, (int, float))}
+        for task, rows in result.get("samples", {}).items():
+            samples[task] = [{"doc": row.get("doc"), "target": row.get("target"),
+                              "answer": row["filtered_resps"][0] if row.get("filtered_resps") else None,
+                              **{name: row[name] for name in scores.get(task, {}) if name in row}} for row in rows]
+    return scores, samples
+
+
+def load_base(name: str, source: Path, seed: int | None):
+    """The model a run started from: `tiny` rebuilt from the run's seed, a directory or a hub id."""
+    from finetune import presets
+    from finetune.checkpoints.export import run_seed
+    from finetune.models.loading import DTYPES
+
+    if name == presets.TINY_MODEL:
+        return presets.build_model(presets.build_tokenizer(), seed=run_seed(source) if seed is None else seed)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES["auto"])
+    except OSError as error:
+        raise RecipeError(f"--compare-base {name}: cannot load it ({error}).") from None
+
+
+def write_answers(folder: Path, samples: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for task, rows in samples.items():
+        with (folder / f"{task}.answers.jsonl").open("w", encoding="utf-8") as file:
+            for row in rows:
+                file.write(json.dumps(row, default=str) + "\n")
+
+
+def trained_value(source: str | Path, key: str):
+    """A value the run recorded in its effective_config.json (`generation_max_new_tokens`, so `synthetic` scores as
+    training did; `model_name_or_path`, the model it started from); None when not recorded."""
+    from finetune import outputs
+    from finetune.train.trained_model import run_folders
+
+    for folder in run_folders(str(source)):
+        effective = outputs.read_record(folder, outputs.EFFECTIVE_CONFIG, missing=None)
+        value = effective.get("values", {}).get(key, {}).get("value") if isinstance(effective, dict) else None
+        if value is not None:
+            return value
+    return None
+
+
+def results_file(source: Path, output: str | None) -> Path:
+    """Where an evaluation's results go: `output`, else a new file under `<source>/eval_harness/` (never one
+    already there)."""
+    if output is not None:
+        return Path(output)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    folder = source / RESULTS_FOLDER
+    path, number = folder / f"results_{stamp}.json", 1
+    while path.exists():
+        number += 1
+        path = folder / f"results_{stamp}_{number}.json"
+    return path
+
+
+def print_scores(record: dict, console=None) -> None:
+    """One row a task and metric: the score, and with a base, before → after and the change."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    before = record.get("before")
+    table = Table(title=f"lm-eval: {record['model']}" + (f" against {record['base_model']}" if before else ""))
+    table.add_column("task")
+    table.add_column("metric")
+    if before is not None:
+        table.add_column("before", justify="right")
+    table.add_column("score" if before is None else "after", justify="right")
+    if before is not None:
+        table.add_column("change", justify="right")
+    for task, metrics in record["scores"].items():
+        for metric, value in metrics.items():
+            old = (before or {}).get(task, {}).get(metric)
+            row = [task, metric, *([f"{old:.4f}" if old is not None else "-"] if before is not None else []),
+                   f"{value:.4f}"]
+            if before is not None:
+                row.append(f"{value - old:+.4f}" if old is not None else "-")
+            table.add_row(*row)
+    console.print(table)
+    console.print(f"results: {record['results_file']}")

@@ -1,0 +1,170 @@
+"""`finetune eval` (lm-evaluation-harness) and `eval_harness_tasks:` at the end of training: the synthetic tasks scored
+through lm-eval agree with the toolkit's own exact match, a user's JSONL and a user's lm-eval YAML task run offline, a
+LoRA run and ZeRO-3 shards are scored without an export by hand, and bad input stops in one line."""
+
+import json
+import shutil
+
+import pytest
+
+from finetune.cli import main
+from finetune.presets import synthetic_data_dir
+
+SYNTHETIC = ["synthetic_add", "synthetic_reverse", "synthetic_sort"]
+
+
+def synthetic_rows(task: str, count: int) -> list[dict]:
+    rows = [json.loads(line) for line in (synthetic_data_dir() / "eval.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["task"] == task][:count]
+
+
+def user_conversations() -> list[dict]:
+    """Reverse prompts as a user writes them (`messages`), every other one after an earlier exchange: the history is
+    rendered by the chat template as training renders it."""
+    rows = []
+    for index, row in enumerate(synthetic_rows("reverse", 40)):
+        turns = [{"role": "user", "content": f"reverse\n\n{row['input']}"},
+                 {"role": "assistant", "content": row["output"]}]
+        if index % 2:
+            turns = [{"role": "user", "content": "sort\n\nbca"}, {"role": "assistant", "content": "abc"}, *turns]
+        rows.append({"messages": turns})
+    return rows
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def lm_eval_yaml_task(folder) -> str:
+    """A task of the user's own, as lm-eval writes one: lm-eval applies the chat template itself."""
+    rows = [{"question": f"reverse\n\n{row['input']}", "answer": row["output"]}
+            for row in synthetic_rows("reverse", 40)]
+    data = write_jsonl(folder / "rows.jsonl", rows)
+    (folder / "my_reverse.yaml").write_text(
+        "task: my_reverse\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: generate_until\n"
+        "doc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['<|end|>']\n  do_sample: false\n  max_gen_toks: 8\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+        "metadata:\n  version: 1.0\n")
+    return str(folder)
+
+
+def test_synthetic_tasks_score_through_lm_eval_as_the_run_scored_them(trained_demo, tmp_path, capsys):
+    """One load of the demo model: the embedded tasks (lm-eval's exact_match equals the run's own, per task, on the
+    same 300 prompts), a user's JSONL of conversations (equal to the toolkit's exact match on the same rows), a user's
+    lm-eval YAML task (lm-eval renders the template: the same score as ours on the same prompts), and the base."""
+    from finetune.train.evaluation import exact_match
+    from finetune.train.trained_model import load_with_tokenizer
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    mine = write_jsonl(tmp_path / "my_conversations.jsonl", user_conversations())
+    results = tmp_path / "results.json"
+    assert main(["eval", str(trained_demo), "--tasks", "synthetic", mine, "my_reverse", "--include-path",
+                 lm_eval_yaml_task(tasks), "--compare-base", "--output", str(results)]) == 0
+    shown = capsys.readouterr().out
+    record = json.loads(results.read_text())
+
+    trained = json.loads((trained_demo / "eval_results.json").read_text())["after"]["exact_match"]
+    assert {name: record["scores"][name]["exact_match"] for name in SYNTHETIC} == \
+        {f"synthetic_{task}": value for task, value in trained.items()}  # e.g. add 0.12, reverse 0.98, sort 0.82
+    assert record["max_new_tokens"] == 8  # the run's generation_max_new_tokens, from its effective config
+    assert record["base_model"] == "tiny" and all(record["before"][name]["exact_match"] == 0 for name in SYNTHETIC)
+    assert "synthetic_reverse" in shown and "+0.9" in shown  # before → after, with the change
+
+    model, tokenizer = load_with_tokenizer(trained_demo)
+    examples = [{"prompt": row["messages"][:-1], "reference": row["messages"][-1]["content"], "task": "mine"}
+                for row in user_conversations()]
+    ours = exact_match(model, tokenizer, examples, max_new_tokens=8)["per_task"]["mine"]
+    assert record["scores"]["my_conversations"]["exact_match"] == pytest.approx(ours)
+    assert ours >= 0.45  # measured 0.5: the single-turn prompts answered, those after an earlier exchange mostly not
+    by_lm_eval = [row["answer"] for row in answers(results, "my_reverse")]  # lm-eval rendered the template
+    assert by_lm_eval == [row["answer"] for row in answers(results, "synthetic_reverse")[:40]]
+
+    rendered = [row["doc"]["prompt"] for row in answers(results, "my_conversations")]
+    assert sum("sort\n\nbca" in prompt for prompt in rendered) == 20  # the earlier turns went in
+    assert rendered[0] == tokenizer.apply_chat_template(examples[0]["prompt"], tokenize=False,
+                                                        add_generation_prompt=True)
+
+
+def answers(results, task: str) -> list[dict]:
+    """lm-eval's answers kept beside the results, in the order of the task's rows."""
+    rows = [json.loads(line) for line in (results.with_suffix("") / f"{task}.answers.jsonl").read_text().splitlines()]
+    return rows
+
+
+@pytest.mark.distributed
+def test_a_lora_run_and_zero3_shards_score_without_an_export_by_hand(lora_runs, deepspeed_runs, tmp_path, capsys):
+    """The shards of a ZeRO-3 checkpoint give the answers the weights DeepSpeed gathered at the same step give; a
+    LoRA run (adapter on the `tiny` base rebuilt from the run's seed) gives its merged export's answers, and its
+    results go beside it, one new file an evaluation."""
+    output_dir = deepspeed_runs["zero3"]["output_dir"]
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(output_dir / "checkpoint-3", checkpoint)
+    (checkpoint / "model.safetensors").unlink()  # leave only the ZeRO shards
+    scored = {}
+    for name, source in (("shards", checkpoint), ("gathered", output_dir / "checkpoint-3")):
+        results = tmp_path / f"{name}.json"
+        assert main(["eval", str(source), "--tasks", "synthetic_sort", "--limit", "20", "--max-new-tokens", "8",
+                     "--output", str(results)]) == 0
+        scored[name] = [row["answer"] for row in answers(results, "synthetic_sort")]
+    assert scored["shards"] == scored["gathered"] and len(scored["shards"]) == 20
+
+    lora = tmp_path / "lora"
+    shutil.copytree(lora_runs["zero3"], lora)
+    assert main(["export", str(lora), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    for _ in range(2):
+        assert main(["eval", str(lora), "--tasks", "synthetic_reverse", "--limit", "20"]) == 0
+    kept = sorted((lora / "eval_harness").glob("results_*.json"))
+    assert len(kept) == 2  # the second evaluation did not overwrite the first
+    merged_results = tmp_path / "merged.json"
+    assert main(["eval", str(tmp_path / "merged"), "--tasks", "synthetic_reverse", "--limit", "20", "--output",
+                 str(merged_results)]) == 0
+    lora_answers = [row["answer"] for row in answers(kept[0], "synthetic_reverse")]
+    assert lora_answers == [row["answer"] for row in answers(merged_results, "synthetic_reverse")]
+    assert json.loads(kept[0].read_text())["scores"]["synthetic_reverse"]["exact_match"] > 0.3  # LoRA learned
+
+
+@pytest.mark.distributed
+def test_eval_harness_tasks_score_the_final_model_when_training_ends(deepspeed_runs):
+    """`--eval_harness_tasks synthetic_add` on the self-launched 2-process ZeRO-3 run (tests/conftest.py): rank 0
+    alone scores the saved model once training ended, and keeps the results beside it."""
+    run = deepspeed_runs["zero3"]
+    kept = list((run["output_dir"] / "eval_harness").glob("results_*.json"))
+    assert len(kept) == 1
+    record = json.loads(kept[0].read_text())
+    assert record["model"] == str(run["output_dir"]) and set(record["scores"]) == {"synthetic_add"}
+    assert 0 <= record["scores"]["synthetic_add"]["exact_match"] <= 1
+    assert len(answers(kept[0], "synthetic_add")) == 100
+    assert run["output"].count("lm-eval: ") == 1  # one table: rank 0's
+
+
+def test_eval_help_and_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--help"])
+    assert exit_info.value.code == 0 and "--compare-base" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": \n')
+    text_only = write_jsonl(tmp_path / "notes.jsonl", [{"text": "no answer here"}])
+    no_answer = write_jsonl(tmp_path / "open.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    cases = {
+        str(bad): f"{bad}:2: Expecting value",
+        text_only: "a `text` row has no answer to score",
+        no_answer: "has no assistant answer in text to score against",
+        str(tmp_path / "missing.jsonl"): "does not exist",
+    }
+    for task, message in cases.items():
+        assert main(["eval", str(tmp_path), "--tasks", task]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--tasks", "my_revrse", "--include-path", lm_eval_yaml_task(tmp_path)]) == 2
+    assert "lm-eval knows no task `my_revrse` (did you mean `my_reverse`?)" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--tasks", "synthetic", "--limit", "0"]) == 2
+    assert "--limit 0: give 1 or more" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--tasks", "synthetic", "--include-path", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), "--tasks", "synthetic"]) == 2  # no model there
+    assert "holds no model" in capsys.readouterr().err
+    assert not (tmp_path / "eval_harness").exists()
