@@ -175,8 +175,8 @@ class DataArguments:
     )
     eval_harness_tasks: list[str] | None = field(
         default=None,
-        metadata={"help": "Score the final model with lm-evaluation-harness when training ends, as `finetune eval "
-                          "<output_dir> --tasks ...` does: lm-eval task names, `synthetic`, or JSONL files of yours "
+        metadata={"help": "Score the final model with lm-evaluation-harness when training ends, as the eval command's "
+                          "--tasks does: lm-eval task names, `synthetic`, or JSONL files of yours "
                           "(results under <output_dir>/eval_harness/; needs the `eval` extra)."},
     )
     preprocessed_dir: str | None = field(
