@@ -317,6 +317,33 @@ class MethodArguments:
     )
 
 
+# The trackers' packages, where their names differ from the integration's or are worth naming in the install hint.
+TRACKER_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow", "tensorboard": "tensorboard", "comet_ml": "comet_ml",
+                    "clearml": "clearml", "neptune": "neptune", "dvclive": "dvclive", "swanlab": "swanlab",
+                    "trackio": "trackio", "codecarbon": "codecarbon"}
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Each tracker `report_to` names is one Trainer has and is installed, said while the recipe is read (Trainer
+    would stop with a traceback once the model is loaded)."""
+    import importlib.util
+
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    from finetune.errors import did_you_mean
+
+    known = list(INTEGRATION_TO_CALLBACK)
+    for name in report_to:
+        if name not in known:
+            raise RecipeError(f"`report_to: {name}` is not a tracker Trainer knows{did_you_mean(name, known)}: one or "
+                              f"more of {', '.join(known)}, or all, or none.")
+        package = TRACKER_PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            extra = " (pip install 'finetune-kit[tracking]')" if name in ("wandb", "mlflow") else ""
+            raise RecipeError(f"`report_to: {name}` needs the {package} package, which is not installed: pip install "
+                              f"{package}{extra}, or leave {name} out of report_to.")
+
+
 @dataclass
 class FinetuneTrainingArguments(TrainingArguments):
     """Hugging Face `TrainingArguments`, with defaults suited to fine-tuning and the demo's before/after report."""
@@ -466,6 +493,13 @@ class FinetuneTrainingArguments(TrainingArguments):
                           "auto`. Off: SIGTERM stops the run and the newest complete checkpoint stays as it was. "
                           "Default: on under SLURM (SLURM_JOB_ID set), off otherwise."},
     )
+
+    def __post_init__(self):
+        if isinstance(self.report_to, (list, tuple)):  # `--report_to wandb,mlflow` is one word: two trackers
+            self.report_to = [name.strip() for entry in self.report_to for name in str(entry).split(",")
+                              if name.strip()]
+        super().__post_init__()
+        check_trackers(self.report_to)
 
     @cached_property
     def _setup_devices(self):

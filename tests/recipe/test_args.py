@@ -83,3 +83,21 @@ def test_evaluation_before_training_is_trainers_default_off_and_the_demo_asks_fo
     recipe.write_text("model_name_or_path: tiny\nmax_steps: 5\n")
     assert parse_recipe(recipe, []).training.eval_on_start is False
     assert parse_recipe(PROJECT_ROOT / "recipes" / "demo.yaml", []).training.eval_on_start is True
+
+
+def test_report_to_takes_several_trackers_and_names_one_it_cannot_use(tmp_path, monkeypatch):
+    def report_to(*words):
+        return parse_recipe("recipes/demo.yaml", ["--report_to", *words, "--output_dir", str(tmp_path)]).training \
+            .report_to
+
+    assert report_to("wandb", "mlflow") == report_to("wandb,mlflow") == ["wandb", "mlflow"]
+    assert report_to("none") == []
+    with pytest.raises(RecipeError, match=r"`report_to: mlflw` is not a tracker Trainer knows \(did you mean `mlflow`"):
+        report_to("wandb,mlflw")
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "wandb" else
+                        find_spec(name, *rest))
+    with pytest.raises(RecipeError, match=r"needs the wandb package, which is not installed: pip install wandb"):
+        report_to("wandb")
