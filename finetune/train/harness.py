@@ -117,11 +117,15 @@ def jsonl_task(path: Path) -> LocalTask:
         where = f"{path}:{number}"
         if dataset_format == "text":
             raise RecipeError(f"{where}: a `text` row has no answer to score; give prompt/completion or conversations.")
-        if dataset_format == "prompt_completion":
-            examples.append({"messages": [{"role": "user", "content": row["prompt"]}],
-                             "reference": str(row["completion"])})
-        else:
-            examples.append(prompt_and_reference(to_messages(row, dataset_format), where))
+        try:
+            if dataset_format == "prompt_completion":
+                examples.append({"messages": [{"role": "user", "content": str(row["prompt"])}],
+                                 "reference": str(row["completion"])})
+            else:
+                examples.append(prompt_and_reference(to_messages(row, dataset_format), where))
+        except (KeyError, TypeError, AttributeError) as error:  # a row of another shape than the first
+            raise RecipeError(f"{where}: not a {dataset_format} row like the first ({type(error).__name__}: "
+                              f"{error}); give every row the same columns.") from None
     name = re.sub(r"\W+", "_", path.stem).strip("_") or "task"
     return LocalTask(name, str(path), examples)
 

@@ -150,10 +150,12 @@ def test_eval_help_and_errors(tmp_path, capsys):
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": \n')
     text_only = write_jsonl(tmp_path / "notes.jsonl", [{"text": "no answer here"}])
     no_answer = write_jsonl(tmp_path / "open.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a", "completion": "b"}, {"question": "c"}])
     cases = {
         str(bad): f"{bad}:2: Expecting value",
         text_only: "a `text` row has no answer to score",
         no_answer: "has no assistant answer in text to score against",
+        mixed: "mixed.jsonl:2: not a prompt_completion row like the first (KeyError",
         str(tmp_path / "missing.jsonl"): "does not exist",
     }
     for task, message in cases.items():
