@@ -21,6 +21,7 @@ from datasets import Dataset, concatenate_datasets
 from trl.data_utils import is_conversational, maybe_extract_prompt, unpair_preference_dataset
 
 from finetune.data.formats import openai_message, sharegpt_message
+from finetune.data.tokenize import column
 from finetune.errors import RecipeError
 
 PAIR_FORMATS = {
@@ -252,7 +253,7 @@ def load_preference_data(data_args, seed: int, unpaired: bool = False) -> Prefer
             record[split] = {"rows": len(dataset), unit: len(pairs), "truncated_rows": 0,
                              "dropped": dropped | {"overlong": 0, "no_answer_tokens": 0}}
             if unpaired:
-                record[split]["desirable"] = sum(pairs["label"])
+                record[split]["desirable"] = int(column(pairs, "label").sum())
             (trains if split == "train" else evals).append(pairs)
         sources.append(record)
     train = raw.mixed(trains, seed)

@@ -13,7 +13,7 @@ from finetune.data.cache import cache_dir, load_preprocessed
 from finetune.data.collate import pack_prepared, prepare_model_for_packing
 from finetune.data.loading import load_raw_data
 from finetune.data.summary import fingerprint
-from finetune.data.tokenize import PreparedData, prepare_datasets
+from finetune.data.tokenize import PreparedData, prepare_datasets, token_counts
 
 
 def prepare_data(recipe, tokenizer, model) -> PreparedData:
@@ -93,4 +93,4 @@ def example_lengths(sections) -> tuple[tuple[int, ...], dict]:
     data = prepare_datasets(raw, tokenizer, sections.data, _OneProcess(seed))
     if sections.data.packing:
         data = pack_prepared(data, sections.data.max_seq_length, sections.data.packing_strategy)
-    return tuple(len(ids) for ids in data.train["input_ids"]), data.summary
+    return tuple(int(length) for length in token_counts(data.train)), data.summary
