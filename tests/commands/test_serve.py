@@ -12,6 +12,7 @@ import pytest
 from support import PROJECT_ROOT, finetune_command, free_port
 
 from finetune.cli import main
+from finetune.commands.serve import server_command
 from finetune.train.evaluation import stop_token_ids
 from finetune.train.trained_model import load_with_tokenizer
 
@@ -90,3 +91,15 @@ def test_serve_help_and_errors(tmp_path, capsys):
     assert main(["serve", str(tmp_path)]) == 2  # no model there
     assert "holds no model" in capsys.readouterr().err
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+
+
+def test_vllm_is_given_the_served_folder_under_the_clients_name():
+    """Where vLLM and CUDA are installed (`--engine auto` picks it there), the same folder goes to `vllm serve`, its
+    stops read from the generation config; not run here (no vLLM on CPU): its command line is held to vLLM's
+    flags."""
+    assert server_command("vllm", "demo/reverse", "127.0.0.1", 8000) == [
+        "vllm", "serve", "demo/reverse", "--served-model-name", "demo/reverse", "--host", "127.0.0.1", "--port",
+        "8000", "--generation-config", "auto"]
+    assert server_command("transformers", "demo", "127.0.0.1", 8000)[1:] == [
+        "serve", "demo", "--host", "127.0.0.1", "--port", "8000"]
+
