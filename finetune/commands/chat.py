@@ -19,6 +19,8 @@ COMMANDS_HELP = "/reset clears the conversation, /exit or Ctrl-D ends it; end a 
 
 
 def chat_command_parser(subparsers) -> None:
+    from finetune.commands.model_source import add_model_source_arguments
+
     parser = subparsers.add_parser(
         "chat", help="talk to a trained model: one prompt, or a conversation on stdin",
         description="Load a run's output_dir or one of its checkpoint-N folders (full weights, DeepSpeed ZeRO or FSDP "
@@ -26,19 +28,15 @@ def chat_command_parser(subparsers) -> None:
         f"--temperature or --top-p asks to sample (a run trained on prompt/completion or text data gets its prompts as "
         f"plain text, each on its own). Without --prompt, turns are read from stdin: {COMMANDS_HELP}.",
     )
-    parser.add_argument("checkpoint", help="a run's output_dir or one of its checkpoint-N folders")
+    add_model_source_arguments(parser, merge_lora_help="merge the LoRA adapter into its base before generating "
+                               "(default: generate through peft)", seed_help="seed that built the `tiny` base "
+                               "(default: the one the run recorded), and of sampling (default 0)")
     parser.add_argument("--prompt", help="answer this one user turn and exit (default: read turns from stdin)")
     parser.add_argument("--system", help="a system turn that opens the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
     parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy decoding)")
     parser.add_argument("--top-p", type=float, help="sample from the most likely tokens holding this probability "
                         "(nucleus sampling; default: greedy decoding)")
-    parser.add_argument("--merge-lora", action="store_true",
-                        help="merge the LoRA adapter into its base before generating (default: generate through peft)")
-    parser.add_argument("--base-model", help="the adapter's base model (default: the one the adapter names)")
-    parser.add_argument("--seed", type=int,
-                        help="seed that built the `tiny` base (default: the one the run recorded), and of sampling "
-                        "(default 0)")
     parser.add_argument("--show-prompt", action="store_true",
                         help="print each prompt to stderr as the model gets it: rendered by the chat template, history "
                         "included, or plain text for a run trained on prompt/completion or text data")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 
 def eval_command_parser(subparsers) -> None:
+    from finetune.commands.model_source import add_model_source_arguments
     from finetune.train.harness import RUN_BASE, SYNTHETIC
 
     parser = subparsers.add_parser(
@@ -17,7 +18,7 @@ def eval_command_parser(subparsers) -> None:
         "last assistant turn, or the completion, is the answer to match). Prompts are rendered with the chat template "
         "training used and answers stop where training taught them to.",
     )
-    parser.add_argument("checkpoint", help="a run's output_dir or one of its checkpoint-N folders")
+    add_model_source_arguments(parser, merge_lora_help="merge the LoRA adapter into its base first")
     parser.add_argument("--tasks", nargs="+", required=True,
                         help=f"lm-eval task names, `{SYNTHETIC}` (or synthetic_add, synthetic_reverse, "
                         "synthetic_sort), or JSONL files")
@@ -30,9 +31,6 @@ def eval_command_parser(subparsers) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="prompts a forward (default 32)")
     parser.add_argument("--limit", type=int, help="score the first N examples of each task only")
     parser.add_argument("--output", help="the results file (default: <checkpoint>/eval_harness/results_<time>.json)")
-    parser.add_argument("--merge-lora", action="store_true", help="merge the LoRA adapter into its base first")
-    parser.add_argument("--base-model", help="the adapter's base model (default: the one the adapter names)")
-    parser.add_argument("--seed", type=int, help="seed that built the `tiny` base (default: the run's)")
     parser.set_defaults(func=eval_command)
 
 

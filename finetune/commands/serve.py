@@ -23,6 +23,8 @@ ENGINES = ("auto", "transformers", "vllm")
 
 
 def serve_command_parser(subparsers) -> None:
+    from finetune.commands.model_source import add_model_source_arguments
+
     parser = subparsers.add_parser(
         "serve", help="serve a trained model behind an OpenAI-compatible API (transformers serve, or vLLM)",
         description="Write the model of a run's output_dir or checkpoint-N folder (full weights, ZeRO or FSDP shards, "
@@ -31,7 +33,7 @@ def serve_command_parser(subparsers) -> None:
         "and CUDA are installed): /v1/chat/completions, streaming or not, under --model-name. Loopback only unless "
         "--host says otherwise; Ctrl-C stops it.",
     )
-    parser.add_argument("checkpoint", help="a run's output_dir or one of its checkpoint-N folders")
+    add_model_source_arguments(parser)
     parser.add_argument("--host", default=LOOPBACK, help=f"address to listen on (default {LOOPBACK}: this machine "
                         "only; the API has no authentication)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -40,8 +42,6 @@ def serve_command_parser(subparsers) -> None:
                         help="auto: vLLM where it and CUDA are installed, else transformers serve")
     parser.add_argument("--export-dir", help="write the served model folder here and keep it (default: a temporary "
                         "folder, removed when the server stops)")
-    parser.add_argument("--base-model", help="the adapter's base model (default: the one the adapter names)")
-    parser.add_argument("--seed", type=int, help="seed that built the `tiny` base (default: the run's)")
     parser.set_defaults(func=serve_command)
 
 
