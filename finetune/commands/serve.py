@@ -54,6 +54,19 @@ def check_name(name: str) -> str:
     return name
 
 
+def check_port_free(host: str, port: int) -> None:
+    import socket
+
+    from finetune.errors import RecipeError
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, port))
+    except OSError as error:
+        raise RecipeError(f"cannot listen on {host}:{port} ({error.strerror or error}): give another --port, or "
+                          "stop what holds it.") from None
+
+
 def pick_engine(engine: str) -> str:
     """vLLM when asked, or under `auto` where it is installed and CUDA is there; else transformers serve."""
     import importlib.util
@@ -112,6 +125,7 @@ def serve_command(args) -> int:
     name = check_name(args.model_name or source.resolve().name)
     if not 0 < args.port < 65536:
         raise RecipeError(f"--port {args.port}: give a port between 1 and 65535.")
+    check_port_free(args.host, args.port)  # before the model is written: a taken port would end the server only then
     engine = pick_engine(args.engine)
     if args.export_dir is not None and Path(args.export_dir).exists() and any(Path(args.export_dir).iterdir()):
         raise RecipeError(f"--export-dir {args.export_dir} is not empty: give a new or empty folder.")

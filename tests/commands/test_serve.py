@@ -4,6 +4,7 @@ the model folder it wrote; bad input stops before anything is written."""
 
 import json
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -79,16 +80,21 @@ def test_serve_help_and_errors(tmp_path, capsys):
     cases = {
         ("--model-name", "my:model"): "--model-name 'my:model'",
         ("--port", "70000"): "--port 70000: give a port between 1 and 65535",
-        ("--engine", "vllm"): "--engine vllm needs vLLM and a CUDA GPU",
+        ("--engine", "vllm", "--port", str(free_port())): "--engine vllm needs vLLM and a CUDA GPU",
     }
     for extra, message in cases.items():
         assert main(["serve", str(tmp_path), *extra]) == 2
         assert message in capsys.readouterr().err
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
-    assert main(["serve", str(tmp_path), "--export-dir", str(tmp_path / "taken")]) == 2
+    assert main(["serve", str(tmp_path), "--export-dir", str(tmp_path / "taken"), "--port", str(free_port())]) == 2
     assert "is not empty" in capsys.readouterr().err
-    assert main(["serve", str(tmp_path)]) == 2  # no model there
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        assert main(["serve", str(tmp_path), "--port", str(holder.getsockname()[1])]) == 2
+    assert "give another --port" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--port", str(free_port())]) == 2  # no model there
     assert "holds no model" in capsys.readouterr().err
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
 
