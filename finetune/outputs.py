@@ -54,6 +54,17 @@ def write_text(output_dir, name: str, text: str) -> Path:
     return path
 
 
+def recorded_value(folders, key: str) -> Any:
+    """The value of `key` the first of `folders` records in its effective_config.json (`seed`, `model_name_or_path`,
+    ...); None when none records it."""
+    for folder in folders:
+        effective = read_record(folder, EFFECTIVE_CONFIG, missing=None)
+        value = effective.get("values", {}).get(key, {}).get("value") if isinstance(effective, dict) else None
+        if value is not None:
+            return value
+    return None
+
+
 def read_record(output_dir, name: str, missing: Any = ...) -> Any:
     """The record `output_dir/name`; `missing` when the file is absent (a RecipeError if not given), a RecipeError
     when it is not valid JSON."""

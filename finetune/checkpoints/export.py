@@ -75,12 +75,9 @@ def _zero_shards(directory: Path) -> bool:
 def run_seed(source: Path) -> int:
     """The seed the run of `source` trained with, which built its `tiny` base: from the run's effective_config.json
     (the checkpoint's run's), else from the recipe its completion marker records."""
-    folders = [source, source.parent] if CHECKPOINT_NAME.match(source.name) else [source]
-    for folder in folders:
-        effective = outputs.read_record(folder, outputs.EFFECTIVE_CONFIG, missing=None)
-        seed = effective.get("values", {}).get("seed", {}).get("value") if isinstance(effective, dict) else None
-        if isinstance(seed, int):
-            return seed
+    seed = outputs.recorded_value([source, source.parent] if CHECKPOINT_NAME.match(source.name) else [source], "seed")
+    if isinstance(seed, int):
+        return seed
     recorded = read_marker(source).get("recipe", {}).get("seed")
     if isinstance(recorded, str) and recorded.lstrip("-").isdigit():
         return int(recorded)

@@ -92,7 +92,7 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
     chat template, stops in the generation config. True when the run learned plain text (no template to chat in)."""
     import contextlib
 
-    from finetune.train.evaluation import stop_token_ids
+    from finetune.train.evaluation import record_stop_tokens
     from finetune.train.trained_model import load_with_tokenizer, plain_text_format
 
     plain_text = plain_text_format(source) is not None
@@ -100,8 +100,7 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
         model, tokenizer = load_with_tokenizer(source, base_model=base_model, seed=seed)
     if hasattr(model, "peft_config"):  # a LoRA run: the servers read plain weights
         model = model.merge_and_unload()
-    ids = stop_token_ids(tokenizer, model.generation_config, chat_template=not plain_text)
-    model.generation_config.eos_token_id = ids[0] if len(ids) == 1 else ids
+    record_stop_tokens(model, tokenizer, plain_text)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)

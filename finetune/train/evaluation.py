@@ -18,7 +18,6 @@ from rich.table import Table
 from transformers import TrainerCallback
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-from finetune.data.summary import trained_as_plain_text
 from finetune.data.tokenize import turn_end_ids
 from finetune.launch.strategies import loaded_sharded
 
@@ -38,14 +37,14 @@ def stop_token_ids(tokenizer, generation_config, chat_template: bool = True) -> 
     return sorted(ids)
 
 
-def record_stop_tokens(model, tokenizer, data_summary: dict) -> None:
+def record_stop_tokens(model, tokenizer, plain_text: bool) -> None:
     """Puts every token that ends an answer (`stop_token_ids`) into the model's generation config, which every saved
     checkpoint and the final model carry: `generate` elsewhere (a pipeline, `transformers serve`, an exported model)
     then stops where training taught the model to, not only at a base model's EOS."""
     generation_config = getattr(model, "generation_config", None)
     if generation_config is None:
         return
-    ids = stop_token_ids(tokenizer, generation_config, chat_template=not trained_as_plain_text(data_summary))
+    ids = stop_token_ids(tokenizer, generation_config, chat_template=not plain_text)
     generation_config.eos_token_id = ids[0] if len(ids) == 1 else ids
 
 

@@ -333,12 +333,7 @@ def trained_value(source: str | Path, key: str):
     from finetune import outputs
     from finetune.train.trained_model import run_folders
 
-    for folder in run_folders(str(source)):
-        effective = outputs.read_record(folder, outputs.EFFECTIVE_CONFIG, missing=None)
-        value = effective.get("values", {}).get(key, {}).get("value") if isinstance(effective, dict) else None
-        if value is not None:
-            return value
-    return None
+    return outputs.recorded_value(run_folders(str(source)), key)
 
 
 def results_file(source: Path, output: str | None) -> Path:

@@ -28,7 +28,7 @@ from finetune.checkpoints.preemption import PreemptionCallback, save_on_preempti
 from finetune.checkpoints.run_lock import output_dir_lock
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data.collate import attention_implementation
-from finetune.data.summary import dropped_rows, write_data_summary
+from finetune.data.summary import dropped_rows, trained_as_plain_text, write_data_summary
 from finetune.errors import RecipeError
 from finetune.launch.parallelism import prepare_sequence_parallelism
 from finetune.launch.self_launch import launch_plan
@@ -69,7 +69,8 @@ def train(recipe: Recipe) -> dict:
         materialize_empty_parameters(model)  # shapes only (FSDP2, ranks ≠ 0): Accelerate fills them from rank 0
         loading.stop()
         data = method.prepare_data(recipe, tokenizer, model)
-        record_stop_tokens(model, tokenizer, data.summary)  # saved with the model: generate() elsewhere stops there too
+        # saved with the model: generate() elsewhere stops there too
+        record_stop_tokens(model, tokenizer, trained_as_plain_text(data.summary))
         check_eval_split(args, data.eval is not None)  # before Trainer, which would raise a ValueError of its own
         resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"])  # may stop: nothing written yet
         if recipe.strategy.kind == "pipeline":  # the toolkit's own loop: Trainer cannot drive a pipeline
