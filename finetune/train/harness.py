@@ -13,13 +13,18 @@ training rendered it (`finetune.train.trained_model.render_prompt`: the chat tem
 and earlier turns included, or plain text for a run that learned plain text), generated greedily up to the tokens that
 end an answer in training (`finetune.train.evaluation.stop_token_ids`), and scored by lm-eval's `exact_match` with
 surrounding whitespace ignored: what the toolkit's own exact match (`finetune.train.evaluation.exact_match`) scores.
+
+What an evaluation writes: one new results file and, beside it, a folder of the same name that it creates (or finds
+empty) for the task definitions and answers; never over a file, into a folder holding others' files, or into the run
+outside its eval_harness/. A failed evaluation removes what it wrote and nothing else. lm-eval's own task files are
+code: their Jinja fields are rendered in Jinja's sandbox here, their `!function`s import Python (`lm_eval_guarded`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,17 +160,57 @@ def task_manager(names: list[str], include_path: str | None):
     return manager
 
 
+def code_in_task_files(include_path: str | None) -> str | None:
+    """A one-line notice when the user's lm-eval task files run Python of their own (`!function`, which lm-eval imports
+    from a .py file or module when it builds the task): a task file is code, like a script. Their Jinja fields need no
+    notice: they are rendered in Jinja's sandbox (`lm_eval_guarded`)."""
+    if include_path is None:
+        return None
+    root = Path(include_path)
+    files = [root] if root.is_file() else sorted(root.glob("**/*.yaml"))  # what lm-eval's index reads
+    running = [str(file) for file in files if re.search(r"!function\b", file.read_text(encoding="utf-8",
+                                                                                       errors="replace"))]
+    if not running:
+        return None
+    return (f"note: --include-path {include_path}: {', '.join(running[:3])}{' ...' if len(running) > 3 else ''} "
+            f"run{'s' if len(running) == 1 else ''} Python (`!function`): a task file is code, like a script; use only "
+            "task files you trust.")
+
+
+class Written:
+    """The files and folders an evaluation wrote, so that a failed one removes those and nothing else."""
+
+    def __init__(self):
+        self.files: list[Path] = []
+        self.folders: list[Path] = []  # created here, outermost first
+
+    def file(self, path: Path) -> Path:
+        """`path` to write, in its folder (created when missing); a file already there is refused, not replaced."""
+        missing = [folder for folder in (path.parent, *path.parent.parents) if not folder.exists()]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.folders += reversed(missing)
+        path.touch(exist_ok=False)
+        self.files.append(path)
+        return path
+
+    def remove(self) -> None:
+        for path in self.files:
+            path.unlink(missing_ok=True)
+        for folder in reversed(self.folders):
+            with contextlib.suppress(OSError):  # a folder that holds anything else is not emptied
+                folder.rmdir()
+
+
 def write_task_definitions(tasks: list[LocalTask], folder: Path, tokenizer, plain_text: bool, until: list[str],
-                           max_new_tokens: int) -> None:
+                           max_new_tokens: int, written: Written) -> None:
     """Each local task as lm-eval reads a task: `<name>.yaml` over `<name>.jsonl`, whose `prompt` is the text the
     model is given, rendered here as training rendered it."""
     import yaml
 
     from finetune.train.trained_model import render_prompt
 
-    folder.mkdir(parents=True, exist_ok=True)
     for task in tasks:
-        data = folder / f"{task.name}.jsonl"
+        data = written.file(folder / f"{task.name}.jsonl")
         with data.open("w", encoding="utf-8") as file:
             for example in task.examples:
                 if plain_text and len(example["messages"]) > 1:
@@ -188,7 +233,7 @@ def write_task_definitions(tasks: list[LocalTask], folder: Path, tokenizer, plai
                              "regexes_to_ignore": STRIP_WHITESPACE}],
             "metadata": {"version": 1.0, "source": task.source},
         }
-        (folder / f"{task.name}.yaml").write_text(yaml.safe_dump(definition, sort_keys=False))
+        written.file(folder / f"{task.name}.yaml").write_text(yaml.safe_dump(definition, sort_keys=False))
 
 
 def stop_strings(model, tokenizer, plain_text: bool) -> list[str]:
@@ -206,13 +251,14 @@ def evaluate_run(source: str | Path, selection: TaskSelection, *, compare_base: 
                  output: str | None = None) -> dict:
     """Scores the model in `source` (and, with `compare_base`, the model it was trained from, given the same prompts
     and stops) on `selection`; writes the record, the task definitions and every answer beside the model (or at
-    `output`) and returns the record."""
-    import contextlib
+    `output`, checked before the model is loaded: `results_file`) and returns the record."""
     import sys
 
     from finetune.train.trained_model import load_with_tokenizer, plain_text_format
 
     source = Path(source)
+    path = results_file(source, output)
+    tasks_folder = answers_folder(path)  # the local tasks as lm-eval read them, and every answer
     plain_text = plain_text_format(str(source)) is not None
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's consolidation prints: stdout is for the results
         model, tokenizer = load_with_tokenizer(source, merge_lora, base_model, seed)
@@ -223,14 +269,13 @@ def evaluate_run(source: str | Path, selection: TaskSelection, *, compare_base: 
         if not base_name:
             raise RecipeError(f"{source} does not record the model it was trained from: name it, --compare-base "
                               "MODEL (a directory, hub id, or tiny).")
-    path = results_file(source, output)
-    tasks_folder = path.with_suffix("")  # the local tasks as lm-eval read them, and every answer
     record = {"model": str(source), "tasks": [task.name for task in selection.local] + selection.registered,
               "max_new_tokens": max_new_tokens, "limit": limit}
+    written = Written()
     try:
         if selection.local:
             write_task_definitions(selection.local, tasks_folder, tokenizer, plain_text,
-                                   stop_strings(model, tokenizer, plain_text), max_new_tokens)
+                                   stop_strings(model, tokenizer, plain_text), max_new_tokens, written)
         scoring = dict(selection=selection, tasks_folder=tasks_folder, tokenizer=tokenizer, plain_text=plain_text,
                        max_new_tokens=max_new_tokens, batch_size=batch_size, limit=limit)
         record["scores"], samples = score(model, **scoring)
@@ -238,12 +283,11 @@ def evaluate_run(source: str | Path, selection: TaskSelection, *, compare_base: 
         if base_name is not None:
             record["base_model"] = base_name
             record["before"], _ = score(load_base(base_name, source, seed), **scoring)
-        write_answers(tasks_folder, samples)
-    except BaseException:
-        shutil.rmtree(tasks_folder, ignore_errors=True)  # no half-written evaluation left beside the model
+        write_answers(tasks_folder, samples, written)
+        written.file(path).write_text(json.dumps(record, indent=2) + "\n")
+    except BaseException:  # an error or Ctrl-C: no half-written evaluation left, and nothing else touched
+        written.remove()
         raise
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
     record["results_file"] = str(path)
     return record
 
@@ -269,6 +313,7 @@ def score(model, *, selection: TaskSelection, tasks_folder: Path, tokenizer, pla
     own with the chat template when the run learned one."""
     import torch
     from datasets.exceptions import DatasetNotFoundError
+    from jinja2.exceptions import SecurityError
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -286,9 +331,15 @@ def score(model, *, selection: TaskSelection, tasks_folder: Path, tokenizer, pla
     for names, manager, chat_template, add_bos in runs:
         harness.add_bos_token = add_bos
         try:
-            result = simple_evaluate(model=harness, tasks=names, task_manager=manager,
-                                     apply_chat_template=chat_template, limit=limit, log_samples=True, random_seed=0,
-                                     numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+            with lm_eval_guarded():
+                result = simple_evaluate(model=harness, tasks=names, task_manager=manager,
+                                         apply_chat_template=chat_template, limit=limit, log_samples=True,
+                                         random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        except SecurityError as error:
+            refused = str(error).rstrip(".")
+            raise RecipeError(f"a template of {', '.join(names)} reaches outside its data ({refused}): lm-eval task "
+                              "templates are rendered in Jinja's sandbox here; give code as a `!function` in a .py "
+                              "file beside the task.") from None
         except (ConnectionError, OSError, DatasetNotFoundError) as error:  # the task's data cannot be read
             raise RecipeError(f"lm-eval cannot read the data of {', '.join(names)}: {error}. Its datasets come from "
                               "the Hugging Face hub: evaluate where it can be reached, or point a YAML task under "
@@ -301,6 +352,39 @@ def score(model, *, selection: TaskSelection, tasks_folder: Path, tokenizer, pla
                               "answer": row["filtered_resps"][0] if row.get("filtered_resps") else None,
                               **{name: row[name] for name in scores.get(task, {}) if name in row}} for row in rows]
     return scores, samples
+
+
+@contextlib.contextmanager
+def lm_eval_guarded():
+    """lm-eval as `finetune eval` runs it. Task templates are rendered in Jinja's sandbox: lm-eval renders every
+    template field (`doc_to_text`, ...) with one module-level `Environment` (lm_eval/utils.py `env`, read by
+    `apply_template` at each call), where `{{ cycler.__init__.__globals__.os.system(...) }}` runs a shell command; the
+    sandbox keeps its settings and filters and refuses such access. And the git commit lm-eval records is asked of git
+    with its stderr discarded: from outside a repository, lm_eval/loggers/utils.py `get_git_commit_hash` leaves git's
+    `fatal: not a git repository` on the console (the hash is not kept here)."""
+    import os
+    import subprocess
+
+    import lm_eval.evaluator
+    import lm_eval.utils
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def git_commit_hash():
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())
+
+    original = lm_eval.utils.env, lm_eval.evaluator.get_git_commit_hash
+    sandbox = ImmutableSandboxedEnvironment(loader=original[0].loader, undefined=original[0].undefined,
+                                            keep_trailing_newline=original[0].keep_trailing_newline)
+    sandbox.filters.update(original[0].filters)
+    lm_eval.utils.env, lm_eval.evaluator.get_git_commit_hash = sandbox, git_commit_hash
+    try:
+        yield
+    finally:
+        lm_eval.utils.env, lm_eval.evaluator.get_git_commit_hash = original
 
 
 def load_base(name: str, source: Path, seed: int | None):
@@ -319,10 +403,9 @@ def load_base(name: str, source: Path, seed: int | None):
         raise RecipeError(f"--compare-base {name}: cannot load it ({error}).") from None
 
 
-def write_answers(folder: Path, samples: dict) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+def write_answers(folder: Path, samples: dict, written: Written) -> None:
     for task, rows in samples.items():
-        with (folder / f"{task}.answers.jsonl").open("w", encoding="utf-8") as file:
+        with written.file(folder / f"{task}.answers.jsonl").open("w", encoding="utf-8") as file:
             for row in rows:
                 file.write(json.dumps(row, default=str) + "\n")
 
@@ -337,17 +420,47 @@ def trained_value(source: str | Path, key: str):
 
 
 def results_file(source: Path, output: str | None) -> Path:
-    """Where an evaluation's results go: `output`, else a new file under `<source>/eval_harness/` (never one
-    already there)."""
-    if output is not None:
-        return Path(output)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    folder = source / RESULTS_FOLDER
-    path, number = folder / f"results_{stamp}.json", 1
-    while path.exists():
-        number += 1
-        path = folder / f"results_{stamp}_{number}.json"
+    """Where an evaluation's results go, checked before any model is loaded: `output`, else a new file under
+    `<source>/eval_harness/`. The file must be new and its answers folder (`answers_folder`) new or empty, so the
+    evaluation replaces nothing and a failed one removes only what it wrote; inside the run, only under
+    eval_harness/ (`--output RUN.json` would make the run its answers folder, `RUN/eval_results.json` is training's)."""
+    if output is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        folder = source / RESULTS_FOLDER
+        path, number = folder / f"results_{stamp}.json", 1
+        while path.exists() or answers_folder(path).exists():
+            number += 1
+            path = folder / f"results_{stamp}_{number}.json"
+        return path
+    from finetune.train.trained_model import run_folders
+
+    path = Path(output)
+    if path.is_dir():
+        raise RecipeError(f"--output {output} is a folder: name the results file, e.g. {path / 'results.json'}.")
+    if path.suffix != ".json":
+        raise RecipeError(f"--output {output}: name a .json file (its answers go in the folder of the same name "
+                          "without .json).")
+    if path.exists():
+        raise RecipeError(f"--output {output} already exists: an evaluation replaces no file; name a new one, or leave "
+                          f"--output out for a new file under {source / RESULTS_FOLDER}.")
+    answers = answers_folder(path)
+    if answers.exists() and (not answers.is_dir() or any(answers.iterdir())):
+        raise RecipeError(f"--output {output}: its answers would go in {answers}, which already holds other files; "
+                          "name a file whose folder of the same name is new.")
+    for folder in run_folders(str(source)):
+        if inside(path, folder) and not inside(path, folder / RESULTS_FOLDER):
+            raise RecipeError(f"--output {output} is inside the run {folder}: an evaluation writes there only under "
+                              f"{RESULTS_FOLDER}/ (leave --output out), or name a file outside the run.")
     return path
+
+
+def answers_folder(results: Path) -> Path:
+    """The folder beside a results file with the task definitions and every answer: its path without `.json`."""
+    return results.with_suffix("")
+
+
+def inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
 
 
 def print_scores(record: dict, console=None) -> None:

@@ -1,6 +1,7 @@
 """`finetune eval` (lm-evaluation-harness) and `eval_harness_tasks:` at the end of training: the synthetic tasks scored
 through lm-eval agree with the toolkit's own exact match, a user's JSONL and a user's lm-eval YAML task run offline, a
-LoRA run and ZeRO-3 shards are scored without an export by hand, and bad input stops in one line."""
+LoRA run and ZeRO-3 shards are scored without an export by hand, bad input stops in one line, an evaluation writes
+only what is its own and removes only that, and a task file's templates run no code."""
 
 import json
 import shutil
@@ -170,3 +171,120 @@ def test_eval_help_and_errors(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "--tasks", "synthetic"]) == 2  # no model there
     assert "holds no model" in capsys.readouterr().err
     assert not (tmp_path / "eval_harness").exists()
+
+
+@pytest.fixture(scope="module")
+def untrained_run(tmp_path_factory):
+    """The `tiny` model saved as a run saves it, untrained: something to load and score where the score does not
+    matter (what an evaluation writes, and where)."""
+    from finetune import presets
+
+    folder = tmp_path_factory.mktemp("untrained") / "run"
+    tokenizer = presets.build_tokenizer()
+    presets.build_model(tokenizer, seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_output_is_refused_before_the_model_loads_where_it_would_replace_or_delete(tmp_path, capsys, monkeypatch):
+    """`--output RUN.json` made the run its answers folder and a failed scoring deleted the run; `results.json` beside
+    the user's own results/ deleted that folder; `RUN/eval_results.json` replaced training's record; a folder ended
+    in IsADirectoryError after the whole evaluation. Each is refused by name before any model is loaded."""
+    import finetune.train.trained_model
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before --output was checked")
+
+    monkeypatch.setattr(finetune.train.trained_model, "load_with_tokenizer", no_load)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "model.safetensors").write_text("weights")
+    (run / "eval_results.json").write_text("training's before/after")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "mine.txt").write_text("the user's")
+    (tmp_path / "myresults").mkdir()
+    cases = {
+        f"{run}.json": f"its answers would go in {run}, which already holds other files",
+        str(tmp_path / "results.json"): "its answers would go in",
+        str(run / "eval_results.json"): "eval_results.json already exists: an evaluation replaces no file",
+        str(run / "scores.json"): f"is inside the run {run}: an evaluation writes there only under eval_harness/",
+        str(tmp_path / "myresults"): "myresults is a folder: name the results file, e.g.",
+        str(tmp_path / "scores.txt"): "name a .json file",
+    }
+    for output, message in cases.items():
+        assert main(["eval", str(run), "--tasks", "synthetic_add", "--output", output]) == 2
+        error = capsys.readouterr().err
+        assert message in error and len(error.strip().splitlines()) == 1, error
+    assert sorted(path.name for path in run.iterdir()) == ["eval_results.json", "model.safetensors"]
+    assert (run / "eval_results.json").read_text() == "training's before/after"
+    assert (tmp_path / "results" / "mine.txt").read_text() == "the user's"
+    assert not any((tmp_path / "myresults").iterdir())
+
+
+def test_a_failed_evaluation_removes_what_it_wrote_and_nothing_else(untrained_run, tmp_path, capfd, monkeypatch):
+    """A bad --compare-base fails after the model was scored: the task files and folders the evaluation made are
+    removed, the empty answers folder that was there before stays; from outside a git repository lm-eval's record of
+    a commit leaves no `fatal: not a git repository` on the console."""
+    monkeypatch.chdir(tmp_path)  # not a git repository
+    (tmp_path / "results").mkdir()
+    outputs = {"results.json": tmp_path / "results", "new/deeper/results.json": tmp_path / "new"}
+    for output in outputs:
+        assert main(["eval", str(untrained_run), "--tasks", "synthetic_add", "--limit", "1", "--max-new-tokens", "1",
+                     "--compare-base", str(tmp_path / "no_model"), "--output", output]) == 2
+    assert (tmp_path / "results").is_dir() and not any((tmp_path / "results").iterdir())  # there before: kept
+    assert not (tmp_path / "new").exists()  # made by the evaluation: removed
+    assert not (tmp_path / "results.json").exists()
+    assert not (untrained_run / "eval_harness").exists()
+    error = capfd.readouterr().err
+    assert error.count("--compare-base") == 2 and "fatal:" not in error, error
+
+
+def test_a_task_template_runs_no_code(untrained_run, tmp_path, capsys):
+    """lm-eval renders a task's Jinja fields; here in Jinja's sandbox, so a YAML file alone cannot reach `os` through
+    a template's globals. The sandbox keeps lm-eval's filters, and lm-eval's own environment comes back after."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = write_jsonl(tasks / "rows.jsonl", [{"question": "abc", "answer": "cba"}])
+    escaped = tmp_path / "escaped"
+    (tasks / "payload.yaml").write_text(
+        f"task: payload\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: generate_until\n"
+        f"doc_to_text: \"{{{{ cycler.__init__.__globals__.os.system('touch {escaped}') }}}}{{{{question}}}}\"\n"
+        "doc_to_target: '{{answer}}'\ngeneration_kwargs:\n  until: ['x']\n  max_gen_toks: 1\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+        "metadata:\n  version: 1.0\n")
+    output = tmp_path / "scores.json"
+    assert main(["eval", str(untrained_run), "--tasks", "payload", "--include-path", str(tasks), "--output",
+                 str(output)]) == 2
+    assert not escaped.exists()
+    assert "a template of payload reaches outside its data (access to attribute '__init__'" in capsys.readouterr().err
+    assert not output.exists() and not (tmp_path / "scores").exists()
+
+    import lm_eval.utils
+
+    from finetune.train.harness import lm_eval_guarded
+
+    original = lm_eval.utils.env
+    with lm_eval_guarded():
+        assert lm_eval.utils.apply_template("{{ q | regex_replace('b', 'x') }}\n", {"q": "abc"}) == "axc\n"
+    assert lm_eval.utils.env is original
+
+
+def test_task_files_that_run_python_are_named_as_code(tmp_path, capsys):
+    """A `!function` in a task file imports Python when lm-eval builds the task: one line names the file before
+    anything runs; a task file without one gets no notice."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    lm_eval_yaml_task(plain)
+    assert main(["eval", str(tmp_path), "--tasks", "my_reverse", "--include-path", str(plain)]) == 2
+    assert "note:" not in capsys.readouterr().err
+    coded = tmp_path / "coded"
+    shutil.copytree(plain, coded)
+    yaml = coded / "my_reverse.yaml"
+    yaml.write_text(yaml.read_text() + "process_docs: !function helpers.keep\n")
+    (coded / "helpers.py").write_text("def keep(dataset):\n    return dataset\n")
+    assert main(["eval", str(tmp_path), "--tasks", "my_reverse", "--include-path", str(coded)]) == 2
+    error = capsys.readouterr().err.splitlines()
+    assert error[0] == f"note: --include-path {coded}: {yaml} runs Python (`!function`): a task file is code, like a " \
+        "script; use only task files you trust."
+    assert "holds no model" in error[-1]  # the notice came first; nothing was imported or loaded
