@@ -149,8 +149,9 @@ def ddp_run(tmp_path_factory):
     """A short 2-process DDP run (gloo) with an fp16 gradient-compression hook, carrying a deliberately tight launch
     plan (the real plan of this run with half its model states), as a self-launch hands its ranks one; returns its
     output_dir, where `launcher_output.txt` keeps what the launch printed."""
-    from support import DEMO_SHORT_RUN, assert_succeeded, launch_demo
+    from support import DEMO_SHORT_RUN, assert_succeeded, run
 
+    from finetune.launch.commands import Launch
     from finetune.launch.self_launch import LAUNCH_PLAN_ENV, Machine
     from finetune.plan.launch import plan_launch
 
@@ -158,8 +159,12 @@ def ddp_run(tmp_path_factory):
     _, plan, _ = plan_launch("recipes/demo.yaml", [*DEMO_SHORT_RUN, "--ddp_comm_hook", "fp16", "--strategy", "ddp"],
                              Machine(2, None, 16.0, "the test", None))
     plan["predicted"]["model_states_bytes"] //= 2
-    result = launch_demo("accelerate_configs/cpu_ddp.yaml", output_dir, "--ddp_comm_hook", "fp16",
-                         env={LAUNCH_PLAN_ENV: json.dumps(plan)})
+    # handed as a self-launch hands it: naming the launcher process, whose ranks alone trust it
+    command = Launch("accelerate_configs/cpu_ddp.yaml").command(
+        "train", "recipes/demo.yaml", "--output_dir", str(output_dir), *DEMO_SHORT_RUN, "--ddp_comm_hook", "fp16")
+    become_launcher = ("import json, os, sys; plan = json.loads(sys.argv[1]) | {'launcher_pid': os.getpid()}; "
+                       f"os.execve(sys.argv[2], sys.argv[2:], {{**os.environ, {LAUNCH_PLAN_ENV!r}: json.dumps(plan)}})")
+    result = run([sys.executable, "-c", become_launcher, json.dumps(plan), *command])
     assert_succeeded(result)
     (output_dir / "launcher_output.txt").write_text(result.output)
     return output_dir

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from finetune.errors import RecipeError
+from finetune.errors import RecipeError, launched_rank
 from finetune.launch.commands import as_typed
 from finetune.launch.devices import Gpu
 
@@ -25,24 +25,75 @@ DEFAULT_MAIN_PORT = 29500
 GiB = 1024**3
 
 
+# What a launcher sets in its ranks that a shell's leftover exports do not: torchrun's elastic agent (under `accelerate
+# launch` too) its run id, `accelerate launch` of one process its precision, DeepSpeed's launcher its node rank, MPI
+# its world size. A self-launch becomes `accelerate launch`, so its ranks carry the first two.
+LAUNCHER_MARKERS = ("TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "CROSS_RANK", "OMPI_COMM_WORLD_SIZE",
+                    "PMI_SIZE")
+RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # any of them makes Trainer start a process group
+RENDEZVOUS_VARIABLES = (*RANK_VARIABLES, "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def under_a_launcher(environ=None) -> bool:
     """Whether a launcher started this process: torchrun and `accelerate launch` set WORLD_SIZE (one process under
     `accelerate launch` gets ACCELERATE_MIXED_PRECISION only), a self-launch its plan."""
     environ = os.environ if environ is None else environ
-    return any(name in environ for name in ("WORLD_SIZE", "LOCAL_RANK", "ACCELERATE_MIXED_PRECISION", LAUNCH_PLAN_ENV))
+    return any(name in environ for name in (*RANK_VARIABLES, *LAUNCHER_MARKERS)) or launch_plan(environ) is not None
+
+
+def stray_rendezvous_variables(environ=None) -> list[str]:
+    """The rendezvous variables in an environment no launcher made (left over from another job's shell: `WORLD_SIZE=2
+    RANK=0` makes Trainer wait `ddp_timeout` for ranks nobody starts); none under a launcher, or srun starting the
+    job step's tasks itself."""
+    environ = os.environ if environ is None else environ
+    if not any(name in environ for name in RANK_VARIABLES) or any(name in environ for name in LAUNCHER_MARKERS):
+        return []
+    if "SLURM_STEP_ID" in environ and environ.get("SLURM_STEP_NUM_TASKS") == environ.get("WORLD_SIZE"):
+        return []  # `srun -n N python -m finetune train ...` with RANK from SLURM_PROCID: srun is the launcher
+    return [name for name in RENDEZVOUS_VARIABLES if name in environ]
+
+
+def check_no_stray_rendezvous(environ=None) -> None:
+    """Stops a `finetune train` whose environment asks for a process group that no launcher started."""
+    environ = os.environ if environ is None else environ
+    stray = stray_rendezvous_variables(environ)
+    if stray:
+        raise RecipeError(
+            f"{' '.join(f'{name}={environ[name]}' for name in stray)} set, but no launcher started this process (left "
+            f"from another job?): unset them (`unset {' '.join(stray)}`) to run here, or launch with `accelerate "
+            "launch` or torchrun, which set them for every rank.")
 
 
 def launch_plan(environ=None) -> dict | None:
-    """The plan a self-launch handed this rank (None when the run was launched by hand)."""
+    """The plan a self-launch handed this rank: None when the run was launched by hand, or when the plan in the
+    environment is not this launch's (one left in a shell: its launcher is neither this process nor its parent)."""
     import json
 
     text = (os.environ if environ is None else environ).get(LAUNCH_PLAN_ENV)
     if not text:
         return None
     try:
-        return json.loads(text)
+        plan = json.loads(text)
     except json.JSONDecodeError:
         raise RecipeError(f"{LAUNCH_PLAN_ENV} is set but is not the JSON a self-launch writes: unset it.") from None
+    return plan if is_this_launchs_plan(plan) else None
+
+
+def is_this_launchs_plan(plan) -> bool:
+    """A self-launch's plan names its launcher's process: the one `finetune train` became (`os.execve` keeps the
+    pid; its ranks are its children) or, for one process run here, this very process."""
+    return isinstance(plan, dict) and plan.get("launcher_pid") in (os.getpid(), os.getppid())
+
+
+def drop_a_stray_launch_plan(environ=None) -> None:
+    """A plan in the environment that no self-launch of this run wrote is named and dropped, not recorded as the
+    run's plan."""
+    environ = os.environ if environ is None else environ
+    if environ.get(LAUNCH_PLAN_ENV) and launch_plan(environ) is None:
+        del environ[LAUNCH_PLAN_ENV]
+        if launched_rank() == 0:
+            print(f"warning: ignoring {LAUNCH_PLAN_ENV} from the environment: no self-launch of this run wrote it "
+                  f"(left from another run?); `unset {LAUNCH_PLAN_ENV}` to silence this.", flush=True)
 
 
 def add_launch_options(parser) -> None:
@@ -81,7 +132,27 @@ def split_launch_options(overrides: list[str], given: argparse.Namespace | None 
             raise RecipeError(f"`--{name} {value}` must be at least 1.")
     if options.gpu_memory is not None and options.gpu_memory <= 0:
         raise RecipeError(f"`--gpu-memory {options.gpu_memory:g}` must be positive (GiB per GPU).")
+    if options.main_port is not None:
+        check_port(options.main_port, "--main-port")
     return options, rest
+
+
+def check_port(port: int, option: str) -> None:
+    """A TCP port a node listens on or connects to (Accelerate and c10d's store otherwise fail deep inside)."""
+    if not 1 <= port <= 65535:
+        raise RecipeError(f"`{option} {port}` is not a TCP port: give one in 1..65535 (e.g. {DEFAULT_MAIN_PORT}).")
+
+
+def slurm_number(environ, name: str, default: int | None = None) -> int | None:
+    """A whole number SLURM put in the environment (SLURM_NNODES, SLURM_NODEID, ...), named when it is not one."""
+    text = environ.get(name)
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise RecipeError(f"{name}={text!r} is not a whole number: fix or unset it, or give the launch option "
+                          "itself (`--nnodes`, `--node-rank`, `--gpus`, `--main-port`).") from None
 
 
 def launch_requested(options: argparse.Namespace) -> bool:
@@ -127,8 +198,7 @@ def this_machine(options: argparse.Namespace, environ=None) -> Machine:
     environ = os.environ if environ is None else environ
     gpus = visible_gpus()
     slurm = "SLURM_JOB_ID" in environ
-    wanted = options.gpus or (int(environ["SLURM_GPUS_ON_NODE"]) if slurm and environ.get("SLURM_GPUS_ON_NODE")
-                              else None)
+    wanted = options.gpus or (slurm_number(environ, "SLURM_GPUS_ON_NODE") if slurm else None)
     if gpus and wanted is not None and wanted > len(gpus):
         raise RecipeError(f"`--gpus {wanted}` but this machine sees {len(gpus)} GPU(s) ({gpus[0].name}); give at most "
                           f"{len(gpus)}, or check CUDA_VISIBLE_DEVICES.")
@@ -140,18 +210,19 @@ def this_machine(options: argparse.Namespace, environ=None) -> Machine:
     else:
         memory, source = (options.gpu_memory, "--gpu-memory") if options.gpu_memory else (
             host_gib / processes, f"this machine's {host_gib:.1f} GiB of RAM over {processes} process(es)")
-    nodes = options.nnodes or (int(environ.get("SLURM_NNODES", "1")) if slurm else 1)
+    nodes = options.nnodes or (slurm_number(environ, "SLURM_NNODES", 1) if slurm else 1)
     node_rank = options.node_rank if options.node_rank is not None else (
-        int(environ.get("SLURM_NODEID", "0")) if slurm else 0)
+        slurm_number(environ, "SLURM_NODEID", 0) if slurm else 0)
+    if not 0 <= node_rank < nodes:
+        raise RecipeError(f"`--node-rank {node_rank}` is not in 0..{nodes - 1} (`--nnodes {nodes}`): node ranks count "
+                          "from 0 on the main node.")
     main_addr, main_port = options.main_addr, options.main_port
     if nodes > 1:
         main_addr = main_addr or (first_slurm_host(environ) if slurm else None)
         if main_addr is None:
             raise RecipeError(f"`--nnodes {nodes}` needs the main machine's address: `--main-addr HOST` (the same on "
                               "every node), or run under SLURM.")
-        main_port = main_port or (int(environ["SLURM_JOB_ID"]) % 10000 + 20000 if slurm else DEFAULT_MAIN_PORT)
-        if not 0 <= node_rank < nodes:
-            raise RecipeError(f"`--node-rank {node_rank}` is not in 0..{nodes - 1} (`--nnodes {nodes}`).")
+        main_port = main_port or (slurm_number(environ, "SLURM_JOB_ID") % 10000 + 20000 if slurm else DEFAULT_MAIN_PORT)
     return Machine(processes, gpus[0] if gpus else None, float(memory), source, host_gib if gpus else None, nodes,
                    node_rank, main_addr, main_port)
 

@@ -21,6 +21,8 @@ from finetune.launch.commands import Launch, accelerate_launch_command, as_typed
 from finetune.launch.self_launch import (
     LAUNCH_PLAN_ENV,
     Machine,
+    check_no_stray_rendezvous,
+    drop_a_stray_launch_plan,
     launch_requested,
     replace_with,
     split_launch_options,
@@ -42,14 +44,24 @@ def launch_or_run_here(recipe: str, overrides: list[str], given=None) -> list[st
     the overrides (without the launch options) to run here: under a launcher, or as one process on a machine without
     GPUs and without `--gpus`. `given`: launch options parsed before the recipe."""
     options, overrides = split_launch_options(overrides, given)
+    check_no_stray_rendezvous()  # a leftover WORLD_SIZE would wait ddp_timeout for ranks nobody starts
+    drop_a_stray_launch_plan()
     if under_a_launcher():
         if launch_requested(options):
             raise RecipeError("`--gpus`, `--gpu-memory`, `--nnodes`, ... are for `finetune train` started without a "
                               "launcher; under `accelerate launch` or torchrun the launcher's own options decide.")
         return overrides
     machine = this_machine(options)
-    if machine.cpu and options.gpus is None and machine.nodes == 1 and not options.dry_run:
-        return overrides  # one process, here
+    if machine.cpu and options.gpus is None and machine.nodes == 1:  # one process, here: the dry run says so too
+        if options.dry_run:
+            from finetune.recipe.parse import read_recipe
+
+            read_recipe(recipe, overrides, auto_precision="fp32")  # the recipe's keys, checked as the run reads them
+            print("plan: one process here, without a launcher and unplanned (no GPU on this machine and no `--gpus "
+                  "N`, which launches N CPU processes)")
+            print("launch: none, one process runs here")
+            return None
+        return overrides
     launch, plan, overrides = plan_launch(recipe, overrides, machine)
     if launch is None:  # one process needs no launcher: it runs here, with its plan
         plan["launch"] = shlex.join(["finetune", "train", recipe, *overrides])
@@ -57,7 +69,7 @@ def launch_or_run_here(recipe: str, overrides: list[str], given=None) -> list[st
         print("launch: none, one process runs here")
         if options.dry_run:
             return None
-        os.environ[LAUNCH_PLAN_ENV] = json.dumps(plan)
+        os.environ[LAUNCH_PLAN_ENV] = json.dumps({**plan, "launcher_pid": os.getpid()})
         return overrides
     command = launch_command(launch, machine, recipe, overrides)
     plan["launch"] = as_typed(command)
@@ -65,7 +77,8 @@ def launch_or_run_here(recipe: str, overrides: list[str], given=None) -> list[st
     if options.dry_run:
         print(f"launch: {plan['launch']}")
         return None
-    replace_with(command, json.dumps(plan), machine, options.rendezvous_timeout)
+    # the launcher keeps this process's pid (`os.execve`): its ranks trust a plan naming their parent
+    replace_with(command, json.dumps({**plan, "launcher_pid": os.getpid()}), machine, options.rendezvous_timeout)
     return None  # not reached: the launcher has replaced this process
 
 

@@ -110,6 +110,36 @@ def test_a_node_without_its_main_node_says_so():
         meet("127.0.0.1", free_port(), num_nodes=2, node_rank=2, timeout=1)
 
 
+def test_the_main_nodes_port_and_address_are_checked_before_any_store_and_c10ds_stack_is_kept_aside(capfd):
+    for port in (0, 70000):  # Accelerate's OverflowError, c10d's TypeError
+        with pytest.raises(RecipeError, match=f"`--main-port {port}` is not a TCP port: give one in 1..65535"):
+            meet("127.0.0.1", port, num_nodes=2, node_rank=1, timeout=1)
+    for address in ("", "no such host!"):  # c10d retried these until the timeout
+        with pytest.raises(RecipeError, match=f"`--main-addr {address!r}` is not an address this machine can resolve"):
+            meet(address, free_port(), num_nodes=2, node_rank=1, timeout=30)
+    capfd.readouterr()
+    with pytest.raises(RecipeError, match=r"^node 1 could not reach the main node .* \(c10d's log: \S+\)$") as refused:
+        meet("127.0.0.1", free_port(), num_nodes=2, node_rank=1, timeout=1)
+    assert "c10d" not in capfd.readouterr().err  # its retries and C++ stacks went to the log the error names
+    log = Path(str(refused.value).rsplit("c10d's log: ", 1)[1].rstrip(")"))
+    assert "Exception raised from" in log.read_text()
+    log.unlink()
+
+
+def test_the_main_node_says_whether_it_could_not_listen_or_not_reach_its_own_address():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RecipeError, match=f"node 0 cannot listen on port {port} .*address already in use"):
+            meet("127.0.0.1", port, num_nodes=2, node_rank=0, timeout=2)
+    # listening, but the address given is not this machine's: not "cannot listen" (TEST-NET-1, never routed)
+    with pytest.raises(RecipeError, match=r"node 0 listens on port \d+ but could not reach itself at 192\.0\.2\.1"):
+        meet("192.0.2.1", free_port(), num_nodes=2, node_rank=0, timeout=1)
+
+
 # --- real runs: 2 nodes × 1 process ----------------------------------------------------------------------------
 
 

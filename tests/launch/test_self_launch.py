@@ -12,13 +12,16 @@ from gpu_simulation import A100, simulate_gpus
 from support import DEMO_SHORT_RUN, PROJECT_ROOT, assert_succeeded, error_lines, run
 
 from finetune.cli import main
+from finetune.errors import RecipeError
 from finetune.launch.commands import finetune_command
 from finetune.launch.self_launch import LAUNCH_PLAN_ENV, split_launch_options, this_machine
 from finetune.plan.launch import plan_launch
 from finetune.recipe.parse import parse_recipe
 
-LAUNCHER_VARIABLES = ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "ACCELERATE_MIXED_PRECISION",
-                      "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", LAUNCH_PLAN_ENV)
+LAUNCHER_VARIABLES = ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_DEEPSPEED",
+                      "ACCELERATE_USE_FSDP", LAUNCH_PLAN_ENV, "SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID",
+                      "SLURM_STEP_ID")
 
 
 @pytest.fixture(autouse=True)
@@ -114,9 +117,11 @@ def memory_that_picks_zero3_offload() -> tuple[float, dict]:
 
 def test_the_launch_options_are_refused_where_they_cannot_apply(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's agent, under `accelerate launch` too
     assert main(["train", "recipes/demo.yaml", "--gpus", "2"]) == 2
     assert "under `accelerate launch` or torchrun the launcher's own options decide" in capsys.readouterr().err
     monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     for arguments, message in (
         (["--gpus", "0"], "`--gpus 0` must be at least 1"),
         (["--gpus", "2", "--strategy", "zero4"], "no shipped strategy `zero4`"),
@@ -124,9 +129,49 @@ def test_the_launch_options_are_refused_where_they_cannot_apply(monkeypatch, cap
         (["--gpus", "2", "--strategy", "zero3", "--deepspeed", "deepspeed_configs/zero2.json"], "keep one"),
         (["--gpus", "2", "--nnodes", "2"], "needs the main machine's address"),
         (["--gpus", "2", "--nnodes", "2", "--node-rank", "2", "--main-addr", "h"], "is not in 0..1"),
+        (["--nnodes", "1", "--node-rank", "3"], "`--node-rank 3` is not in 0..0 (`--nnodes 1`)"),
+        (["--node-rank", "-1"], "`--node-rank -1` is not in 0..0"),
+        (["--gpus", "2", "--nnodes", "2", "--main-addr", "h", "--main-port", "70000"],
+         "`--main-port 70000` is not a TCP port: give one in 1..65535"),
+        (["--main-port", "0"], "`--main-port 0` is not a TCP port"),
     ):
         assert main(["train", "recipes/demo.yaml", *arguments, "--dry-run"]) == 2, arguments
-        assert message in capsys.readouterr().err, arguments
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (arguments, err)
+
+
+def test_slurms_variables_that_are_not_numbers_are_named(monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_JOB_ID", "4321")
+    for name in ("SLURM_NNODES", "SLURM_NODEID"):
+        monkeypatch.setenv(name, "abc")
+        assert main(["train", "recipes/demo.yaml", "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert f"{name}='abc' is not a whole number: fix or unset it" in err and len(err.strip().splitlines()) == 1
+        monkeypatch.delenv(name)
+
+
+def test_rendezvous_variables_no_launcher_set_are_named_and_a_launchers_are_not(monkeypatch, capsys):
+    from finetune.plan.launch import launch_or_run_here
+
+    monkeypatch.setattr("os.execve", lambda *args: pytest.fail(f"launched: {args[1]}"))
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29400")):
+        monkeypatch.setenv(name, value)
+    # a leftover from another job's shell: named at once, not a wait of ddp_timeout for a rank nobody starts
+    stray = r"WORLD_SIZE=2 RANK=0 MASTER_ADDR=127\.0\.0\.1 MASTER_PORT=29400"
+    with pytest.raises(RecipeError, match=rf"^{stray} set, but no launcher started this process .*: unset them "
+                                          r"\(`unset WORLD_SIZE RANK MASTER_ADDR MASTER_PORT`\) to run here, or "
+                                          r"launch with `accelerate launch`"):
+        launch_or_run_here("recipes/demo.yaml", ["--max_steps", "1"])
+    assert main(["train", "recipes/demo.yaml", "--max_steps", "1"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    # what each launcher sets beside them: torchrun's agent (also under `accelerate launch`), accelerate's one
+    # process, DeepSpeed's launcher, srun starting every task of its step
+    for marker in ({"TORCHELASTIC_RUN_ID": "none", "LOCAL_RANK": "0"}, {"ACCELERATE_MIXED_PRECISION": "no"},
+                   {"CROSS_RANK": "0"}, {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}):
+        with monkeypatch.context() as launched:
+            for name, value in marker.items():
+                launched.setenv(name, value)
+            assert launch_or_run_here("recipes/demo.yaml", ["--max_steps", "1"]) == ["--max_steps", "1"], marker
 
 
 def test_a_gpu_machine_launches_every_gpu_and_several_nodes_meet_through_slurms_variables(monkeypatch, capsys):
@@ -245,12 +290,35 @@ def test_a_model_the_estimator_cannot_read_launches_a_named_strategy_unplanned_b
     assert "`strategy: auto` needs a plan, and none could be made" in capsys.readouterr().err
 
 
-def test_without_gpus_and_without_gpus_asked_for_the_recipe_runs_here_in_one_process(monkeypatch):
+def test_without_gpus_and_without_gpus_asked_for_the_recipe_runs_here_in_one_process(monkeypatch, capsys):
     from finetune.plan.launch import launch_or_run_here
 
     monkeypatch.setattr("os.execve", lambda *args: pytest.fail(f"launched: {args[1]}"))
     assert launch_or_run_here("recipes/demo.yaml", ["--max_steps", "1"]) == ["--max_steps", "1"]
     assert LAUNCH_PLAN_ENV not in os.environ  # nothing planned for one process here
+    # its dry run says the same, by the same decision: no launch of the recipe's ZeRO-2 on one CPU process
+    out, command = dry_run(capsys)
+    assert command == ["none,", "one", "process", "runs", "here"]
+    assert out.startswith("plan: one process here, without a launcher and unplanned") and "ZeRO-2" not in out
+    assert main(["train", "recipes/demo.yaml", "--max_stesp", "1", "--dry-run"]) == 2  # its keys are still checked
+    assert "unknown option `--max_stesp` (did you mean `max_steps`?)" in capsys.readouterr().err
+
+
+def test_a_launch_plan_left_in_the_environment_is_ignored_with_a_warning(monkeypatch, capsys):
+    from finetune.launch.self_launch import launch_plan, under_a_launcher
+    from finetune.plan.launch import launch_or_run_here
+
+    stale = {"strategy": "zero3", "label": "ZeRO-3", "launcher_pid": 1}  # its launcher was another process
+    monkeypatch.setenv(LAUNCH_PLAN_ENV, json.dumps(stale))
+    assert launch_plan() is None and not under_a_launcher()
+    monkeypatch.setattr("os.execve", lambda *args: pytest.fail(f"launched: {args[1]}"))
+    assert launch_or_run_here("recipes/demo.yaml", ["--max_steps", "1"]) == ["--max_steps", "1"]  # runs here
+    assert LAUNCH_PLAN_ENV not in os.environ
+    assert capsys.readouterr().out.startswith(f"warning: ignoring {LAUNCH_PLAN_ENV} from the environment: no "
+                                              "self-launch of this run wrote it")
+    for launcher in (os.getpid(), os.getppid()):  # one process planned here; a rank of the launcher it became
+        plan = {**stale, "launcher_pid": launcher}
+        assert launch_plan({LAUNCH_PLAN_ENV: json.dumps(plan)}) == plan
 
 
 @pytest.mark.distributed
