@@ -219,7 +219,7 @@ def requested_on(training_inputs: dict[str, Any], on_gpu: bool, world_size: int,
                           "plain FSDP takes its sharding from the Accelerate config (fsdp_full_shard.yaml, "
                           "multinode_fsdp_hybrid_shard.yaml).")
     if asked.tensor_parallel_size > 1 and model_config is not None:
-        check_heads(asked.tensor_parallel_size, model_config())
+        check_tensor_parallel_model(asked.tensor_parallel_size, model_config())
     return resolve(asked, sources, world_size), sources
 
 
@@ -237,6 +237,17 @@ def resolve(asked: Parallelism, sources: dict[str, str], world_size: int) -> Par
         raise RecipeError(f"{product} = {asked.total}, but the launch has {world_size} process(es): the sizes of the "
                           f"axes multiply to the world size. Change a size, or launch {asked.total} processes.")
     return asked
+
+
+def check_tensor_parallel_model(tensor: int, model_config) -> None:
+    """A model Transformers can shard: its architecture has a TP plan (`base_model_tp_plan`, which `from_pretrained`
+    follows; without one every rank fails while loading) and each rank holds whole heads."""
+    if getattr(model_config, "base_model_tp_plan", None) is None:
+        raise RecipeError(f"`tensor_parallel_size: {tensor}`: the model's architecture "
+                          f"({getattr(model_config, 'model_type', 'unknown')}) has no tensor-parallel plan in "
+                          "Transformers (its config's base_model_tp_plan is None): drop `tensor_parallel_size` and "
+                          "shard it with ZeRO-3 or FSDP instead.")
+    check_heads(tensor, model_config)
 
 
 def check_heads(tensor: int, model_config) -> None:
@@ -269,7 +280,7 @@ def check(parallelism: Parallelism, model_config, *, strategy_kind: str, use_lor
                           "as `finetune train RECIPE.yaml --gpus 2 --strategy tensor_parallel` launches it.")
     tensor = parallelism.tensor_parallel_size
     if tensor > 1:
-        check_heads(tensor, model_config)
+        check_tensor_parallel_model(tensor, model_config)
         if getattr(model_config, "tie_word_embeddings", False) and parallelism.dp_shard_size > 1:
             raise RecipeError(TIED_WITH_TP_AND_FSDP.format(tensor=tensor, shard=parallelism.dp_shard_size))
         if strategy_kind not in ("ddp", "single", "tensor_parallel"):

@@ -97,6 +97,12 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
     training = sections.training_inputs
     named = training.get("strategy") if training.get("strategy") != "auto" else None
     axis = _recipe_axis(training)
+    if axis == "tensor_parallel":  # a model Transformers cannot shard fails on every rank: refused before the launch
+        from finetune.launch.parallelism import check_tensor_parallel_model, process_count
+        from finetune.memory.shapes import resolve_config
+
+        check_tensor_parallel_model(process_count("tensor_parallel_size", training["tensor_parallel_size"],
+                                                  "the recipe"), resolve_config(sections.model.model_name_or_path))
     if axis is not None and not (axis == "sequence_parallel" and (named or training.get("deepspeed"))):
         # the recipe names an axis: its launch follows from it (SP under a named DeepSpeed strategy keeps that one)
         return _axis_launch(axis, machine), {

@@ -192,3 +192,20 @@ def test_the_sizes_an_accelerate_config_exports_are_checked_as_the_recipes_are(m
         parse_recipe("recipes/dpo.yaml", ["--output_dir", "unused", "--model_name_or_path", "tiny"])
     parallelism, strategy = check_parallelism({"save_strategy": "steps"}, ModelArguments(), False, Strategy("ddp"))
     assert parallelism == Parallelism(tensor_parallel_size=2) and strategy.label == "tp2"
+
+
+def test_tensor_parallel_on_an_architecture_without_a_tp_plan_is_refused_before_the_launch(tmp_path, monkeypatch,
+                                                                                           capsys):
+    from transformers import GPT2Config
+
+    from finetune.cli import main
+
+    model = tmp_path / "gpt2-tiny"
+    GPT2Config(n_layer=2, n_embd=64, n_head=4).save_pretrained(model)  # GPT-2: no base_model_tp_plan
+    monkeypatch.setattr("os.execve", lambda *args: pytest.fail(f"launched: {args[1]}"))
+    assert main(["train", "recipes/demo.yaml", "--gpus", "2", "--tensor_parallel_size", "2", "--model_name_or_path",
+                 str(model), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the model's architecture (gpt2) has no tensor-parallel plan in Transformers" in err[0]
+    with pytest.raises(RecipeError, match="base_model_tp_plan is None"):  # on every rank too, before loading
+        check(Parallelism(tensor_parallel_size=2), resolve_config(str(model)), strategy_kind="ddp", use_lora=False)
