@@ -39,7 +39,7 @@ def report_user_error(error: Exception) -> int:
     if rank != 0:
         time.sleep(OTHER_RANKS_WAIT_SECONDS)
     print(f"finetune: error: {'' if rank == 0 else f'(rank {rank}) '}{error}", file=sys.stderr, flush=True)
-    return 2
+    return getattr(error, "exit_status", 2)  # a run a signal stopped: 128 + the signal (checkpoints.preemption)
 
 
 class TrainingDiverged(RecipeError):

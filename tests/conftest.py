@@ -172,8 +172,8 @@ def ddp_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def lora_runs(tmp_path_factory):
-    """Short 2-process LoRA runs of the demo recipe under DDP, ZeRO-2 and ZeRO-3 (`lora_runs[name]`: its output_dir),
-    each launched when first read."""
+    """Short 2-process LoRA runs of the demo recipe under DDP, ZeRO-2 and ZeRO-3 (`lora_runs[name]`: its output_dir,
+    with what the launch printed beside it in `<output_dir>.log`), each launched when first read."""
     from support import CPU_LAUNCHES, LORA_DEMO_RUN, PLANTED_TOKEN, assert_succeeded, launch_demo
 
     def launcher(name: str):
@@ -182,6 +182,7 @@ def lora_runs(tmp_path_factory):
             result = launch_demo(CPU_LAUNCHES[name], output_dir, *LORA_DEMO_RUN, env={"HF_TOKEN": PLANTED_TOKEN})
             assert_succeeded(result)
             assert PLANTED_TOKEN not in result.output
+            output_dir.with_name(f"{output_dir.name}.log").write_text(result.output)  # outside the run's own files
             return output_dir
         return launch
 

@@ -7,10 +7,15 @@ it at slightly different moments, so at each step's end they all-reduce (MAX) a 
 agree on the step; then Trainer's control flags make them save together (the mixin's `_save_checkpoint` marks the
 checkpoint complete once every rank has written its part) and stop. Without `save_on_preemption` SIGTERM keeps its
 default action: the run stops and the newest complete checkpoint stays as it was.
+
+Either way, and on Ctrl-C, the run ends in one line (`Interrupted`, from rank 0; the others exit quietly) naming the
+newest complete checkpoint and how to resume, with the status a shell gives a process the signal ended (128 + its
+number: 130 for Ctrl-C, 143 for SIGTERM), instead of a traceback from every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -20,9 +25,78 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune.errors import RecipeError
 
+RESUME = "--resume_from_checkpoint auto"  # the recipe key `resume_from_checkpoint: auto` on the command line
+SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
 
-class Preempted(RecipeError):
+
+class Interrupted(RecipeError):
+    """A signal ended the run; `exit_status` is what a shell reports for a process that signal ended."""
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM):
+        super().__init__(message)
+        self.exit_status = 128 + int(signum)
+
+
+class Preempted(Interrupted):
     """The run was asked to stop (SIGTERM) and saved a checkpoint to resume from."""
+
+
+class _Stop(BaseException):
+    """SIGTERM, raised where the rank is as Ctrl-C raises KeyboardInterrupt (not an Exception: nothing catches it on
+    the way out)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum, frame):
+    raise _Stop(signum)
+
+
+@contextlib.contextmanager
+def ending_in_one_line_on_signals(output_dir: str, rank: int):
+    """Ctrl-C or SIGTERM inside the block ends the run in one line on rank 0, naming the newest complete checkpoint
+    in `output_dir` and the resume key; the other ranks exit with the same status and print nothing. (SIGTERM under
+    `save_on_preemption` saves first: `PreemptionCallback` holds the signal while training.)"""
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_stop) if on_main_thread else None
+    try:
+        yield
+    except Interrupted as said:  # preempted: rank 0 says it
+        if rank != 0:
+            raise SystemExit(said.exit_status) from None
+        raise
+    except KeyboardInterrupt:
+        signum = signal.SIGINT
+    except _Stop as stop:
+        signum = stop.signum
+    else:
+        return
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    _leave_process_group()
+    if rank != 0:
+        raise SystemExit(128 + int(signum))
+    raise Interrupted(stopped_message(SIGNAL_NAMES.get(signum, f"signal {signum}"), output_dir), signum) from None
+
+
+def stopped_message(by: str, output_dir: str) -> str:
+    from finetune.checkpoints.complete import newest_complete_checkpoint
+
+    newest, _ = newest_complete_checkpoint(output_dir)
+    if newest is None:
+        return f"stopped by {by}: no complete checkpoint in {output_dir} yet, so a new run starts from the beginning."
+    return f"stopped by {by}: {newest} is the newest complete checkpoint; resume from it with `{RESUME}`."
+
+
+def _leave_process_group() -> None:
+    """A group left alive aborts the interpreter at exit (gloo's threads)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def save_on_preemption(args) -> bool:
@@ -79,4 +153,4 @@ class PreemptionCallback(TrainerCallback):
             dist.destroy_process_group()  # a group left alive aborts the interpreter at exit (gloo's threads)
         self.on_train_end(args, state, control)
         raise Preempted(f"preempted at step {state.global_step}: {PREFIX_CHECKPOINT_DIR}-{state.global_step} saved in "
-                        f"{args.output_dir}; resume with `resume_from_checkpoint: auto`.")
+                        f"{args.output_dir}; resume with `{RESUME}`.")

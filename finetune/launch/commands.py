@@ -1,5 +1,6 @@
 """The commands that launch a strategy: `accelerate launch` with its config (and a DeepSpeed JSON swapped in), a free
-port for each launch, and `python -m finetune`."""
+port for each launch, and `python -m finetune`. Accelerate's launcher runs as `-m finetune.launch.accelerate_launch`
+(the same launcher, ending on a signal without a traceback) and is shown as `accelerate launch`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def finetune_command(*args: str) -> list[str]:
 
 
 FINETUNE = ("-m", "finetune")
+ACCELERATE_LAUNCH = ("-m", "finetune.launch.accelerate_launch")  # `accelerate launch`, run by finetune.launch
 
 
 class Launch(NamedTuple):
@@ -39,7 +41,7 @@ def accelerate_launch_command(config_file: str, *args: str, num_processes: int |
                               options: tuple[str, ...] = (), main_process_port: int | None = None) -> list[str]:
     """`accelerate launch --config_file CONFIG [--num_processes N] [--deepspeed_config_file JSON] [OPTIONS]
     --main_process_port PORT -m finetune ARGS` (or another `program`: a script path); a free port unless given."""
-    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file]
+    command = [sys.executable, *ACCELERATE_LAUNCH, "--config_file", config_file]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
     if deepspeed_json is not None:
@@ -52,6 +54,6 @@ def as_typed(command: list[str]) -> str:
     """A launch command as a user types it: `accelerate launch ...`, not this interpreter's `-m accelerate...`."""
     import shlex
 
-    if command[1:4] == ["-m", "accelerate.commands.accelerate_cli", "launch"]:
-        command = ["accelerate", "launch", *command[4:]]
+    if tuple(command[1:3]) == ACCELERATE_LAUNCH:
+        command = ["accelerate", "launch", *command[3:]]
     return shlex.join(command)

@@ -24,7 +24,7 @@ from finetune.checkpoints.complete import (
     recipe_values,
     why_incomplete,
 )
-from finetune.checkpoints.preemption import PreemptionCallback, save_on_preemption
+from finetune.checkpoints.preemption import PreemptionCallback, ending_in_one_line_on_signals, save_on_preemption
 from finetune.checkpoints.run_lock import output_dir_lock
 from finetune.configs.lint import lint_fsdp_wrap_classes
 from finetune.data.collate import attention_implementation
@@ -136,6 +136,25 @@ def train(recipe: Recipe) -> dict:
         return summary
 
 
+# Library warnings that tell a user of the run nothing, each silenced where it is raised (its category, module and
+# message), never warnings at large: (category, module, message) as `warnings.filterwarnings` matches them.
+KNOWN_LIBRARY_WARNINGS = (
+    # DeepSpeed ZeRO-3 gathers and reduce-scatters through torch's renamed collectives, several times a step; torch's
+    # `deprecated` wrapper attributes the warning to c10d_logger's exception wrapper
+    (FutureWarning, r"torch\.distributed\.c10d_logger",
+     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
+    # PEFT asks every model `is_gradient_checkpointing` when it wraps it (peft_model.py), which Transformers renamed
+    (FutureWarning, r"transformers\.modeling_utils", r"`is_gradient_checkpointing` is deprecated"),
+)
+
+
+def quiet_known_library_warnings() -> None:
+    import warnings
+
+    for category, module, message in KNOWN_LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
 def learn_from_memory(records: list[dict], args) -> dict:
     """What the memory report says against the plan (`memory_against_plan`, flagging a rank above it by more than
     the plan's margin) and, on a GPU, the calibration this run stored for the next plans on that GPU."""
@@ -212,6 +231,7 @@ def check_fsdp_wrap_classes(model) -> None:
 
 
 def train_command(recipe_path: str | None, overrides: list[str]) -> dict:
+    quiet_known_library_warnings()
     recipe = parse_recipe(recipe_path, overrides)
     harness_tasks = recipe.data.eval_harness_tasks
     if harness_tasks:  # a task lm-eval does not know stops here, before hours of training
@@ -219,7 +239,9 @@ def train_command(recipe_path: str | None, overrides: list[str]) -> dict:
 
         check_installed()
         selection = select_tasks(harness_tasks)
-    summary = train(recipe)
+    # Ctrl-C and SIGTERM end in one line naming the checkpoint to resume from, not a traceback from every rank
+    with ending_in_one_line_on_signals(recipe.training.output_dir, recipe.training.process_index):
+        summary = train(recipe)
     if harness_tasks and recipe.training.process_index == 0:  # the other ranks are done: the saved model, on one
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 

@@ -13,7 +13,8 @@
   world size through DeepSpeed's universal format.
 - `_load_optimizer_and_scheduler`: a resumed schedule runs at this run's `learning_rate` and warmup from the resume
   step, and `effective_config.json` says so.
-- the DDP communication hook (`ddp_comm_hook`) is registered when Trainer wraps the model.
+- the DDP communication hook (`ddp_comm_hook`) is registered when Trainer wraps the model; a LoRA model is wrapped
+  without DDP's search for unused parameters, as Trainer wraps a plain model (`every_trainable_weight_is_used`).
 - `create_accelerator_and_postprocess`: FSDP2 mixed precision computes in bf16/fp16 but reduces gradients and returns
   the loss in fp32, as autocast does under DDP (Accelerate's policy casts both to the half dtype).
 - `__init__`: the callbacks that add figures to the logs (memory, throughput) run before `report_to`'s integrations,
@@ -47,6 +48,22 @@ from finetune.memory.ledger import optimizer_chain
 from finetune.models.loading import dtype_name, saved_dtype
 from finetune.recipe.batch_plan import BatchPlan, data_parallel_size
 
+# Config keys that count a model's routed experts: an expert no token was routed to leaves its weights unused.
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def every_trainable_weight_is_used(model) -> bool:
+    """A PEFT model whose trainable weights are its adapters, every one used in each forward pass, so DDP need not
+    search for unused ones. Trainer asks DDP to search for any model not a `PreTrainedModel` (trainer.py,
+    `_build_accelerator_args`), which costs a walk of the autograd graph a step and makes torch's reducer warn on
+    every rank that it found none. Not for mixture-of-experts models, whose unrouted experts' adapters go unused."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return False
+    config = getattr(model.get_base_model(), "config", None)
+    return not any((getattr(config, key, None) or 0) > 1 for key in EXPERT_COUNTS)
+
 
 def log_metrics_first(trainer: Trainer) -> None:
     """Moves the callbacks that add figures to a log (`adds_logged_metrics`) ahead of all others. Trainer calls its
@@ -73,6 +90,9 @@ class FinetuneTrainerMixin:
             and training_args is not None and not training_args.save_only_model
         if sharded:
             training_args.save_only_model = True
+        if training_args is not None and training_args.ddp_find_unused_parameters is None \
+                and every_trainable_weight_is_used(kwargs.get("model")):
+            training_args.ddp_find_unused_parameters = False  # Trainer's default for a PEFT model is True
         try:
             super().__init__(*args, **kwargs)
         finally:

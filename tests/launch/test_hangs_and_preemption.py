@@ -16,12 +16,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import CPU_LAUNCHES, PROJECT_ROOT, assert_succeeded, run
+from support import CPU_LAUNCHES, PROJECT_ROOT, assert_succeeded, error_lines, run
 from torch.distributed import HashStore
 
 from finetune import outputs
-from finetune.checkpoints.complete import is_complete
-from finetune.checkpoints.preemption import save_on_preemption
+from finetune.checkpoints.complete import is_complete, mark_complete
+from finetune.checkpoints.preemption import Interrupted, ending_in_one_line_on_signals, save_on_preemption
 from finetune.launch.watchdog import RankWatchdog
 from finetune.recipe.parse import parse_recipe
 
@@ -105,6 +105,43 @@ def test_save_on_preemption_is_on_under_slurm_by_default_and_as_the_recipe_says(
     assert save_on_preemption(parse_recipe("recipes/demo.yaml", ["--use_cpu", "true"]).training)
     assert not save_on_preemption(parse_recipe("recipes/demo.yaml", ["--use_cpu", "true",
                                                                      "--save_on_preemption", "false"]).training)
+
+
+def test_ctrl_c_and_sigterm_end_in_one_line_naming_the_newest_complete_checkpoint(tmp_path):
+    for step in (6, 12):
+        mark_complete(tmp_path / f"checkpoint-{step}", step, {}, {})
+    (tmp_path / "checkpoint-18").mkdir()  # a save the signal cut short
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupted) as stopped, ending_in_one_line_on_signals(str(tmp_path), rank=0):
+        raise KeyboardInterrupt
+    assert str(stopped.value) == (f"stopped by Ctrl-C (SIGINT): {tmp_path / 'checkpoint-12'} is the newest complete "
+                                  "checkpoint; resume from it with `--resume_from_checkpoint auto`.")
+    assert stopped.value.exit_status == 130
+    with pytest.raises(Interrupted, match=r"^stopped by SIGTERM: .*checkpoint-12 is the newest") as stopped, \
+            ending_in_one_line_on_signals(str(tmp_path), rank=0):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # not reached: the signal raises here
+    assert stopped.value.exit_status == 143 and signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(SystemExit) as quiet, ending_in_one_line_on_signals(str(tmp_path), rank=1):
+        raise KeyboardInterrupt  # the other ranks say nothing
+    assert quiet.value.code == 130
+    with pytest.raises(Interrupted, match="no complete checkpoint in .* yet, so a new run starts from the beginning"), \
+            ending_in_one_line_on_signals(str(tmp_path / "empty"), rank=0):
+        raise KeyboardInterrupt
+
+
+def test_the_launcher_ends_with_the_status_of_the_signal_that_stopped_it(monkeypatch):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from finetune.errors import report_user_error
+    from finetune.launch import accelerate_launch
+
+    def stopped(args):
+        raise SignalException("Process 1 got signal: 2", sigval=signal.SIGINT)
+
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", stopped)
+    assert accelerate_launch.main(["--num_processes", "2", "-m", "finetune", "train", "recipes/demo.yaml"]) == 130
+    assert report_user_error(Interrupted("stopped by SIGTERM", signal.SIGTERM)) == 143  # what `finetune` exits with
 
 
 @pytest.mark.distributed
@@ -194,8 +231,10 @@ def test_sigterm_with_save_on_preemption_saves_the_current_step_and_auto_resumes
     output_dir = tmp_path / "run"
     launch, logged, seconds = sigterm_launcher_mid_run(output_dir, "--save_on_preemption", "true")
     assert seconds < 60
-    assert launch.launcher.returncode != 0
-    preempted = re.search(r"preempted at step (\d+): checkpoint-(\d+) saved", launch.output())
+    assert launch.launcher.returncode == 143  # as a shell reports a process SIGTERM ended
+    assert "Traceback" not in launch.output() and len(error_lines(launch.output())) == 1  # rank 0's line alone
+    preempted = re.search(r"preempted at step (\d+): checkpoint-(\d+) saved in \S+; resume with "
+                          r"`--resume_from_checkpoint auto`", launch.output())
     assert preempted, launch.output()[-6000:]
     step = int(preempted.group(1))
     assert logged <= step < STEPS and preempted.group(2) == str(step)  # the step it was at, not the last save (10)
@@ -215,11 +254,15 @@ def test_sigterm_with_save_on_preemption_saves_the_current_step_and_auto_resumes
 def test_sigterm_without_save_on_preemption_leaves_the_newest_complete_checkpoint_intact(tmp_path):
     output_dir = tmp_path / "run"
     launch, logged, seconds = sigterm_launcher_mid_run(output_dir, "--save_on_preemption", "false")
-    assert launch.launcher.returncode != 0
+    assert launch.launcher.returncode == 143
     assert "preempted at step" not in launch.output()
+    assert "Traceback" not in launch.output()  # neither the ranks' nor the launcher's
+    (line,) = error_lines(launch.output())
     assert seconds < 60
     assert not (output_dir / outputs.EVAL_RESULTS).exists()  # stopped mid-run
     complete = sorted(int(folder.name.split("-")[1]) for folder in output_dir.glob("checkpoint-*")
                       if is_complete(folder))
     assert complete and complete == list(range(10, complete[-1] + 1, 10))  # only the regular saves, each complete
     assert complete[-1] <= logged + 10
+    assert line == (f"finetune: error: stopped by SIGTERM: {output_dir / f'checkpoint-{complete[-1]}'} is the newest "
+                    "complete checkpoint; resume from it with `--resume_from_checkpoint auto`.")

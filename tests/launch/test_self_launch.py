@@ -258,6 +258,18 @@ def test_a_named_strategy_launches_its_shipped_config_for_real(deepspeed_runs):
 
 
 @pytest.mark.distributed
+def test_the_known_library_warnings_are_not_in_a_runs_log(deepspeed_runs, lora_runs):
+    """DeepSpeed ZeRO-3's collectives warned several times a step (torch's renamed all_gather / reduce_scatter), and
+    DDP searched every LoRA step for unused parameters and warned on each rank that it found none."""
+    zero3 = deepspeed_runs["zero3"]["output"]
+    assert "FutureWarning" not in zero3 and "reduce_scatter_tensor" not in zero3
+    lora_ddp = lora_runs["ddp"]
+    log = lora_ddp.with_name(f"{lora_ddp.name}.log").read_text()
+    assert "find_unused_parameters" not in log and "FutureWarning" not in log
+    assert "{'loss': " in log  # the log of the training itself
+
+
+@pytest.mark.distributed
 def test_a_self_launch_runs_as_the_same_launch_typed_by_hand(auto_run, deepspeed_runs):
     """`--strategy auto` chose ZeRO-3 + CPU offload; the same run typed as `accelerate launch` with that config
     writes the same strategy and the same losses."""
