@@ -81,3 +81,10 @@ def test_rendezvous_help_and_a_node_rank_outside_the_job(capsys):
     command = ["rendezvous", "--nnodes", "2", "--node-rank", "5", "--main-addr", "127.0.0.1", "--main-port", "1"]
     assert main(command) == 2
     assert "node rank 5 is not in 0..1" in capsys.readouterr().err
+    for option, value, message in (("--main-port", "70000", "`--main-port 70000` is not a TCP port"),
+                                   ("--main-addr", "no such host!", "is not an address this machine can resolve")):
+        bad = [*command[:command.index(option) + 1], value, *command[command.index(option) + 2:]]
+        bad[bad.index("--node-rank") + 1] = "1"
+        assert main(bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
