@@ -3,18 +3,38 @@
 
 One difference: Ctrl-C or SIGTERM reaching the launcher ends it with the status a shell gives a process that signal
 ended (128 + its number), after torch's elastic agent has passed the signal to the ranks and they have said what to
-resume from (finetune.checkpoints.preemption), instead of the agent's `SignalException` traceback and status 1.
+resume from (finetune.checkpoints.preemption), instead of the agent's `SignalException` traceback and status 1, and
+without the agent's lines about passing the signal on.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+
+# What torch's elastic agent logs (at WARNING) while it passes a signal to the ranks: (its logger, the message as
+# logged). Its other warnings, a rank that will not stop and is killed among them, stay.
+SIGNAL_RELAY_LINES = (
+    ("torch.distributed.elastic.agent.server.api", "Received %s death signal, shutting down workers"),
+    ("torch.distributed.elastic.multiprocessing.api", "Sending process %s closing signal %s"),
+)
+
+
+class _Without(logging.Filter):
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.message
 
 
 def main(argv: list[str] | None = None) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    for name, message in SIGNAL_RELAY_LINES:
+        logging.getLogger(name).addFilter(_Without(message))
     args = launch_command_parser().parse_args(argv)
     try:
         launch_command(args)

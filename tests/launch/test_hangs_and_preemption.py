@@ -257,6 +257,7 @@ def test_sigterm_without_save_on_preemption_leaves_the_newest_complete_checkpoin
     assert launch.launcher.returncode == 143
     assert "preempted at step" not in launch.output()
     assert "Traceback" not in launch.output()  # neither the ranks' nor the launcher's
+    assert "death signal" not in launch.output() and "closing signal" not in launch.output()  # its relay, unsaid
     (line,) = error_lines(launch.output())
     assert seconds < 60
     assert not (output_dir / outputs.EVAL_RESULTS).exists()  # stopped mid-run
