@@ -36,9 +36,11 @@ RENDEZVOUS_VARIABLES = (*RANK_VARIABLES, "LOCAL_WORLD_SIZE", "GROUP_RANK", "MAST
 
 def under_a_launcher(environ=None) -> bool:
     """Whether a launcher started this process: torchrun and `accelerate launch` set WORLD_SIZE (one process under
-    `accelerate launch` gets ACCELERATE_MIXED_PRECISION only), a self-launch its plan."""
+    `accelerate launch` gets ACCELERATE_MIXED_PRECISION only), a self-launch its plan (this launch's: `launch_plan`).
+    Variables no launcher set are `stray_rendezvous_variables`."""
     environ = os.environ if environ is None else environ
-    return any(name in environ for name in (*RANK_VARIABLES, *LAUNCHER_MARKERS)) or launch_plan(environ) is not None
+    return any(name in environ for name in ("WORLD_SIZE", "LOCAL_RANK", "ACCELERATE_MIXED_PRECISION")) \
+        or launch_plan(environ) is not None
 
 
 def stray_rendezvous_variables(environ=None) -> list[str]:
