@@ -133,28 +133,56 @@ def _is_blank(path: str) -> bool:
     return True
 
 
-def _load_file(path: str, key: str) -> Dataset:
+def _load_file(path: str, key: str, split: str = "train", split_key: str = "dataset_split") -> Dataset:
+    """The rows of a data file: its `train` split, or a slice of it (`train[:1000]`, `train[10%:]`) read as
+    `load_dataset` reads a slice of any split."""
     builder = _builder_for(path, key)
     if _is_blank(path):
         raise RecipeError(f"`{key}: {path}` is empty: it holds no examples; point it at your data file.")
-    return _load(path, builder, data_files={"train": path})["train"]
+    if split.split("[")[0].strip() != "train":
+        raise RecipeError(f"`{split_key}: {split}`: `{path}` is a file, whose rows are the `train` split; give "
+                          "`train` or a slice of it such as `train[:1000]`.")
+    return _load(path, builder, data_files={"train": path}, split=split)[split]
+
+
+def check_no_config(dataset: str, config: str | None, key: str, config_key: str = "dataset_config") -> None:
+    """A configuration picks a subset of a hub dataset (or a hub-shaped folder); a file or a `save_to_disk` folder has
+    none, and `load_dataset` would ignore it without a word."""
+    if config is not None:
+        raise RecipeError(f"`{config_key}: {config}` selects a configuration (subset) of a hub dataset, but "
+                          f"`{key}: {dataset}` is a local file or saved dataset, which has none: drop `{config_key}`.")
+
+
+def check_exists(dataset: str, key: str) -> None:
+    """A name that looks like a file (a data file's suffix, or a path: finetune.models.loading.looks_local) and names
+    nothing here is refused, not sent to the hub as a dataset id."""
+    from finetune.models.loading import looks_local
+
+    if Path(dataset).expanduser().exists():
+        return
+    if Path(dataset).suffix.lower() in FILE_BUILDERS or looks_local(dataset):
+        raise RecipeError(f"`{key}: {dataset}`: file {dataset} does not exist; check the path (relative to "
+                          f"{Path.cwd()}), or give a hub dataset id such as `HuggingFaceH4/ultrachat_200k`.")
 
 
 def _saved_to_disk(path: Path) -> bool:
     return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def _load_named(dataset: str, config: str | None = None, **kwargs) -> DatasetDict:
+def _load_named(dataset: str, config: str | None = None, key: str = "dataset", **kwargs) -> DatasetDict:
     if dataset == presets.SYNTHETIC_DATASET:
         directory = presets.synthetic_data_dir()
         files = {"train": str(directory / "train.jsonl"), "eval": str(directory / "eval.jsonl")}
         return synthetic_tasks(_load(dataset, "json", data_files=files), config)
     path = Path(dataset)
+    if path.is_file() or _saved_to_disk(path):
+        check_no_config(dataset, config, key)
     if path.is_file():
-        return DatasetDict(train=_load_file(dataset, "dataset"))
+        return DatasetDict(train=_load_file(dataset, key))
     if _saved_to_disk(path):
         loaded = load_from_disk(dataset)  # written by save_to_disk
         return loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded)
+    check_exists(dataset, key)
     return _load(dataset, dataset, name=config, **kwargs)  # a local dataset directory or a hub id
 
 
@@ -171,11 +199,14 @@ def synthetic_tasks(splits: DatasetDict, config: str | None) -> DatasetDict:
     return DatasetDict({name: split.filter(lambda row: row["task"] in wanted) for name, split in splits.items()})
 
 
-def _pick_split(splits: DatasetDict, split: str, source: str, config: str | None) -> Dataset:
+def _pick_split(splits: DatasetDict, split: str, source: str, config: str | None,
+                split_key: str = "dataset_split") -> Dataset:
     """`split` of `splits` (those of `source`'s `config`); a slice (`train[:1000]`) loaded as `load_dataset` reads it;
     a missing one named with those found."""
     if split in splits:
         return splits[split]
+    if Path(source).is_file():  # a file's rows are its `train` split, sliced as `load_dataset` slices one
+        return _load_file(source, "dataset", split, split_key)
     if "[" in split and split.split("[")[0] in splits:
         return _load(source, source, name=config, split=split)[split]
     raise RecipeError(f"dataset `{source}` has no `{split}` split (found: {', '.join(splits)}).")
@@ -186,13 +217,12 @@ def _load_split(dataset: str, config: str | None, split: str, data_files=None, d
     or hub id through `load_dataset(path, name=config, split=split)`."""
     path = Path(dataset)
     if path.is_file():
-        rows = _load_file(dataset, "dataset_mixture")
-        if split != "train":
-            raise RecipeError(f"`{dataset}` is a file: its rows are the `train` split, not `{split}`.")
-        return rows
+        check_no_config(dataset, config, "dataset_mixture` dataset `id", "config")
+        return _load_file(dataset, "dataset_mixture", split, "split")
     if _saved_to_disk(path) or data_files is None and data_dir is None:
-        splits = _load_named(dataset, config)
-        return _pick_split(splits, split, dataset, config)
+        splits = _load_named(dataset, config, "dataset_mixture` dataset `id")
+        return _pick_split(splits, split, dataset, config, "split")
+    check_exists(dataset, "dataset_mixture` dataset `id")
     return _load(dataset, dataset, name=config, split=split, data_files=data_files, data_dir=data_dir)[split]
 
 
@@ -259,7 +289,7 @@ def _eval_of(splits: DatasetDict, data_args) -> Dataset | None:
         return next((splits[name] for name in ("eval", "validation", "test") if name in splits), None)
     if wanted.lower() == "none":
         return None
-    return _pick_split(splits, wanted, data_args.dataset, data_args.dataset_config)
+    return _pick_split(splits, wanted, data_args.dataset, data_args.dataset_config, "eval_split")
 
 
 def load_raw_data(data_args) -> RawData:
@@ -273,7 +303,8 @@ def load_raw_data(data_args) -> RawData:
         weights = [weight / total for weight in weights]
     else:
         if data_args.train_file is not None:
-            splits = DatasetDict(train=_load_file(data_args.train_file, "train_file"))
+            check_no_config(data_args.train_file, data_args.dataset_config, "train_file")
+            splits = DatasetDict(train=_load_file(data_args.train_file, "train_file", data_args.dataset_split))
             train = splits["train"]
         else:
             splits = _load_named(data_args.dataset, data_args.dataset_config)

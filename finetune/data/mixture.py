@@ -22,6 +22,7 @@ alpaca, another messages), so each is tokenized as a source of its own and the s
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,17 +84,37 @@ def _read(value: Any) -> dict:
 
 
 def _number(entry: dict, key: str, kind: type, where: str):
+    """`entry[key]` as a positive finite number of `kind` (None when unset): a count of rows is whole (`rows: 2.7`
+    would be read as 2 by `int`), and NaN, infinity or a flag (`true`) is refused, not carried into the sampling."""
     value = entry.get(key)
     if value is None:
         return None
     try:
-        number = kind(value)
+        if isinstance(value, bool):
+            raise TypeError(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise RecipeError(f"{where}: `{key}: {value}` is not a number.") from None
-    if number <= 0 or (kind is float and key == "weight" and number > 1):
-        limit = "in (0, 1] (the fraction of its rows kept; no row is repeated)" if key == "weight" else "positive"
+    if kind is int and math.isfinite(number) and not number.is_integer():
+        raise RecipeError(f"{where}: `{key}: {value}` is not a whole number of rows; give a count such as "
+                          f"`{key}: {max(int(number), 1)}`, or `weight` for a fraction of its rows.")
+    if not math.isfinite(number) or number <= 0 or (key == "weight" and number > 1):
+        limit = "in (0, 1] (the fraction of its rows kept; no row is repeated)" if key == "weight" else \
+            "a positive finite number"
         raise RecipeError(f"{where}: `{key}: {value}` must be {limit}.")
-    return number
+    return kind(number)
+
+
+def check_mix_weights(files: list[str] | None, weights: list | None) -> None:
+    """`mix_weights`: one positive finite number per file of `mix_files`, the one at fault named with its file."""
+    if weights is None:
+        return
+    files = files or []
+    if len(weights) != len(files):
+        raise RecipeError(f"`mix_weights` needs one positive weight per file of `mix_files` ({len(files)}), got "
+                          f"{weights}.")
+    for index, (file, weight) in enumerate(zip(files, weights), start=1):
+        _number({"mix_weights": weight}, "mix_weights", float, f"`mix_weights` weight {index} (of {file})")
 
 
 def parse_mixture(value: Any) -> Mixture:
@@ -118,6 +139,7 @@ def parse_mixture(value: Any) -> Mixture:
         path = entry.get("id") or entry.get("path")
         if not path:
             raise RecipeError(f"{where} names no dataset: give `id` (a hub id, a local folder or a file).")
+        where = f"{where} ({path})"
         chosen = [key for key in ("weight", "fraction", "rows") if entry.get(key) is not None]
         if len(chosen) > 1:
             raise RecipeError(f"{where} gives {' and '.join(f'`{key}`' for key in chosen)}; give one.")

@@ -27,7 +27,7 @@ from trl.data_utils import pack_dataset
 from finetune import presets
 from finetune.data.cache import cache_key, key_digest
 from finetune.data.formats import detect_format
-from finetune.data.loading import FILE_BUILDERS, _builder_for, _saved_to_disk
+from finetune.data.loading import FILE_BUILDERS, _builder_for, _saved_to_disk, check_exists, check_no_config
 from finetune.data.tokenize import ENCODER_RECORDS, Encoder, PreparedData, _tokenize_split, generation_examples
 from finetune.errors import RecipeError
 
@@ -46,9 +46,12 @@ def open_stream(data_args, split: str, world_size: int = 1) -> IterableDataset:
             path = str(presets.synthetic_data_dir() / f"{split}.jsonl")
             return load_dataset("json", data_files={"train": path}, split="train", streaming=True)
         if data_args.train_file is not None:
+            check_no_config(data_args.train_file, data_args.dataset_config, "train_file")
             return load_dataset(_builder_for(data_args.train_file, "train_file"),
                                 data_files={"train": data_args.train_file}, split=split, streaming=True)
         folder = Path(data_args.dataset)
+        if folder.is_file() or _saved_to_disk(folder):
+            check_no_config(data_args.dataset, data_args.dataset_config, "dataset")
         if folder.is_file() and folder.suffix.lower() in FILE_BUILDERS:
             return load_dataset(_builder_for(str(folder), "dataset"), data_files={"train": str(folder)}, split=split,
                                 streaming=True)
@@ -56,6 +59,7 @@ def open_stream(data_args, split: str, world_size: int = 1) -> IterableDataset:
             saved = load_from_disk(str(folder))
             rows = saved[split] if hasattr(saved, "keys") else saved
             return rows.to_iterable_dataset(num_shards=min(len(rows), SHARDS_PER_PROCESS * max(world_size, 1)))
+        check_exists(data_args.dataset, "dataset")
         return load_dataset(data_args.dataset, name=data_args.dataset_config, split=split, streaming=True)
     except RecipeError:
         raise

@@ -17,11 +17,19 @@ from finetune.launch.strategies import Strategy, fsdp_fills_from_rank_zero
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
+def looks_local(name: str) -> bool:
+    """Whether a name can only be a local path, never a hub id (`owner/name`): it starts with `.`, `/` or `~`, has
+    more separators than a hub id's one, or its one separator follows a folder that exists here (`models/my-run`
+    beside a `models/` folder). Such a name that names nothing must not reach the hub, where it waits on retries."""
+    if name.startswith((".", "/", "~", os.sep)) or name.count("/") > 1 or (os.sep != "/" and os.sep in name):
+        return True
+    return "/" in name and Path(name).parent.is_dir()
+
+
 def check_local_path(name: str, key: str) -> None:
-    """A name that can only be a path (it starts with `.`, `/` or `~`, or has more separators than a hub id's one)
-    and names no directory stops here: from_pretrained would take it for a malformed hub repo id."""
-    looks_local = name.startswith((".", "/", "~", os.sep)) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
-    if looks_local and not Path(name).expanduser().is_dir():
+    """A name that can only be a path (`looks_local`) and names no directory stops here: from_pretrained would take
+    it for a hub repo id, malformed or missing, after the hub's retries."""
+    if looks_local(name) and not Path(name).expanduser().is_dir():
         found = "a file, not a directory" if Path(name).expanduser().exists() else "no such directory"
         raise RecipeError(f"`{key}: {name}`: {found}; give the folder holding config.json (as save_pretrained "
                           "writes it), or a hub id such as `Qwen/Qwen2.5-0.5B`.")

@@ -194,12 +194,19 @@ class DataArguments:
                 raise RecipeError(f"`{key}: {path}` does not exist or is not a file.")
         if self.mix_files and self.train_file:
             raise RecipeError("give either `train_file` or `mix_files`, not both.")
-        if self.mix_weights is not None and (len(self.mix_weights) != len(self.mix_files or [])
-                                             or min(self.mix_weights) <= 0):
-            raise RecipeError(f"`mix_weights` needs one positive weight per file of `mix_files` "
-                              f"({len(self.mix_files or [])}), got {self.mix_weights}.")
+        from finetune.data.mixture import check_mix_weights
+
+        check_mix_weights(self.mix_files, self.mix_weights)
         if self.packing_strategy != "bfd" and not self.packing:
             raise RecipeError(f"`packing_strategy: {self.packing_strategy}` needs `packing: true`.")
+        if self.packing_strategy == "bfd_split" and self.overlong_policy != "truncate":
+            # bfd_split keeps every token of an over-long example in pieces (finetune.data.tokenize.splits_overlong):
+            # a policy that drops or refuses it would be skipped without a word
+            action = "refuse" if self.overlong_policy == "error" else "drop"
+            raise RecipeError(f"`packing_strategy: bfd_split` cuts an example longer than `max_seq_length` into "
+                              f"row-long pieces, so `overlong_policy: {self.overlong_policy}` would never apply: use "
+                              f"`packing_strategy: bfd` to {action} over-long examples, or leave `overlong_policy` "
+                              "unset to train on the pieces.")
         if self.packing and self.padding_free:
             raise RecipeError("choose `packing` (rows of max_seq_length) or `padding_free` (one row per micro-batch).")
         if self.eval_split_ratio < 0 or (self.eval_split_ratio >= 1 and self.eval_split_ratio != int(

@@ -236,6 +236,49 @@ def test_mix_arguments_are_checked(tmp_path):
         DataArguments(train_file=str(path), mix_files=[str(path)])
 
 
+def test_a_split_or_slice_of_a_local_file_is_honoured_and_a_configuration_refused(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [{"text": f"row {i}"} for i in range(10)])
+    for key in ("train_file", "dataset"):
+        sliced = load_raw_data(DataArguments(**{key: str(path)}, dataset_split="train[:5]")).sources[0]
+        assert sliced.train["text"] == [f"row {i}" for i in range(5)]  # the whole file was trained on
+        with pytest.raises(RecipeError, match=r"^`dataset_split: test`: `.*train.jsonl` is a file, whose rows are "
+                                              r"the `train` split"):
+            load_raw_data(DataArguments(**{key: str(path)}, dataset_split="test"))
+        with pytest.raises(RecipeError, match=rf"^`dataset_config: all` selects a configuration \(subset\) of a hub "
+                                              rf"dataset, but `{key}: .*train.jsonl` is a local file"):
+            load_raw_data(DataArguments(**{key: str(path)}, dataset_config="all"))
+    held_out = load_raw_data(DataArguments(dataset=str(path), eval_split="train[8:]")).sources[0]
+    assert held_out.eval["text"] == ["row 8", "row 9"]
+
+
+@pytest.mark.parametrize("dataset", ["nope.jsonl", "data/nope", "./nope", "a/b/c"])
+def test_a_local_file_that_does_not_exist_is_named_not_sent_to_the_hub(tmp_path, monkeypatch, dataset):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(RecipeError, match=rf"^`dataset: {dataset}`: file {dataset} does not exist; check the path"):
+        load_raw_data(DataArguments(dataset=dataset))
+
+
+def test_bfd_split_with_an_overlong_policy_that_drops_or_refuses_is_refused():
+    with pytest.raises(RecipeError, match=r"^`packing_strategy: bfd_split` cuts .* so `overlong_policy: error` would "
+                                          r"never apply: use `packing_strategy: bfd` to refuse"):
+        DataArguments(packing=True, packing_strategy="bfd_split", overlong_policy="error")
+    with pytest.raises(RecipeError, match="`overlong_policy: drop` would never apply"):
+        DataArguments(packing=True, packing_strategy="bfd_split", overlong_policy="drop")
+    assert DataArguments(packing=True, packing_strategy="bfd_split").overlong_policy == "truncate"
+
+
+@pytest.mark.parametrize("weights, message", [
+    ([1.0, float("nan")], r"^`mix_weights` weight 2 \(of .*b.jsonl\): `mix_weights: nan` must be a positive finite"),
+    ([0, 1.0], r"^`mix_weights` weight 1 \(of .*a.jsonl\): `mix_weights: 0` must be a positive finite"),
+    (["heavy", 1.0], r"^`mix_weights` weight 1 \(of .*a.jsonl\): `mix_weights: heavy` is not a number"),
+])
+def test_a_mix_weight_that_is_not_a_positive_number_is_named_with_its_file(tmp_path, weights, message):
+    files = [str(write_jsonl(tmp_path / name, [FORMAT_ROWS["text"][0]])) for name in ("a.jsonl", "b.jsonl")]
+    with pytest.raises(RecipeError, match=message):
+        DataArguments(mix_files=files, mix_weights=weights)
+
+
 def per_example_losses(logits, labels):
     """Mean next-token loss of each labelled run in `labels` (one row), separated by -100 at boundaries."""
     return torch.nn.functional.cross_entropy(logits[:-1], labels[1:], ignore_index=IGNORE_INDEX, reduction="none")

@@ -127,6 +127,13 @@ def test_a_three_dataset_mixture_keeps_the_rows_asked_of_each_and_holds_out_eval
     ({"datasets": [{"id": "x", "rows": 5, "weight": 0.5}]}, "gives `weight` and `rows`; give one"),
     ({"dataset": []}, r"unknown key\(s\) dataset"),
     ({"datasets": [{"id": "x"}], "test_split_size": 2.5}, "a fraction in \\(0, 1\\) or a whole count"),
+    ({"datasets": [{"id": "x", "rows": 2.7}]}, r"^`dataset_mixture` dataset 1 \(x\): `rows: 2.7` is not a whole"),
+    ({"datasets": [{"id": "x"}, {"id": "y", "weight": float("nan")}]},
+     r"^`dataset_mixture` dataset 2 \(y\): `weight: nan` must be in \(0, 1\]"),
+    ({"datasets": [{"id": "x", "weight": 0}]}, r"^`dataset_mixture` dataset 1 \(x\): `weight: 0` must be in"),
+    ({"datasets": [{"id": "x", "weight": "half"}]}, r"^`dataset_mixture` dataset 1 \(x\): `weight: half` is not a "),
+    ({"datasets": [{"id": "x", "fraction": float("inf")}]}, r"`fraction: inf` must be a positive finite number"),
+    ({"datasets": [{"id": "x", "rows": True}]}, r"`rows: True` is not a number"),
 ])
 def test_a_malformed_mixture_is_refused_naming_the_entry_and_key(mixture, message):
     with pytest.raises(RecipeError, match=message):
