@@ -28,9 +28,10 @@ from finetune.errors import RecipeError
 
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 # How a failed write reads once a library has turned the OSError into text: PyTorch's zip writer
-# (caffe2/serialize/inline_container.cc) and its iostream, and the OS message safetensors and others quote.
+# (caffe2/serialize/inline_container.cc) and its iostream, the OS message safetensors and others quote, and numpy's
+# short write (`ndarray.tofile`, GGUF's tensors: an OSError without errno, "4096 requested and 2000 written").
 FAILED_WRITE_TEXTS = ("unexpected pos", "file write failed", "PytorchStreamWriter failed writing", "basic_ios::clear",
-                      "No space left on device", "Disk quota exceeded")
+                      "No space left on device", "Disk quota exceeded", " requested and ")
 # A folder that refuses files: permissions (EACCES; EPERM for an immutable file or folder) or a read-only mount.
 UNWRITABLE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 UNWRITABLE_TEXTS = ("Permission denied", "Operation not permitted", "Read-only file system")
@@ -67,12 +68,12 @@ def free_bytes(folder: Path) -> int:
 def _failed_write(error: BaseException, errnos: set[int], texts: tuple[str, ...]) -> str | None:
     """How a write failed, when it failed with one of `errnos` (or, once a library turned the OSError into text, one
     of `texts`): the OS's words; else None."""
-    if isinstance(error, OSError):
+    if isinstance(error, OSError) and error.errno is not None:
         return (error.strerror or str(error)) if error.errno in errnos else None
     if type(error).__name__ == "CheckpointException":  # torch.distributed.checkpoint: one failure per rank
         failures = (_failed_write(failure, errnos, texts) for failure, _ in getattr(error, "failures", {}).values())
         return next((reason for reason in failures if reason), None)
-    if isinstance(error, RuntimeError) or type(error).__name__ == "SafetensorError":
+    if isinstance(error, (RuntimeError, OSError)) or type(error).__name__ == "SafetensorError":
         return next((text for text in texts if text in str(error)), None)
     return None
 

@@ -18,6 +18,7 @@ around it, and a non-empty folder is written into only when it holds an earlier 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from finetune.checkpoints.complete import (
     why_incomplete,
 )
 from finetune.errors import RecipeError
-from finetune.models.loading import DTYPES
+from finetune.models.loading import DTYPES, check_local_path
 
 # Written into every export: the folder may be exported into again (its earlier files replaced), and only then.
 EXPORT_RECORD = "finetune_export.json"
@@ -111,6 +112,8 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
 
     if not source.is_dir():
         raise RecipeError(f"{source} is not a directory: give a run's output_dir or one of its checkpoint-N folders.")
+    if base_model:  # before anything loads: a folder's name would be tried as a hub id
+        check_local_path(base_model, "--base-model")
     check_finished(source)
     weights = ("model.safetensors", "model.safetensors.index.json", "adapter_config.json", FSDP_MODEL_SHARDS)
     if (source / "pytorch_model.bin").is_file() and not any((source / name).exists() for name in weights) and not (
@@ -217,13 +220,15 @@ def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dt
 
 
 def check_destination(source: Path, out_dir: Path, force: bool) -> None:
-    """Export never writes over what it reads: the destination is not the source, inside it or around it (a link
-    to either counts as it), nor a training run's output_dir or checkpoint, even under `force`. A non-empty folder
-    is written into only when an earlier export left it (its files are replaced) or with `force`: a user's files
-    are not overwritten unasked."""
+    """Export never writes over what it reads: the destination is not the source, inside it or its run, or around it
+    (a link to either counts as it), nor a training run's output_dir or checkpoint, even under `force`. A non-empty
+    folder is written into only when an earlier export left it (its files are replaced) or with `force`: a user's
+    files are not overwritten unasked."""
     source_real, out_real = source.resolve(), out_dir.resolve()
+    source_run = source_real.parent if CHECKPOINT_NAME.match(source_real.name) else source_real
     where = ("is" if out_real == source_real else "is inside" if out_real.is_relative_to(source_real) else
-             "holds" if source_real.is_relative_to(out_real) else None)
+             "holds" if source_real.is_relative_to(out_real) else
+             "is inside the run of" if out_real.is_relative_to(source_run) else None)
     if where is not None:
         raise RecipeError(f"the export destination {out_dir} {where} the source {source}: writing there would replace "
                           "or mix with the weights it is read from. Give a directory outside the run.")
@@ -239,19 +244,52 @@ def check_destination(source: Path, out_dir: Path, force: bool) -> None:
                           f"({EXPORT_RECORD}): give a new or empty directory, or pass --force to write into it.")
 
 
-def forget_earlier_export(out_dir: Path) -> None:
+def forget_earlier_export(out_dir: Path) -> list[str]:
     """Removes the files an earlier export into `out_dir` wrote, so none of its shards or adapter files is left beside
-    the new model."""
+    the new model; returns their names."""
     record = out_dir / EXPORT_RECORD
     if not record.is_file():
-        return
+        return []
     try:
         files = json.loads(record.read_text()).get("files", [])
     except (ValueError, AttributeError):
         files = []
-    for name in files:
-        if isinstance(name, str) and Path(name).name == name and (out_dir / name).is_file():
-            (out_dir / name).unlink()
+    removed = [name for name in files if isinstance(name, str) and Path(name).name == name
+               and (out_dir / name).is_file()]
+    for name in removed:
+        (out_dir / name).unlink()
+    return removed
+
+
+@contextmanager
+def writing_export(folder: Path, needed_bytes: int, what: str):
+    """Around writing `what` (about `needed_bytes`) into `folder`, which it creates: stops before when the disk has
+    less free, and turns a write that fails for want of space (finetune.checkpoints.disk.is_disk_full) into one line,
+    after removing what the write left in `folder` (and `folder` itself if it made it): nothing partial stays."""
+    import shutil
+
+    from finetune.checkpoints.disk import free_bytes, human_bytes, is_disk_full
+
+    def no_space() -> RecipeError:
+        return RecipeError(f"no space left on {folder}: {human_bytes(free_bytes(folder))} free, {what} needs "
+                           f"~{human_bytes(needed_bytes)}; nothing partial was left there. Free space there or give a "
+                           "folder on another disk.")
+
+    if free_bytes(folder) < needed_bytes:
+        raise no_space()
+    existed = folder.is_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    before = set(folder.iterdir())
+    try:
+        yield
+    except BaseException as error:
+        if not is_disk_full(error):
+            raise
+        for path in set(folder.iterdir()) - before:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        if not existed:
+            folder.rmdir()
+        raise no_space() from None
 
 
 def beside(source: Path, name: str) -> Path | None:

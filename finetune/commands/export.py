@@ -35,8 +35,9 @@ def export_command(args) -> int:
     from finetune.errors import RecipeError
 
     if args.gguf:
-        path = export_gguf(args)
-        print(f"exported {args.checkpoint} to {path}")
+        path, replaced = export_gguf(args)
+        print(f"exported {args.checkpoint} to {path}" + (f" (replacing the earlier {', '.join(replaced)})"
+                                                          if replaced else ""))
         return 0
     if args.gguf_type is not None:
         raise RecipeError(f"--gguf-type {args.gguf_type} is the type of a GGUF export: add --gguf, or leave it out.")
@@ -46,13 +47,15 @@ def export_command(args) -> int:
     return 0
 
 
-def export_gguf(args) -> Path:
+def export_gguf(args) -> tuple[Path, list[str]]:
     """The model and tokenizer as `finetune chat` loads them, written as one GGUF file: checked for what GGUF can
-    hold before the destination is touched, then under `finetune export`'s destination rules and record."""
+    hold before the destination is touched, then under `finetune export`'s destination rules and record. GGUF files
+    of other types exported there before stay beside it; returns the file and the names of the files it replaced (an
+    earlier file of the same type, or an earlier safetensors export's)."""
     from finetune import outputs
-    from finetune.checkpoints.export import EXPORT_RECORD, check_destination, forget_earlier_export
+    from finetune.checkpoints.export import EXPORT_RECORD, check_destination, forget_earlier_export, writing_export
     from finetune.errors import RecipeError
-    from finetune.models.gguf import GGUF_TYPES, check_convertible, write_gguf
+    from finetune.models.gguf import GGUF_TYPES, check_convertible, gguf_bytes, write_gguf
     from finetune.train.trained_model import load_with_tokenizer
 
     gguf_type = args.gguf_type or "f16"
@@ -65,10 +68,17 @@ def export_gguf(args) -> Path:
     model, tokenizer = load_with_tokenizer(source, args.merge_lora, args.base_model, args.seed)
     check_convertible(model, tokenizer, gguf_type)
     check_destination(source, out_dir, args.force)
-    forget_earlier_export(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     name = out_dir.resolve().name
-    path = write_gguf(model, tokenizer, out_dir / f"{name}-{gguf_type}.gguf", gguf_type, name=name)
+    path = out_dir / f"{name}-{gguf_type}.gguf"
+    earlier = outputs.read_record(out_dir, EXPORT_RECORD, missing=None) if out_dir.is_dir() else None
+    if isinstance(earlier, dict) and earlier.get("format") == "gguf":  # other types stay: only this name is replaced
+        kept = [file for file in earlier.get("files") or [] if isinstance(file, str) and Path(file).name == file
+                and file != path.name and (out_dir / file).is_file()]
+        replaced = [path.name] if path.is_file() else []
+    else:
+        kept, replaced = [], forget_earlier_export(out_dir)
+    with writing_export(out_dir, gguf_bytes(model, gguf_type), f"the {gguf_type} GGUF file"):
+        write_gguf(model, tokenizer, path, gguf_type, name=name)
     outputs.write_record(out_dir, EXPORT_RECORD, {"source": str(source.resolve()), "format": "gguf",
-                                                  "dtype": gguf_type, "files": [path.name]})
-    return path
+                                                  "dtype": gguf_type, "files": sorted([*kept, path.name])})
+    return path, replaced

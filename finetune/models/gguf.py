@@ -240,6 +240,15 @@ def check_convertible(model, tokenizer, gguf_type: str) -> tuple[Layout, dict]:
     return layout, tokenizer_json
 
 
+def gguf_bytes(model, gguf_type: str) -> int:
+    """About the size of `model`'s GGUF file of `gguf_type`, as `encoded` stores its tensors: 1-D ones in F32, the
+    rest in F16 or Q8_0 (34 bytes a block of 32: int8 weights and an f16 scale); a tied head is not written."""
+    per_weight = 34 / 32 if gguf_type == "q8_0" else 2
+    tied = model.config.tie_word_embeddings
+    return int(sum(weight.numel() * (4 if weight.ndim <= 1 else per_weight)
+                   for name, weight in model.state_dict().items() if not (tied and name == "lm_head.weight")))
+
+
 def write_gguf(model, tokenizer, path: Path, gguf_type: str = "f16", name: str | None = None) -> Path:
     """`model` (merged weights) and `tokenizer` (with the chat template training used) as the one GGUF file `path`,
     written beside it first and moved into place whole."""

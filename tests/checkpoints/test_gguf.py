@@ -223,7 +223,7 @@ def test_a_lora_adapter_needs_merge_lora(hub_model_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("architecture, reason", [
     ("GPT2LMHeadModel", "GPT2LMHeadModel is not an architecture this export writes"),
-    ("Qwen2ForSequenceClassification", "(a reward model or classifier)"),
+    ("Qwen2ForSequenceClassification", "(Qwen2ForSequenceClassification, a reward model or classifier): it scores"),
 ])
 def test_other_architectures_are_refused(tmp_path, capsys, architecture, reason):
     import transformers
@@ -242,18 +242,50 @@ def test_other_architectures_are_refused(tmp_path, capsys, architecture, reason)
     assert not (tmp_path / "out").exists()
 
 
-def test_destination_rules_hold_and_an_earlier_gguf_export_is_replaced(hub_model_dir, tmp_path, capsys):
+def test_destination_rules_hold_and_gguf_types_sit_side_by_side(hub_model_dir, tmp_path, capsys):
     users = tmp_path / "users"
     users.mkdir()
     (users / "notes.txt").write_text("mine")
     assert main(["export", str(hub_model_dir), str(users), "--gguf"]) == 2
     assert "is not empty and holds no earlier export" in capsys.readouterr().err
     assert [path.name for path in users.iterdir()] == ["notes.txt"]
-    assert main(["export", str(hub_model_dir), str(tmp_path / "out"), "--gguf"]) == 0
-    assert main(["export", str(hub_model_dir), str(tmp_path / "out"), "--gguf", "--gguf-type", "q8_0"]) == 0
-    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["finetune_export.json", "out-q8_0.gguf"]
+    out = tmp_path / "out"
+    assert main(["export", str(hub_model_dir), str(out), "--gguf"]) == 0
+    assert capsys.readouterr().out.strip() == f"exported {hub_model_dir} to {out / 'out-f16.gguf'}"
+    assert main(["export", str(hub_model_dir), str(out), "--gguf", "--gguf-type", "q8_0"]) == 0
+    assert "replacing" not in capsys.readouterr().out
+    assert sorted(path.name for path in out.iterdir()) == ["finetune_export.json", "out-f16.gguf", "out-q8_0.gguf"]
+    assert json.loads((out / "finetune_export.json").read_text())["files"] == ["out-f16.gguf", "out-q8_0.gguf"]
+    assert tensor_types(out / "out-f16.gguf")["blk.0.attn_q.weight"] == "F16"  # the first export, whole
+    assert main(["export", str(hub_model_dir), str(out), "--gguf"]) == 0  # the same type again: named
+    assert capsys.readouterr().out.strip().endswith("(replacing the earlier out-f16.gguf)")
+    assert sorted(path.name for path in out.iterdir()) == ["finetune_export.json", "out-f16.gguf", "out-q8_0.gguf"]
     assert main(["export", str(hub_model_dir), str(hub_model_dir / "inside"), "--gguf"]) == 2
     assert "is inside the source" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing_partial(hub_model_dir, tmp_path, capsys, monkeypatch):
+    """numpy's short write (GGUF's tensors; an OSError without errno) mid-file, and too little space seen before."""
+    import gguf
+
+    from finetune.checkpoints import disk
+
+    def short_write(writer):
+        writer.fout[0].write(b"x" * 2000)
+        raise OSError("4096 requested and 2000 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", short_write)
+    out = tmp_path / "out"
+    assert main(["export", str(hub_model_dir), str(out), "--gguf"]) == 2
+    output = capsys.readouterr().err
+    error = output.strip().splitlines()[-1]  # after the progress of loading the weights
+    assert "Traceback" not in output and error.startswith(f"finetune: error: no space left on {out}: ")
+    assert "the f16 GGUF file needs ~" in error and "nothing partial was left there" in error
+    assert not out.exists()  # the folder it made, and the half-written file in it, are gone
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: 1000)
+    assert main(["export", str(hub_model_dir), str(out), "--gguf", "--gguf-type", "q8_0"]) == 2
+    assert "1000 bytes free, the q8_0 GGUF file needs ~" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_gguf_help_and_flag_mistakes(hub_model_dir, tmp_path, capsys):
