@@ -5,7 +5,13 @@ The model is written once as a plain model folder that either server reads as it
 it (any run folder, checkpoint-N, ZeRO or FSDP shards, a LoRA adapter merged into its base), its tokenizer saved with
 the chat template training used, and its generation config stopping at every token that ended an answer in training
 (`finetune.train.evaluation.stop_token_ids`), so a client's answers end where `finetune chat`'s do. The server is a
-child process: Ctrl-C or SIGTERM stops it and removes a folder written for this serve alone.
+child process: Ctrl-C or SIGTERM stops it (killed after `SHUTDOWN_GRACE_SECONDS` if a request keeps it busy) and
+removes a folder written for this serve alone.
+
+`transformers serve` answers one request at a time on one inference thread and gives `generate` the client's
+`max_tokens` as `max_new_tokens`, which overrides any `max_length` (transformers' `_prepare_generated_length`):
+nothing it reads stops a generation at the model's context. So it runs here as `python -m finetune.commands.serve`,
+its sequential generation manager capping every request at what the context has room for (`capped_at_context`).
 """
 
 from __future__ import annotations
@@ -16,10 +22,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 ENGINES = ("auto", "transformers", "vllm")
+# How long a stopped server may take to finish the request it is answering before it is killed (uvicorn waits for
+# open connections without limit, and transformers serve cannot be told otherwise).
+SHUTDOWN_GRACE_SECONDS = 10
 
 
 def serve_command_parser(subparsers) -> None:
@@ -92,6 +102,7 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
     chat template, stops in the generation config. True when the run learned plain text (no template to chat in)."""
     import contextlib
 
+    from finetune.checkpoints.export import writing_export
     from finetune.train.evaluation import record_stop_tokens
     from finetune.train.trained_model import load_with_tokenizer, plain_text_format
 
@@ -102,9 +113,10 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
         model = model.merge_and_unload()
     record_stop_tokens(model, tokenizer, plain_text)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    weights_bytes = sum(weight.numel() * weight.element_size() for weight in model.state_dict().values())
+    with writing_export(folder, weights_bytes, "the served model"):
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
     return plain_text
 
 
@@ -114,7 +126,38 @@ def server_command(engine: str, name: str, host: str, port: int) -> list[str]:
     if engine == "vllm":
         return ["vllm", "serve", name, "--served-model-name", name, "--host", host, "--port", str(port),
                 "--generation-config", "auto"]
-    return [str(Path(sys.executable).parent / "transformers"), "serve", name, "--host", host, "--port", str(port)]
+    return [sys.executable, "-m", "finetune.commands.serve", name, "--host", host, "--port", str(port)]
+
+
+def capped_at_context(model, inputs: dict, generation_config):
+    """`generation_config` with `max_new_tokens` no more than the model's context has room for after the prompt (at
+    least one token), whatever the client asked (`max_tokens`, or a `generation_config` of its own)."""
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context:
+        room = max(context - inputs["input_ids"].shape[-1], 1)
+        if generation_config.max_new_tokens is None or generation_config.max_new_tokens > room:
+            generation_config.max_new_tokens = room
+    return generation_config
+
+
+def serve_within_context(argv: list[str]) -> None:
+    """`transformers serve ARGV`, its sequential generation manager (one per model, built by
+    `GenerationState.get_manager`) capping each request at the context (`capped_at_context`)."""
+    from transformers.cli import transformers as transformers_cli
+    from transformers.cli.serving import utils
+
+    class ContextBoundGenerateManager(utils.GenerateManager):
+        def generate_streaming(self, model, processor, inputs, gen_config, *args, **kwargs):
+            return super().generate_streaming(model, processor, inputs, capped_at_context(model, inputs, gen_config),
+                                              *args, **kwargs)
+
+        async def generate_non_streaming(self, model, processor, inputs, gen_config, *args, **kwargs):
+            return await super().generate_non_streaming(model, processor, inputs,
+                                                        capped_at_context(model, inputs, gen_config), *args, **kwargs)
+
+    utils.GenerateManager = ContextBoundGenerateManager
+    sys.argv = ["transformers", "serve", *argv]
+    transformers_cli.main()
 
 
 def serve_command(args) -> int:
@@ -126,8 +169,10 @@ def serve_command(args) -> int:
         raise RecipeError(f"--port {args.port}: give a port between 1 and 65535.")
     check_port_free(args.host, args.port)  # before the model is written: a taken port would end the server only then
     engine = pick_engine(args.engine)
-    if args.export_dir is not None and Path(args.export_dir).exists() and any(Path(args.export_dir).iterdir()):
-        raise RecipeError(f"--export-dir {args.export_dir} is not empty: give a new or empty folder.")
+    if args.export_dir is not None:
+        check_export_dir(source, Path(args.export_dir))
+    # SIGTERM while the model is written ends here as SystemExit, through the `finally` that removes the workspace
+    previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     workspace = Path(tempfile.mkdtemp(prefix="finetune-serve-"))
     try:
         folder = Path(args.export_dir).resolve() if args.export_dir else workspace / "model"
@@ -146,25 +191,45 @@ def serve_command(args) -> int:
         return run_server(server_command(engine, name, args.host, args.port), workspace)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous_handler)
 
 
-def run_server(command: list[str], folder: Path) -> int:
-    """Runs the server until it ends or this process is asked to stop (SIGINT, SIGTERM), which it passes on; a stop
-    asked for is a clean end (0)."""
+def check_export_dir(source: Path, export_dir: Path) -> None:
+    """--export-dir under `finetune export`'s destination rules (not the run served, inside it or around it, nor
+    another run), and new or empty: the served folder is written whole, over nothing."""
+    from finetune.checkpoints.export import check_destination
+    from finetune.errors import RecipeError
+
+    check_destination(source, export_dir, force=False)
+    if export_dir.exists() and any(export_dir.iterdir()):
+        raise RecipeError(f"--export-dir {export_dir} is not empty: give a new or empty folder.")
+
+
+def run_server(command: list[str], folder: Path, grace_seconds: float = SHUTDOWN_GRACE_SECONDS) -> int:
+    """Runs the server until it ends or this process is asked to stop (SIGINT, SIGTERM), which it passes on; a
+    server still busy `grace_seconds` later (a request being answered) is killed. A stop asked for is a clean end
+    (0)."""
     server = subprocess.Popen(command, cwd=folder, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     stopping = []
 
     def stop(signum, frame):
-        stopping.append(signum)
-        if server.poll() is None:
+        if not stopping and server.poll() is None:
             server.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
+        stopping.append(time.monotonic())
 
     previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        try:
-            returncode = server.wait()
-        except KeyboardInterrupt:
-            returncode = server.wait()
+        while True:  # in steps: a signal's handler returns into wait(), which would wait on without a deadline
+            try:
+                returncode = server.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if stopping and time.monotonic() - stopping[0] > grace_seconds:
+                    print(f"the server was still answering a request {grace_seconds:g}s after the stop: killed it",
+                          file=sys.stderr, flush=True)
+                    server.kill()
+                    returncode = server.wait()
+                    break
         if stopping:
             print("server stopped", file=sys.stderr)
             return 0
@@ -175,3 +240,7 @@ def run_server(command: list[str], folder: Path) -> int:
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+if __name__ == "__main__":  # the transformers server, as `server_command` starts it
+    serve_within_context(sys.argv[1:])

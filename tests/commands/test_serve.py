@@ -1,19 +1,25 @@
 """`finetune serve`: the demo run behind `transformers serve` answers the real `openai` client on loopback, streaming
 and not, as `finetune chat` answers (the training chat template and stops), and stops cleanly on SIGTERM, removing
-the model folder it wrote; bad input stops before anything is written."""
+the model folder it wrote; a request is capped at the context, and a stop mid-answer is bounded; bad input (an
+export folder inside the run) and a full disk stop in one line, leaving nothing written."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from support import PROJECT_ROOT, finetune_command, free_port
 
+from finetune import presets
 from finetune.cli import main
-from finetune.commands.serve import server_command
+from finetune.commands.serve import SHUTDOWN_GRACE_SECONDS, run_server, server_command
 from finetune.train.evaluation import stop_token_ids
 from finetune.train.trained_model import load_with_tokenizer
 
@@ -87,13 +93,19 @@ def test_serve_help_and_errors(tmp_path, capsys):
         assert message in capsys.readouterr().err
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
-    assert main(["serve", str(tmp_path), "--export-dir", str(tmp_path / "taken"), "--port", str(free_port())]) == 2
+    (tmp_path / "run").mkdir()
+    assert main(["serve", str(tmp_path / "run"), "--export-dir", str(tmp_path / "taken"), "--port",
+                 str(free_port())]) == 2
     assert "is not empty" in capsys.readouterr().err
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         assert main(["serve", str(tmp_path), "--port", str(holder.getsockname()[1])]) == 2
     assert "give another --port" in capsys.readouterr().err
+    for source, inside in ((tmp_path, tmp_path / "checkpoint-99"), (tmp_path / "checkpoint-5", tmp_path / "served")):
+        source.mkdir(exist_ok=True)
+        assert main(["serve", str(source), "--export-dir", str(inside), "--port", str(free_port())]) == 2
+        assert "is inside the" in capsys.readouterr().err and not inside.exists()
     assert main(["serve", str(tmp_path), "--port", str(free_port())]) == 2  # no model there
     assert "holds no model" in capsys.readouterr().err
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
@@ -107,5 +119,86 @@ def test_vllm_is_given_the_served_folder_under_the_clients_name():
         "vllm", "serve", "demo/reverse", "--served-model-name", "demo/reverse", "--host", "127.0.0.1", "--port",
         "8000", "--generation-config", "auto"]
     assert server_command("transformers", "demo", "127.0.0.1", 8000)[1:] == [
-        "serve", "demo", "--host", "127.0.0.1", "--port", "8000"]
+        "-m", "finetune.commands.serve", "demo", "--host", "127.0.0.1", "--port", "8000"]
+
+
+# The untrained model's context: short, so that an answer capped at it is quick on a busy CPU.
+UNTRAINED_CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def untrained_tiny(tmp_path_factory):
+    """The `tiny` model untrained, with a context of 64 tokens: it never writes its end token, so only a cap ends its
+    answers."""
+    folder = tmp_path_factory.mktemp("untrained_tiny")
+    tokenizer = presets.build_tokenizer()
+    model = presets.build_model(tokenizer, seed=0)
+    model.config.max_position_embeddings = UNTRAINED_CONTEXT
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_huge_max_tokens_is_capped_at_the_context_and_sigterm_mid_answer_stops_and_cleans_up(
+        untrained_tiny, tmp_path):
+    """`max_tokens` of a million (and the client's own generation config without an end token) ends at the model's
+    context instead of holding the one inference thread; SIGTERM while it is answered stops the server in bounded
+    time and removes the temporary copy."""
+    port, temporary = free_port(), tmp_path / "tmp"
+    temporary.mkdir()
+    server = subprocess.Popen(finetune_command("serve", str(untrained_tiny), "--port", str(port)), cwd=PROJECT_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": str(temporary)})
+    answers, asking = [], None
+    try:
+        wait_for_models(port, server)
+        assert [path.name for path in temporary.iterdir() if path.name.startswith("finetune-serve-")]
+        body = {"model": untrained_tiny.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6,
+                "generation_config": json.dumps({"max_new_tokens": 10**6, "eos_token_id": None, "do_sample": False})}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        asking = threading.Thread(target=lambda: answers.append(json.loads(
+            urllib.request.urlopen(request, timeout=120).read())))
+        asking.start()
+        lines = iter(server.stderr.readline, "")
+        assert any("[Request received]" in line for line in lines)  # being answered
+    finally:
+        started = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        _, errors = server.communicate(timeout=60)
+    if asking is not None:
+        asking.join(timeout=60)
+    assert time.monotonic() - started < SHUTDOWN_GRACE_SECONDS + 15
+    assert server.returncode == 0 and "Traceback" not in errors and "server stopped" in errors
+    (answer,) = answers  # answered before the server stopped, at the context
+    assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] == UNTRAINED_CONTEXT
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert not [path.name for path in temporary.iterdir() if path.name.startswith("finetune-serve-")]
+
+
+def test_a_server_busy_past_the_grace_period_is_killed(tmp_path):
+    ignores_sigint = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                      "print('up', flush=True); time.sleep(60)"]
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    started = time.monotonic()
+    assert run_server(ignores_sigint, tmp_path, grace_seconds=0.5) == 0
+    assert time.monotonic() - started < 10
+
+
+def test_serve_disk_full_is_one_line_and_leaves_nothing(untrained_tiny, tmp_path, capsys, monkeypatch):
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+
+    def full_disk(model, folder, **kwargs):
+        (Path(folder) / "model.safetensors").write_bytes(b"x" * 2000)
+        raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    kept = tmp_path / "kept"
+    assert main(["serve", str(untrained_tiny), "--export-dir", str(kept), "--port", str(free_port())]) == 2
+    output = capsys.readouterr().err
+    assert "Traceback" not in output
+    assert output.strip().splitlines()[-1].startswith(f"finetune: error: no space left on {kept}: ")
+    assert "the served model needs ~" in output and "nothing partial was left there" in output
+    assert not kept.exists()
 
