@@ -64,6 +64,19 @@ def plain_text_format(checkpoint: str, system: str | None = None) -> str | None:
     return None
 
 
+def check_generates(model, source: Path) -> None:
+    """Refuses a scorer (a reward model or classifier, `...ForSequenceClassification`, what `method: reward` trains):
+    it has a head that scores a text, no language-model head to write one, and no generation config."""
+    from finetune.errors import RecipeError
+
+    name = type(model).__name__
+    if name.endswith("ForSequenceClassification"):
+        raise RecipeError(f"{source} is a reward model ({name}, a reward model or classifier): it scores text, it does "
+                          f"not generate, so it cannot chat, be evaluated on answers or be served. Use it to score a "
+                          f"GRPO run's completions (`reward_funcs: [{source}]`), or `finetune export` it as "
+                          "safetensors.")
+
+
 def load_with_tokenizer(source: str | Path, merge_lora: bool = False, base_model: str | None = None,
                         seed: int | None = None):
     """`(model, tokenizer)` for `source` in memory (what `finetune chat` talks to): the model as `load_for_export`
@@ -77,6 +90,7 @@ def load_with_tokenizer(source: str | Path, merge_lora: bool = False, base_model
 
     source = Path(source)
     model, _ = load_for_export(source, merge_lora, base_model, seed)
+    check_generates(model, source)
     saved, adapter = beside(source, "tokenizer_config.json"), beside(source, "adapter_config.json")
     name = str(saved.parent) if saved is not None else base_model or (
         adapter is not None and json.loads(adapter.read_text()).get("base_model_name_or_path"))

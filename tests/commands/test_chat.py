@@ -155,3 +155,41 @@ def test_chat_errors_name_the_path_and_the_fix(tmp_path, capsys):
     assert main(["chat", str(tmp_path), "--temperature", "0"]) == 2
     assert "leave it out for greedy decoding" in one_error_line(capsys)
 
+
+
+def test_a_reward_model_is_refused_by_chat_eval_and_serve_in_one_line(tmp_path, capsys):
+    """What `method: reward` saves: a one-score ...ForSequenceClassification, which scores and has nothing to generate
+    with (it ended in `AttributeError: generation_config`)."""
+    import transformers
+    from hub_fixtures import build_tokenizer
+
+    from finetune.launch.commands import free_port
+
+    tokenizer = build_tokenizer("chatml")
+    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                                      pad_token_id=tokenizer.pad_token_id)
+    transformers.Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "reward")
+    tokenizer.save_pretrained(tmp_path / "reward")
+    reward = tmp_path / "reward"
+    for command in (["chat", str(reward), "--prompt", "hi"], ["eval", str(reward), "--tasks", "arc_easy"],
+                    ["serve", str(reward), "--port", str(free_port())]):
+        assert main(command) == 2, command
+        output = capsys.readouterr()
+        assert "Traceback" not in output.err
+        assert output.err.strip().splitlines()[-1] == (
+            f"finetune: error: {reward} is a reward model (Qwen2ForSequenceClassification, a reward model or "
+            "classifier): it scores text, it does not generate, so it cannot chat, be evaluated on answers or be "
+            f"served. Use it to score a GRPO run's completions (`reward_funcs: [{reward}]`), or `finetune export` it "
+            "as safetensors.")
+
+
+def test_a_missing_base_model_folder_is_named(tmp_path, capsys):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "tiny", "peft_type": "LORA"}))
+    missing = tmp_path / "bases" / "missing"
+    assert main(["chat", str(adapter), "--base-model", str(missing), "--prompt", "hi"]) == 2
+    assert one_error_line(capsys) == (f"finetune: error: `--base-model: {missing}`: no such directory; give the folder "
+                                      "holding config.json (as save_pretrained writes it), or a hub id such as "
+                                      "`Qwen/Qwen2.5-0.5B`.")
