@@ -14,6 +14,7 @@ from finetune.data.collate import pack_prepared, prepare_model_for_packing
 from finetune.data.loading import load_raw_data
 from finetune.data.summary import fingerprint
 from finetune.data.tokenize import PreparedData, prepare_datasets, token_counts
+from finetune.errors import RecipeError
 
 
 def prepare_data(recipe, tokenizer, model) -> PreparedData:
@@ -25,14 +26,35 @@ def prepare_data(recipe, tokenizer, model) -> PreparedData:
     if recipe.data.streaming:  # tokenized as it is read (finetune.data.streaming)
         from finetune.data.streaming import prepare_stream
 
-        return prepare_stream(recipe, tokenizer)
+        data = prepare_stream(recipe, tokenizer)
+        check_chat_template_is_used(recipe.model, data.summary)
+        return data
     data = read_preprocessed(recipe, tokenizer) or tokenize_data(recipe, tokenizer)
+    check_chat_template_is_used(recipe.model, data.summary)
     # Which ranks read tokenized data (the preprocessed cache, or the `datasets` cache rank 0 wrote under
     # main_process_first) instead of tokenizing.
     from_cache = "preprocessed" in data.summary or all(source["train"]["from_cache"]
                                                        for source in data.summary["sources"])
     data.summary["train_from_cache_by_rank"] = gather_object([from_cache]) if args.world_size > 1 else [from_cache]
     return data
+
+
+def check_chat_template_is_used(model_args, summary: dict) -> None:
+    """A recipe's `chat_template` with prompt/completion sources is refused by name. A string prompt and completion
+    are TRL's standard (not conversational) format, which TRL trains as plain text without the template, and so does
+    finetune.data.tokenize; chat, eval and serve then send such a run raw prompts too (trained_as_plain_text). The
+    template would be saved and recorded yet never seen by the model, whereas a recipe that names one expects its
+    examples rendered through it: saying so lets the user choose `messages` data or no template."""
+    from finetune.models.loading import chat_template_text
+
+    if not getattr(model_args, "chat_template", None) or chat_template_text(model_args.chat_template) is None:
+        return
+    plain = [source["name"] for source in summary.get("sources", []) if source.get("format") == "prompt_completion"]
+    if plain:
+        raise RecipeError(f"`chat_template` is set, but {plain[0]} holds prompt/completion strings, which train as "
+                          "plain text (TRL's standard format) without the template: it would be saved with the model "
+                          "and never used. Write the examples as `messages` (a user and an assistant turn) to train "
+                          "through the template, or drop `chat_template`.")
 
 
 def tokenize_data(recipe, tokenizer) -> PreparedData:

@@ -399,3 +399,22 @@ def test_group_by_length_batches_examples_of_similar_length(tmp_path, tokenizer)
     lengths = [len(data.train[i]["input_ids"]) for i in sampler]
     mixed = sum(1 for i in range(0, len(lengths), 2) if abs(lengths[i] - lengths[i + 1]) > 10)
     assert mixed <= 4, lengths  # random pairing would mix about 20 of the 40 pairs
+
+
+def test_a_chat_template_for_prompt_completion_data_is_refused_not_saved_unused(tmp_path, tokenizer):
+    from finetune.data.pipeline import prepare_data
+    from finetune.recipe.args import ModelArguments
+
+    path = write_jsonl(tmp_path / "pairs.jsonl", [FORMAT_ROWS["prompt_completion"][0]] * 4)
+    training = SimpleNamespace(output_dir=str(tmp_path / "run"), world_size=1, process_index=0, seed=0,
+                               main_process_first=OneProcess.main_process_first)
+
+    def recipe(**model):
+        return SimpleNamespace(model=ModelArguments(**model), training=training,
+                               data=DataArguments(train_file=str(path), generation_eval_samples=0))
+
+    with pytest.raises(RecipeError, match=r"^`chat_template` is set, but .*pairs.jsonl holds prompt/completion "
+                                          r"strings, which train as plain text .* Write the examples as `messages`"):
+        prepare_data(recipe(chat_template="chatml"), tokenizer, None)
+    data = prepare_data(recipe(), tokenizer, None)  # no template: trained as text, as TRL trains a string pair
+    assert labelled_text(tokenizer, data.train[0]["input_ids"], data.train[0]["labels"]) == "2<|end|>"
