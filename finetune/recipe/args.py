@@ -79,12 +79,13 @@ class DataArguments:
     dataset_config: str | None = field(
         default=None,
         metadata={"help": "The configuration (subset) of `dataset` to load (`load_dataset(dataset, name=...)`); the "
-                          "dataset's default when unset. With `dataset: synthetic`: the tasks to keep (`add`, or "
-                          "`sort,add`)."},
+                          "dataset's default when unset; a local file or saved dataset has none. With `dataset: "
+                          "synthetic`: the tasks to keep (`add`, or `sort,add`)."},
     )
     dataset_split: str = field(
         default="train",
-        metadata={"help": "The split of `dataset` to train on (`train_sft`, a slice such as `train[:1000]`, ...)."},
+        metadata={"help": "The split of `dataset` to train on (`train_sft`, a slice such as `train[:1000]`, ...); "
+                          "a local file's rows are its `train` split, which may be sliced."},
     )
     eval_split: str | None = field(
         default=None,
@@ -117,7 +118,8 @@ class DataArguments:
     max_tokens: int | None = field(
         default=None,
         metadata={"help": "A token budget instead of epochs or `max_steps`: the steps it takes with every row holding "
-                          "max_seq_length tokens (packed rows nearly do), global_batch_size rows a step."},
+                          "max_seq_length tokens (packed rows nearly do), global_batch_size rows a step; on a "
+                          "stream it needs `packing`."},
     )
     eval_split_ratio: float = field(
         default=0.0,
@@ -221,6 +223,12 @@ class DataArguments:
                 key = given[0] if given else "eval_split_ratio"
                 raise RecipeError(f"`streaming: true` reads one dataset in order and cannot count it, so `{key}` "
                                   "cannot be honoured; mix or split the data ahead of time, or drop `streaming`.")
+            if self.max_tokens is not None and not self.packing:
+                # The steps of a budget are fixed before the stream is read (finetune.recipe.parse), as rows of
+                # max_seq_length tokens: only packed rows hold that many; unpacked ones trained 30-69% of it.
+                raise RecipeError(f"`max_tokens: {self.max_tokens}` on a stream counts rows of `max_seq_length` "
+                                  "tokens, which only packed rows fill: an unpacked stream would train on a fraction "
+                                  "of the budget. Set `packing: true`, or give `max_steps` instead.")
         if self.dataset_mixture is not None:
             from finetune.data.mixture import parse_mixture
 

@@ -98,3 +98,12 @@ def test_a_stream_needs_an_end_and_refuses_what_needs_its_length(tmp_path, strea
         parse_recipe("recipes/demo.yaml", ["--max_steps", "5", "--max_tokens", "100"])
     recipe = parse_recipe("recipes/demo.yaml", ["--max_tokens", "100000", "--max_seq_length", "128"])
     assert recipe.training.max_steps == -(-100000 // (128 * recipe.batch_plan.global_batch_size))
+
+
+def test_a_token_budget_on_an_unpacked_stream_is_refused_with_the_reason(stream_file):
+    base = ["--train_file", str(stream_file), "--streaming", "true", "--max_tokens", "10000"]
+    with pytest.raises(RecipeError, match=r"^`max_tokens: 10000` on a stream counts rows of `max_seq_length` tokens, "
+                                          r"which only packed rows fill: .* Set `packing: true`, or give `max_steps`"):
+        read_recipe("recipes/demo.yaml", base)
+    packed = read_recipe("recipes/demo.yaml", [*base, "--packing", "true"])  # the budget it counts is trained
+    assert packed.data.max_tokens == 10000 and packed.data.packing
