@@ -187,6 +187,10 @@ class Translation:
     """Their key → the keys of ours its value was read into (`adapter: qlora` → `{use_qlora: true}`)."""
     defaults: dict[str, Any] = field(default_factory=dict)
     """The tool's own defaults applied for keys its config left out (our key → value)."""
+    reading: str | None = None
+    """What the console says the file is read as (peers.read_as), when it has any other tool's key."""
+    strays: list[str] = field(default_factory=list)
+    """How each of another tool's keys in a finetune recipe (or on its command line) was read."""
 
     def record(self) -> dict[str, Any]:
         """What `effective_config.json` lists under `foreign_keys`."""
@@ -200,14 +204,18 @@ NOTHING = (None, "", False, [], {})
 
 
 def translate_values(values: dict[str, Any], where: str, method: type[Method] | None = None,
-                     recipe_dir: Path | None = None) -> tuple[dict[str, Any], Translation]:
+                     recipe_dir: Path | None = None,
+                     native: set[str] = frozenset()) -> tuple[dict[str, Any], Translation]:
     """A recipe file's values with TRL's keys answered (as the config of `method` declares them), or, for another
     tool's config, that tool's keys (finetune.recipe.peers): renamed to ours, read into ours, dropped with a note, or
-    refused."""
-    from finetune.recipe.peers import RECIPE_DIR, TOOL_KEYS, detect_tool, tool_defaults
+    refused. `native` holds the keys the recipe parser knows: with TRL's, they tell a finetune recipe from another
+    tool's config (peers.read_as)."""
+    from finetune.recipe.peers import RECIPE_DIR, TOOL_KEYS, read_as, tool_defaults
 
-    translation = Translation(tool=detect_tool(values, where))
-    tool_keys, context, translated = TOOL_KEYS.get(translation.tool, {}), {**values, RECIPE_DIR: recipe_dir}, {}
+    reading = read_as(values, where, set(native) | trl_key_names())
+    translation = Translation(tool=reading.tool, reading=reading.line)
+    tool_keys = TOOL_KEYS.get(reading.tool) or {name: TOOL_KEYS[reading.stray_tool][name] for name in reading.strays}
+    context, translated = {**values, RECIPE_DIR: recipe_dir}, {}
     for name, value in values.items():
         key = tool_keys.get(name) or method_trl_key(name, method)
         if key is not None and key.expand is not None:
@@ -217,6 +225,7 @@ def translate_values(values: dict[str, Any], where: str, method: type[Method] | 
         if target is not None:
             translated[target] = _converted(key, value, where)
     _refuse_both(translation, set(values), where)
+    translation.strays = [_stray_line(tool_keys[name], values[name], translation) for name in reading.strays]
     for ours, value in tool_defaults(translation.tool, values).items():
         if ours not in translated:
             translated[ours] = translation.defaults[ours] = value
@@ -226,10 +235,32 @@ def translate_values(values: dict[str, Any], where: str, method: type[Method] | 
     return translated, translation
 
 
-def translate_command_line(tokens: list[str], method: type[Method] | None = None) -> tuple[list[str], Translation]:
-    """`--key value ...` tokens with TRL's keys answered the same way; `--use_peft` alone means true, as in
+def _stray_line(key: TrlKey, value: Any, translation: Translation) -> str:
+    """How a finetune recipe read one key of another tool's (`lora_rank` is LLaMA-Factory's name for `lora_r`)."""
+    if key.ours is not None:
+        return f"`{key.name}` is {key.owner}'s name for `{key.ours}`: read as {key.ours}"
+    produced = translation.read_into.get(key.name)
+    if produced:
+        read = ", ".join(f"{ours}: {shown(value)}" for ours, value in produced.items())
+        return f"`{key.name}` is {key.owner}'s key: read as {read}"
+    return f"`{key.name}: {shown(value)}` is {key.owner}'s key: {key.why}"
+
+
+def trl_key_names() -> set[str]:
+    """Every key TRL's configs name (this table's and each method's own)."""
+    from finetune.recipe.methods import all_methods
+
+    return set(TRL_KEYS_BY_NAME) | {key.name for method in all_methods() for key in method.trl_keys}
+
+
+def translate_command_line(tokens: list[str], method: type[Method] | None = None, tool: str | None = None,
+                           native: set[str] = frozenset()) -> tuple[list[str], Translation]:
+    """`--key value ...` tokens with TRL's keys answered the same way, and the renamed keys of `tool` (the file's
+    tool; of any tool, said so, for a finetune recipe) as in the file; `--use_peft` alone means true, as in
     `HfArgumentParser`."""
-    translation, translated, given = Translation(), [], set()
+    from finetune.recipe.peers import TOOL_KEYS
+
+    translation, translated, given = Translation(tool=tool), [], set()
     for option, values in _options(tokens):
         if option is None:
             translated += values
@@ -238,15 +269,29 @@ def translate_command_line(tokens: list[str], method: type[Method] | None = None
         given.add(name)
         inline = option.split("=", 1)[1:]
         value = (inline or values or ["true"])[0] if len(values) <= 1 else values
-        target = _answer(name, value, "the command line", translation, method)
+        key = _tool_key(name, tool, native, TOOL_KEYS) or method_trl_key(name, method)
+        target = _answer(name, value, "the command line", translation, method, key)
         if target == name:
             translated += [option, *values]
         elif target is not None:
-            key = method_trl_key(name, method)
             converted = [str(_converted(key, given, "the command line")) for given in (inline or values)]
             translated += [f"--{target}", *converted]
+            if tool is None and key.owner in TOOL_KEYS:
+                translation.strays.append(_stray_line(key, value, translation))
     _refuse_both(translation, given, "the command line")
     return translated, translation
+
+
+def _tool_key(name: str, tool: str | None, native: set[str], tables: dict[str, dict[str, TrlKey]]) -> TrlKey | None:
+    """The key of the file's tool (of any tool for a finetune recipe) that a command-line option names, when it is
+    renamed to ours or noted (a key whose value needs reading is given in the file)."""
+    if name in native:
+        return None
+    for owner, table in tables.items():
+        key = table.get(name)
+        if key is not None and key.expand is None and (tool is None or owner == tool):
+            return key
+    return None
 
 
 def method_trl_key(name: str, method: type[Method] | None) -> TrlKey | None:

@@ -10,7 +10,7 @@ import enum
 
 from transformers import TrainingArguments
 
-from finetune.recipe.aliases import AXOLOTL, LLAMA_FACTORY, TRL_KEYS, TrlKey, shown
+from finetune.recipe.aliases import TRL_KEYS, TrlKey, shown
 from finetune.recipe.args import (
     DataArguments,
     FinetuneTrainingArguments,
@@ -150,7 +150,7 @@ def _key_table(rows) -> list[str]:
 
 def from_tools_guide() -> str:
     """docs/from_other_tools.md: what becomes of each key of TRL, the alignment-handbook, axolotl and LLaMA-Factory."""
-    from finetune.recipe.peers import AXOLOTL_KEYS, LLAMA_FACTORY_KEYS, MARKERS
+    from finetune.recipe.peers import AXOLOTL_KEYS, LLAMA_FACTORY_KEYS
 
     lines = [
         "# Coming from TRL, the alignment-handbook, axolotl or LLaMA-Factory",
@@ -173,6 +173,13 @@ def from_tools_guide() -> str:
         "its",
         "default, as TRL and the other tools read it.",
         "",
+        "A file is read as another tool's config when most of the keys that tell configs apart (the tool's own, and",
+        "finetune's that are not Trainer's) are that tool's, and the console says so: `read as a LLaMA-Factory config",
+        "(13 of the 15 keys that are not Trainer's are LLaMA-Factory's)`. A finetune recipe carrying a stray key of",
+        "another tool's is read as finetune's, with finetune's defaults, and the key is read as ours, said in one line",
+        "(`lora_rank` is LLaMA-Factory's name for `lora_r`: read as lora_r). The tool's renamed keys are read on the",
+        "command line too (`--sequence_len 512` after an axolotl config).",
+        "",
         "## TRL and the alignment-handbook",
         "",
         "A `trl sft --config` recipe, or an alignment-handbook recipe, is read in TRL's names (its `SFTConfig`,",
@@ -191,7 +198,8 @@ def from_tools_guide() -> str:
         "",
         "## axolotl",
         "",
-        f"A config holding any of {', '.join(f'`{key}`' for key in MARKERS[AXOLOTL])} is read as axolotl's. Its",
+        "A config whose keys are mostly axolotl's (`base_model`, `sequence_len`, `micro_batch_size`, ...) is read as",
+        "axolotl's. Its",
         "`datasets:` become a `dataset_mixture` (`type: alpaca`, `chat_template` (with `field_messages` and ShareGPT's",
         "`from`/`value`), `completion` → finetune's alpaca, messages, sharegpt and text formats); `val_set_size` up",
         "to 1 is a fraction, above 1 a count of rows; `lora_dropout` left out is 0, as in axolotl.",
@@ -201,7 +209,7 @@ def from_tools_guide() -> str:
         "",
         "## LLaMA-Factory",
         "",
-        f"A config holding any of {', '.join(f'`{key}`' for key in MARKERS[LLAMA_FACTORY])} is read as",
+        "A config whose keys are mostly LLaMA-Factory's (`stage`, `finetuning_type`, `cutoff_len`, ...) is read as",
         "LLaMA-Factory's. Its `dataset` names are looked up in `dataset_dir`'s `dataset_info.json` (from the",
         "working directory, as LLaMA-Factory reads it, else beside the config): `file_name` or `hf_hub_url`,",
         "`subset`, `split`, `formatting` alpaca (its `columns` renamed to `instruction`, `input`, `output`) or",

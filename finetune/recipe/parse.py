@@ -222,12 +222,12 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     file_values = load_recipe_file(recipe_path) if recipe_path is not None else {}
     method = requested_method(file_values, list(overrides or []))  # TRL's keys mean what that method's config says
     recipe_dir = Path(recipe_path).parent if recipe_path is not None else None
-    values, from_file = translate_values(file_values, source, method, recipe_dir)
+    known = parser.known_keys()
+    values, from_file = translate_values(file_values, source, method, recipe_dir, known)
     if values.get("method") not in (None, method.name):  # another tool's config named it (LLaMA-Factory's `stage`)
         method = requested_method(values, list(overrides or []))
-        values, from_file = translate_values(file_values, source, method, recipe_dir)
-    overrides, from_command_line = translate_command_line(list(overrides or []), method)
-    known = parser.known_keys()
+        values, from_file = translate_values(file_values, source, method, recipe_dir, known)
+    overrides, from_command_line = translate_command_line(list(overrides or []), method, from_file.tool, known)
     for key in values:
         if key not in known:
             raise RecipeError(f"unknown key `{key}` in {source}{did_you_mean(key, known)}.")
@@ -292,8 +292,14 @@ def _name_the_aliases(sources: dict[str, str], from_file: Translation, from_comm
         alias = (from_command_line if source == COMMAND_LINE else from_file).renamed.get(key)
         if alias is not None:
             sources[key] = f"{source} ({alias.given_as})"
+    if launched_rank() != 0:
+        return
+    if from_file.reading:  # whose config the file is read as, and each stray key of another tool's
+        print(f"note: {'; '.join([from_file.reading, *from_file.strays])}.")
+    if from_command_line.strays:
+        print(f"note: on the command line, {'; '.join(from_command_line.strays)}.")
     notes = from_file.notes + from_command_line.notes
-    if notes and launched_rank() == 0:
+    if notes:
         print(f"note: keys that change nothing here, accepted and ignored: {'; '.join(notes)}.")
 
 

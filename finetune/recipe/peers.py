@@ -1,10 +1,12 @@
 """Configs of other fine-tuning tools, read as finetune recipes: axolotl's and LLaMA-Factory's SFT configs.
 
-A recipe file is read as one tool's config when it holds keys only that tool writes (`MARKERS`: axolotl's
-`base_model`, `sequence_len`, ...; LLaMA-Factory's `stage`, `cutoff_len`, ...). Each of the tool's keys is then
-renamed to ours (`sequence_len` → `max_seq_length`), turned into ours when its value needs reading (`adapter: qlora`
-→ `use_qlora: true`, `datasets:` → `dataset_mixture`, LLaMA-Factory's dataset names → the files its
-`dataset_info.json` lists), accepted with a note when it changes nothing here, or refused naming the reason, through
+A recipe file is read as one tool's config when most of the keys that tell configs apart are keys only that tool
+writes (axolotl's `base_model`, `sequence_len`, ...; LLaMA-Factory's `stage`, `cutoff_len`, ...) rather than
+finetune's own (`read_as`); the console says which, either way. A finetune recipe carrying a stray key of another
+tool's (`lora_rank`) reads that key through the tool's table, saying so, and keeps finetune's defaults. Each of the
+tool's keys is renamed to ours (`sequence_len` → `max_seq_length`), turned into ours when its value needs reading
+(`adapter: qlora` → `use_qlora: true`, `datasets:` → `dataset_mixture`, LLaMA-Factory's dataset names → the files
+its `dataset_info.json` lists), accepted with a note when it changes nothing here, or refused naming the reason, through
 the same table TRL's keys go through (finetune.recipe.aliases). Where the tool's default differs from ours and
 decides what trains (LLaMA-Factory's LoRA alpha of twice the rank), the tool's default is applied, and said so.
 `effective_config.json` lists every key so read under `foreign_keys`.
@@ -15,33 +17,58 @@ Keys are those of axolotl's config schema (src/axolotl/utils/schemas) and LLaMA-
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from finetune.errors import RecipeError
 from finetune.recipe.aliases import AXOLOTL, LLAMA_FACTORY, TrlKey, held_out_size
 
-MARKERS = {
-    AXOLOTL: ("base_model", "sequence_len", "micro_batch_size", "num_epochs", "adapter", "sample_packing",
-              "val_set_size", "lora_target_linear", "dataset_prepared_path"),
-    LLAMA_FACTORY: ("stage", "finetuning_type", "cutoff_len", "template", "lora_rank", "lora_target", "val_size",
-                    "dataset_dir", "preprocessing_num_workers"),
-}
 RECIPE_DIR = "__recipe_dir__"  # the recipe file's folder, passed to the keys that read files beside it
 TEMPLATE_NOTE = ("the tokenizer's own chat template renders the conversations (a template name here is the tool's "
                  "copy of a model family's template; finetune's default template when the tokenizer has none); give "
                  "the Jinja text, a file or `chatml` as `chat_template` to use another")
 
 
-def detect_tool(values: dict[str, Any], where: str) -> str | None:
-    """The tool whose config `values` is, by the keys only it writes; None for a finetune or TRL recipe."""
-    found = {tool: [key for key in markers if key in values] for tool, markers in MARKERS.items()}
+@dataclass(frozen=True)
+class Reading:
+    """Whose config a recipe file is, and why: the keys that tell a config's tool apart are the tool's own (its
+    table's keys that finetune, Trainer and TRL do not name) and finetune's own (not Trainer's, which every tool
+    passes through); the file is the tool's when most of those are the tool's."""
+
+    tool: str | None
+    """The tool the file is read as; None for a finetune or TRL recipe."""
+    strays: tuple[str, ...] = ()
+    """Another tool's keys in a finetune recipe (`lora_rank`), each read through that tool's table and said so."""
+    stray_tool: str | None = None
+    line: str | None = None
+    """What the console says about it; None for a recipe with no other tool's key."""
+
+
+def read_as(values: dict[str, Any], where: str, native: set[str]) -> Reading:
+    """The tool whose config `values` is, by the keys only it writes against finetune's own (`native`: every key the
+    recipe parser and TRL's tables know), or a finetune recipe carrying a few of another tool's keys."""
+    from transformers import TrainingArguments
+
+    trainer = {field.name for field in dataclasses.fields(TrainingArguments)}
+    found = {tool: [key for key in values if key in table and key not in native] for tool, table in TOOL_KEYS.items()}
     tools = [tool for tool, keys in found.items() if keys]
     if len(tools) > 1:
         raise RecipeError(f"{where} mixes keys of {' and '.join(f'{tool} ({found[tool][0]})' for tool in tools)}; "
                           "write it in one tool's keys.")
-    return tools[0] if tools else None
+    if not tools:
+        return Reading(None)
+    tool, theirs = tools[0], found[tools[0]]
+    ours = [key for key in values if key in native and key not in trainer and key not in TOOL_KEYS[tool]]
+    told = len(theirs) + len(ours)
+    if 2 * len(theirs) > told:
+        return Reading(tool, line=f"{where} is read as {ARTICLE[tool]} {tool} config ({len(theirs)} of the {told} "
+                                  f"keys that are not Trainer's are {tool}'s)")
+    return Reading(None, tuple(theirs), tool, line=f"{where} is read as a finetune recipe ({len(theirs)} of the {told} "
+                                                  f"keys that are not Trainer's {'is' if len(theirs) == 1 else 'are'} "
+                                                  f"{tool}'s)")
 
 
 # ---------------------------------------------------------------------------------------------------------- axolotl
@@ -374,6 +401,7 @@ LLAMA_FACTORY_KEYS = (
 
 TOOL_KEYS = {AXOLOTL: {key.name: key for key in AXOLOTL_KEYS},
              LLAMA_FACTORY: {key.name: key for key in LLAMA_FACTORY_KEYS}}
+ARTICLE = {AXOLOTL: "an", LLAMA_FACTORY: "a"}
 
 
 def tool_defaults(tool: str, values: dict) -> dict[str, Any]:

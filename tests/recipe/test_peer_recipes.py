@@ -6,6 +6,7 @@ for the hub ids (the recipe's own mixture, each `id` replaced). What became of e
 `effective_config.json`."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,25 @@ def test_dataset_info_columns_and_sharegpt_tags_become_our_formats(tmp_path):
     assert (chats.format, chats.path) == ("sharegpt", str(folder / "chats.json"))
     assert (ultra.format, ultra.path, ultra.split) == ("messages", "HuggingFaceH4/ultrachat_200k", "train_sft")
     assert sections.lora.use_lora is False  # `finetuning_type: full`
+
+
+def test_a_stray_key_of_another_tool_is_read_as_ours_and_keeps_finetunes_defaults(tmp_path, capsys):
+    (tmp_path / "data.jsonl").write_text('{"text": "a"}\n')
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: x\ntrain_file: {tmp_path / 'data.jsonl'}\nuse_lora: true\nlora_rank: 16\n")
+    sections = read_recipe(recipe, ["--cutoff_len", "64"])
+    assert (sections.lora.lora_r, sections.lora.lora_alpha, sections.lora.lora_dropout) == (16, 32, 0.05)
+    assert sections.data.max_seq_length == 64
+    assert sections.foreign_keys["read_as"] == "finetune / TRL recipe" and not sections.foreign_keys["tool_defaults"]
+    out = capsys.readouterr().out
+    assert "is read as a finetune recipe (1 of the 4 keys that are not Trainer's is LLaMA-Factory's)" in out
+    assert "`lora_rank` is LLaMA-Factory's name for `lora_r`: read as lora_r" in out
+    assert "on the command line, `cutoff_len` is LLaMA-Factory's name for `max_seq_length`" in out
+
+
+def test_a_tools_config_is_read_as_its_own_saying_so_and_its_renamed_keys_work_on_the_command_line(capsys):
+    sections = read_recipe(PEERS / "axolotl_lora.yml", ["--sequence_len", "512"])
+    assert sections.data.max_seq_length == 512 and sections.sources["max_seq_length"].endswith(
+        "(given as axolotl's sequence_len)")
+    assert re.search(r"is read as an axolotl config \(\d+ of the \d+ keys that are not Trainer's are axolotl's\)",
+                     capsys.readouterr().out)
