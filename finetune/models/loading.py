@@ -55,7 +55,12 @@ def chat_template_text(value: str) -> str | None:
         return value
     path = Path(value).expanduser()
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise RecipeError(f"`chat_template: {value}`: the file is not UTF-8 text (byte 0x"
+                              f"{error.object[error.start]:02x} at offset {error.start}); save it as UTF-8 (e.g. "
+                              "`iconv -f latin1 -t utf-8`).") from None
     raise RecipeError(f"`chat_template: {value:.80}` is neither a Jinja template (text with `{{{{ }}}}` or `{{% %}}`), "
                       f"a file holding one, nor one of {', '.join([*NAMED_TEMPLATES, TOKENIZER_DEFAULT])}.")
 

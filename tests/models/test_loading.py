@@ -29,3 +29,11 @@ def test_a_name_is_local_when_it_can_only_be_a_path(tmp_path, monkeypatch, name,
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()
     assert looks_local(name) is local
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_named_with_the_byte_offset(tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_bytes("{% for m in messages %}{{ m['content'] }} ".encode() + b"caf\xe9{% endfor %}")
+    with pytest.raises(RecipeError, match=rf"^`chat_template: {template}`: the file is not UTF-8 text \(byte 0xe9 at "
+                                          r"offset 45\); save it as UTF-8"):
+        ModelArguments(chat_template=str(template))
