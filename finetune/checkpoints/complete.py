@@ -145,13 +145,43 @@ def recipe_changes(checkpoint: Path, now: dict[str, str]) -> list[str]:
     return [f"{key}: {then.get(key, 'default')} → {now.get(key, 'default')}" for key in changed]
 
 
-def check_same_data(checkpoint: str | Path, train_data: str, ignore_data_skip: bool) -> str | None:
+def saved_chat_template(checkpoint: str | Path) -> str | None:
+    """The chat template saved with a checkpoint's tokenizer: `chat_template.jinja` (Transformers' file), else the
+    `chat_template` of its tokenizer_config.json; None where it saved none."""
+    folder = Path(checkpoint)
+    try:
+        if (folder / "chat_template.jinja").is_file():
+            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    return template if isinstance(template, str) else None
+
+
+def check_same_data(checkpoint: str | Path, train_data: str, ignore_data_skip: bool,
+                    chat_template: str | None = None) -> str | None:
     """Trainer resumes by skipping the batches the checkpoint's run had consumed: on other data that would skip rows
     never trained on. Refuses changed training data, unless `ignore_data_skip` says to start the new data from its
-    first row (returned as the line to print). None when the data is unchanged or the checkpoint recorded none."""
+    first row (returned as the line to print). None when the data is unchanged or the checkpoint recorded none.
+    Where the tokenizer's `chat_template` differs from the one saved with the checkpoint, the rows changed because
+    the template did, and the line says so (the data files may be the same)."""
     then = read_marker(checkpoint).get("train_data")
     if then is None or then == train_data:
         return None
+    saved = saved_chat_template(checkpoint) if chat_template is not None else None
+    if saved is not None and saved != chat_template:
+        saved_file = Path(checkpoint, "chat_template.jinja")
+        if not saved_file.is_file():
+            saved_file = f"the `chat_template` of {checkpoint}/tokenizer_config.json"
+        if not ignore_data_skip:
+            raise RecipeError(
+                f"the chat template differs from the one {checkpoint} was trained with, so the tokenized training "
+                f"rows changed ({then} → {train_data}): resuming would skip batches of rows never trained on. Resume "
+                f"with the template it was saved with (`chat_template`: {saved_file}), set `ignore_data_skip: true` "
+                "to continue with the new template from the first row, or start afresh in another output_dir.")
+        return (f"the chat template changed since {checkpoint} ({then} → {train_data}): continuing with the rows it "
+                "renders from their first row (ignore_data_skip)")
     if not ignore_data_skip:
         raise RecipeError(
             f"the training data differs from the data {checkpoint} was trained on ({then} → {train_data}): resuming "

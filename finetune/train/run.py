@@ -35,6 +35,7 @@ from finetune.launch.self_launch import launch_plan
 from finetune.launch.watchdog import watching_ranks
 from finetune.memory import MemoryReportCallback
 from finetune.memory.ledger import HostLoadProbe
+from finetune.models.experts import turn_on_load_balancing
 from finetune.models.loading import load_model, load_tokenizer, materialize_empty_parameters, sharded_from_rank_zero
 from finetune.models.lora import FrozenWeightsCallback
 from finetune.plan.launch import memory_against_plan, over_plan_warnings
@@ -63,6 +64,7 @@ def train(recipe: Recipe) -> dict:
         model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
                            strategy=recipe.strategy, shapes_only=sharded_from_rank_zero(),
                            parallelism=recipe.parallelism)
+        turn_on_load_balancing(model, recipe.model.router_aux_loss_coef)  # experts: their router loss, as TRL
         model = method.prepare_model(recipe, model)  # adapters, trainable weights held as the method needs
         if recipe.parallelism.sequence_parallel_size > 1:  # Ulysses wraps the attention the model runs
             prepare_sequence_parallelism(args, recipe.parallelism, attention_implementation(model))
@@ -72,7 +74,8 @@ def train(recipe: Recipe) -> dict:
         # saved with the model: generate() elsewhere stops there too
         record_stop_tokens(model, tokenizer, trained_as_plain_text(data.summary))
         check_eval_split(args, data.eval is not None)  # before Trainer, which would raise a ValueError of its own
-        resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"])  # may stop: nothing written yet
+        # may stop: nothing written yet
+        resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"], tokenizer.chat_template)
         if recipe.strategy.kind == "pipeline":  # the toolkit's own loop: Trainer cannot drive a pipeline
             if args.process_index == 0:
                 method.print_data_summary(data.summary)
@@ -171,12 +174,13 @@ def learn_from_memory(records: list[dict], args) -> dict:
     return learned
 
 
-def checkpoint_to_resume(recipe: Recipe, train_data: str) -> str | None:
+def checkpoint_to_resume(recipe: Recipe, train_data: str, chat_template: str | None = None) -> str | None:
     """`resume_from_checkpoint: auto` resumes from the newest checkpoint complete and whole on every node (a
     collective: with `save_on_each_node` each node reads its own disk), or starts fresh; rank 0 names skipped
     half-written or damaged checkpoints and recipe keys that changed since the checkpoint. A checkpoint holding a file
     that could run code when loaded is refused by name on every rank. Changed training data is refused unless
-    `ignore_data_skip` (finetune.checkpoints.complete.check_same_data)."""
+    `ignore_data_skip` (finetune.checkpoints.complete.check_same_data; a changed `chat_template` is named as the
+    cause)."""
     args = recipe.training
     wanted, skipped = args.resume_from_checkpoint, []
     if wanted in (None, "", "false", "False"):
@@ -203,7 +207,7 @@ def checkpoint_to_resume(recipe: Recipe, train_data: str) -> str | None:
         raise RecipeError("`lr_scheduler_type: reduce_lr_on_plateau` keeps its learning rate in the checkpoint, so a "
                           "changed `learning_rate` cannot apply on resume: resume with the rate it was saved with, "
                           "or start afresh from its weights (`finetune export`).")
-    data_note = check_same_data(wanted, train_data, args.ignore_data_skip)
+    data_note = check_same_data(wanted, train_data, args.ignore_data_skip, chat_template)
     if args.process_index == 0:
         print(f"resuming from {wanted}")
         if changes:

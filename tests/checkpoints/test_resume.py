@@ -111,3 +111,24 @@ def test_a_changed_learning_rate_reaches_deepspeeds_optimizer_on_resume(checkpoi
                                                                  for step in (1, 2, 3)])
     assert [rates[step] for step in (4, 5, 6)] == pytest.approx([linear_schedule(0.001, step, 2, 6)
                                                                  for step in (4, 5, 6)])
+
+
+def test_a_resume_after_a_chat_template_change_names_the_template_not_the_data(tmp_path):
+    from finetune import presets
+    from finetune.checkpoints.complete import check_same_data, mark_complete
+    from finetune.errors import RecipeError
+    from finetune.models.loading import NAMED_TEMPLATES
+
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    tokenizer = presets.build_tokenizer()
+    tokenizer.save_pretrained(checkpoint)  # as Trainer saves its processing class in every checkpoint
+    mark_complete(checkpoint, 2, {}, {}, train_data="rows-before")
+    with pytest.raises(RecipeError, match=r"^the chat template differs from the one .*checkpoint-2 was trained with, "
+                                          r"so the tokenized training rows changed \(rows-before → rows-after\).* "
+                                          r"Resume with the template it was saved with \(`chat_template`: "
+                                          r".*checkpoint-2/chat_template.jinja\)"):
+        check_same_data(checkpoint, "rows-after", False, NAMED_TEMPLATES["chatml"])
+    with pytest.raises(RecipeError, match=r"^the training data differs from the data .*checkpoint-2 was trained on"):
+        check_same_data(checkpoint, "rows-after", False, tokenizer.chat_template)  # same template: the data changed
+    assert "chat template changed" in check_same_data(checkpoint, "rows-after", True, NAMED_TEMPLATES["chatml"])
