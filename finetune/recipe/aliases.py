@@ -108,8 +108,6 @@ TRL_KEYS = (
     TrlKey("loss_type", SFT_CONFIG, kept=("nll",),
            why="the loss is the answer tokens' cross-entropy (finetune/train/trainer.py, compute_loss); drop the key "
                "(a preference method's loss types: under that `method`, docs/preference.md)"),
-    TrlKey("router_aux_loss_coef", SFT_CONFIG, kept=(None,),
-           why="the loss is the answer tokens' cross-entropy alone, no router auxiliary loss is added; drop the key"),
     TrlKey("activation_offloading", SFT_CONFIG, kept=(False,),
            why="activations are not offloaded; save activation memory with `gradient_checkpointing: true`"),
     TrlKey("model_init_kwargs", SFT_CONFIG, kept=(None,),

@@ -50,8 +50,18 @@ class ModelArguments:
                           "Jinja text, a file holding it, `chatml`, or `tokenizer_default`. Saved with the "
                           "tokenizer and recorded in effective_config.json."},
     )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={"help": "Weight of a mixture-of-experts model's load-balancing loss, added to the loss (TRL's "
+                          "SFTConfig key). The loss is on for every architecture that has one (Mixtral, Qwen2-MoE, "
+                          "...), as in TRL; None keeps the checkpoint's own weight, 0 turns the loss off. Refused "
+                          "for a model without experts (finetune.models.experts)."},
+    )
 
     def __post_init__(self):
+        if self.router_aux_loss_coef is not None and not 0 <= self.router_aux_loss_coef < float("inf"):
+            raise RecipeError(f"`router_aux_loss_coef: {self.router_aux_loss_coef}`: a weight of 0 or more (0 turns "
+                              "the load-balancing loss off).")
         if self.chat_template is not None:
             from finetune.models.loading import chat_template_text
 

@@ -25,6 +25,7 @@ from finetune.errors import RecipeError
 from finetune.launch.self_launch import launch_plan
 from finetune.launch.strategies import Strategy, running_strategy
 from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
+from finetune.models.experts import load_balancing_weight
 from finetune.models.loading import chat_template_text, trainable_dtype
 from finetune.recipe.aliases import FOREIGN
 from finetune.recipe.batch_plan import BatchPlan
@@ -98,6 +99,10 @@ def describe_effective_config(trainer, recipe) -> dict:
     for key, source in sources.items():  # keys given under another name: the source says which (recipe.aliases)
         if any(mark in source for mark in FOREIGN) and key not in values:
             add(key, next(getattr(section, key) for section in recipe.sections if hasattr(section, key)), source)
+    router_weight = load_balancing_weight(trainer.model)
+    if router_weight is not None:  # a model with experts: the load-balancing loss's weight (finetune.models.experts)
+        add("router_aux_loss_coef", router_weight, sources.get("router_aux_loss_coef", "the checkpoint's config "
+                                                               "(load balancing on, as in TRL)"))
     add("global_batch_size", BatchPlan.running(args).global_batch_size, "micro-batch × processes × accumulation")
     if "max_steps" in sources:  # given, or a token budget's steps
         add("max_steps", args.max_steps, sources["max_steps"])
