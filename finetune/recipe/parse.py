@@ -32,6 +32,7 @@ from finetune.recipe.args import (
 from finetune.recipe.batch_plan import BatchPlan, plan_from_recipe
 from finetune.recipe.methods import Method, all_methods, requested_method
 from finetune.recipe.preflight import (
+    check_context_parallel_rows,
     check_launcher_precision,
     check_lora_adapters,
     check_named_strategy,
@@ -178,6 +179,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
                                                    sections.training_inputs, sections.sources)
     strategy, deepspeed_config = preflight_launch(training_inputs)
     parallelism, strategy = check_parallelism(training_inputs, model, lora.use_lora or lora.use_qlora, strategy)
+    check_context_parallel_rows(parallelism, data)
     if parallelism.named:  # the resolved sizes, whoever named them, are what TrainingArguments carries
         if sections.method.name != "sft":
             raise RecipeError(f"`method: {sections.method.name}` with {parallelism.describe()}: only supervised "

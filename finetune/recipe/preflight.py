@@ -82,6 +82,20 @@ def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: boo
     return parallelism, strategy
 
 
+def check_context_parallel_rows(parallelism: Parallelism, data_args) -> None:
+    """Context parallelism runs full causal attention: PyTorch's ring attention drops the attention mask and the
+    position ids that keep packed (or padding-free) documents apart, so each document would attend to the ones
+    before it in its row. TRL's SFTTrainer refuses packing under `cp_size > 1` for the same reason."""
+    if parallelism.context_parallel_size <= 1:
+        return
+    for key in ("packing", "padding_free"):
+        if getattr(data_args, key):
+            raise RecipeError(f"`{key}: true` with `context_parallel_size: {parallelism.context_parallel_size}`: "
+                              "context parallelism drops the attention mask that keeps the documents of a row apart, "
+                              f"so they would attend across their boundaries; set `{key}: false`, or train without "
+                              "`context_parallel_size`.")
+
+
 # torch.distributed.pipelining's single-stage schedules a recipe may name (finetune.train.pipeline)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 

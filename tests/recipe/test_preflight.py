@@ -156,3 +156,13 @@ def test_zeropp_hpz_must_be_the_gpus_of_one_node():
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     assert DeepSpeedZeroConfig(**shipped["zero_optimization"]).zero_hpz_partition_size == 8
+
+
+@pytest.mark.parametrize("rows", ["packing", "padding_free"])
+def test_packed_rows_under_context_parallelism_stop_naming_the_mask_it_drops(monkeypatch, reaches_training_arguments,
+                                                                              rows):
+    simulate_gpus(monkeypatch, A100, count=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match=rf"^`{rows}: true` with `context_parallel_size: 2`: context parallelism "
+                                          r"drops the attention mask .* attend across their boundaries; set "):
+        reaches_training_arguments("--context_parallel_size", "2", f"--{rows}", "true")
