@@ -10,13 +10,14 @@ source's own eval/validation/test split, or `eval_split_ratio` of train.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict, concatenate_datasets, interleave_datasets, load_dataset, load_from_disk
 
 from finetune import presets
-from finetune.errors import RecipeError
+from finetune.errors import RecipeError, did_you_mean
 
 # File suffix → the `datasets` builder that reads it.
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -161,8 +162,20 @@ def check_exists(dataset: str, key: str) -> None:
     if Path(dataset).expanduser().exists():
         return
     if Path(dataset).suffix.lower() in FILE_BUILDERS or looks_local(dataset):
-        raise RecipeError(f"`{key}: {dataset}`: file {dataset} does not exist; check the path (relative to "
-                          f"{Path.cwd()}), or give a hub dataset id such as `HuggingFaceH4/ultrachat_200k`.")
+        raise RecipeError(f"`{key}: {dataset}`: file {dataset} does not exist{_nearby(dataset)}; check the path "
+                          f"(relative to {Path.cwd()}), or give a hub dataset id such as "
+                          "`HuggingFaceH4/ultrachat_200k`.")
+
+
+def _nearby(dataset: str) -> str:
+    """` (did you mean `x`?)` for a close name in the folder `dataset` would be in, where that folder exists (one
+    listing, never a walk)."""
+    folder = os.path.dirname(dataset)
+    try:
+        names = [os.path.join(folder, entry.name) for entry in Path(folder or ".").expanduser().iterdir()]
+    except OSError:  # no such folder, or not one we may read
+        return ""
+    return did_you_mean(dataset, names)
 
 
 def _saved_to_disk(path: Path) -> bool:

@@ -259,6 +259,17 @@ def test_a_local_file_that_does_not_exist_is_named_not_sent_to_the_hub(tmp_path,
         load_raw_data(DataArguments(dataset=dataset))
 
 
+
+@pytest.mark.parametrize("dataset, suggestion", [("trian.jsonl", "train.jsonl"), ("data/evl.jsonl", "data/eval.jsonl")])
+def test_a_misspelled_data_file_is_named_with_the_file_nearby(tmp_path, monkeypatch, dataset, suggestion):
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "train.jsonl", FORMAT_ROWS["text"])
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "eval.jsonl", FORMAT_ROWS["text"])
+    with pytest.raises(RecipeError, match=rf"^`dataset: {dataset}`: file {dataset} does not exist \(did you mean "
+                                          rf"`{suggestion}`\?\); check the path"):
+        load_raw_data(DataArguments(dataset=dataset))
+
 def test_bfd_split_with_an_overlong_policy_that_drops_or_refuses_is_refused():
     with pytest.raises(RecipeError, match=r"^`packing_strategy: bfd_split` cuts .* so `overlong_policy: error` would "
                                           r"never apply: use `packing_strategy: bfd` to refuse"):
