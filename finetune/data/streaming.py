@@ -38,6 +38,11 @@ SHARDS_PER_PROCESS = 4  # shards a `save_to_disk` folder is streamed in, per pro
 
 def open_stream(data_args, split: str, world_size: int = 1) -> IterableDataset:
     """`split` of the recipe's dataset as a stream."""
+    if "[" in split:  # datasets slices a split it has counted; a stream is read in order and never counted
+        key = "dataset_split" if split == data_args.dataset_split else "eval_split"
+        raise RecipeError(f"`{key}: {split}`: a stream cannot be sliced (`streaming: true` reads the split in order "
+                          f"without counting it); give the split `{split.split('[')[0].strip()}` and bound the run "
+                          "with `max_steps` or `max_tokens`, or drop `streaming` to train on the slice.")
     try:
         if data_args.train_file is None and data_args.dataset == presets.SYNTHETIC_DATASET:  # one file per split
             if data_args.dataset_config is not None:

@@ -107,3 +107,14 @@ def test_a_token_budget_on_an_unpacked_stream_is_refused_with_the_reason(stream_
         read_recipe("recipes/demo.yaml", base)
     packed = read_recipe("recipes/demo.yaml", [*base, "--packing", "true"])  # the budget it counts is trained
     assert packed.data.max_tokens == 10000 and packed.data.packing
+
+
+@pytest.mark.parametrize("key", ["dataset_split", "eval_split"])
+def test_a_sliced_split_of_a_stream_is_refused_with_the_fix(stream_file, key):
+    from finetune.data.streaming import open_stream
+    from finetune.recipe.args import DataArguments
+
+    data_args = DataArguments(train_file=str(stream_file), streaming=True, **{key: "train[:5]"})
+    with pytest.raises(RecipeError, match=rf"^`{key}: train\[:5\]`: a stream cannot be sliced .* give the split "
+                                          r"`train` and bound the run with `max_steps` or `max_tokens`"):
+        open_stream(data_args, getattr(data_args, key))
