@@ -210,11 +210,15 @@ def translate_values(values: dict[str, Any], where: str, method: type[Method] | 
     tool's config (peers.read_as)."""
     from finetune.recipe.peers import RECIPE_DIR, TOOL_KEYS, read_as, tool_defaults
 
-    reading = read_as(values, where, set(native) | trl_key_names())
+    native = set(native) | trl_key_names()
+    reading = read_as(values, where, native)
     translation = Translation(tool=reading.tool, reading=reading.line)
     tool_keys = TOOL_KEYS.get(reading.tool) or {name: TOOL_KEYS[reading.stray_tool][name] for name in reading.strays}
     context, translated = {**values, RECIPE_DIR: recipe_dir}, {}
     for name, value in values.items():
+        if reading.tool is not None and value is None and name not in native:  # YAML's null: unset, as the tool reads
+            translation.notes.append(f"`{name}: null` (unset)")
+            continue
         key = tool_keys.get(name) or method_trl_key(name, method)
         if key is not None and key.expand is not None:
             translated.update(_read_into(key, value, context, where, translation, values))

@@ -183,6 +183,14 @@ def _special_tokens(value: Any, values: dict) -> dict:
     return {}
 
 
+def _axolotl_flash(value: Any, values: dict) -> dict:
+    import importlib.util
+
+    if value is not True or importlib.util.find_spec("flash_attn") is None:
+        return {}  # noted: the attention Transformers chooses (SDPA) computes the same exact attention
+    return {"attn_implementation": "flash_attention_2"}
+
+
 def _axolotl_tf32(value: Any, values: dict) -> dict:
     return {} if value in (None, "auto") else {"tf32": value}
 
@@ -217,8 +225,9 @@ AXOLOTL_KEYS = (
     TrlKey("chat_template", AXOLOTL, expand=_axolotl_chat_template, why=TEMPLATE_NOTE),
     TrlKey("lora_target_linear", AXOLOTL, expand=_if_true("lora_target_modules", ["all-linear"]),
            why="the adapters go where `lora_target_modules` says"),
-    TrlKey("flash_attention", AXOLOTL, expand=_if_true("attn_implementation", "flash_attention_2"),
-           why="Transformers chooses the attention"),
+    TrlKey("flash_attention", AXOLOTL, expand=_axolotl_flash,
+           why="flash-attn is not installed here: Transformers chooses the attention (SDPA), which computes the same "
+               "exact attention; install flash-attn on a CUDA machine to use its kernel"),
     TrlKey("evals_per_epoch", AXOLOTL, expand=_per_epoch("eval")),
     TrlKey("saves_per_epoch", AXOLOTL, expand=_per_epoch("save")),
     TrlKey("special_tokens", AXOLOTL, expand=_special_tokens,
@@ -245,6 +254,18 @@ AXOLOTL_KEYS = (
     _note("wandb_name", "set `run_name`", kept=(None, "")),
     _note("wandb_watch", "not supported", kept=(None, "", False)),
     _note("wandb_log_model", "not supported", kept=(None, "", False)),
+    _note("lora_fan_in_fan_out", "peft finds layers stored transposed (GPT-2's Conv1D) itself", kept=(False,)),
+    _note("group_by_length", "batches are drawn at random by Trainer's sampler; grouping rows by length is not "
+                             "supported (packing fills rows instead: `sample_packing`)", kept=(False,)),
+    TrlKey("early_stopping_patience", AXOLOTL, kept=(None,),
+           why="training runs the steps it is given; stopping on the eval loss is not supported: set `num_epochs` or "
+               "`max_steps`"),
+    _note("xformers_attention", "Transformers chooses the attention (SDPA); xformers is not used", kept=(False,)),
+    _note("s2_attention", "shifted sparse attention is not supported", kept=(False,)),
+    _note("save_safetensors", "checkpoints are always saved as safetensors", kept=(True,)),
+    _note("eval_table_size", "eval predictions are not logged as a table; `finetune eval` writes the answers",
+          kept=(0,)),
+    TrlKey("eval_max_new_tokens", AXOLOTL, ours="generation_max_new_tokens"),
     _note("rl", "preference training is a preference `method` with finetune's own pair formats (docs/preference.md)",
           kept=(None, "")),
     _note("test_datasets", "give the eval data as `eval_file`, or hold rows out with `val_set_size`",

@@ -28,6 +28,7 @@ from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, is_true, launc
 def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | None]:
     """Checks the launch the training section (as parsed, before `TrainingArguments`) and the launcher describe;
     returns the strategy they ask for and its DeepSpeed config (None without DeepSpeed)."""
+    check_both_sharding_engines(training_inputs)
     world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     strategy, deepspeed = launched_strategy(training_inputs.get("deepspeed"))
     if deepspeed is not None:
@@ -55,6 +56,7 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
         raise RecipeError(f"{local_processes} processes per machine but {torch.cuda.device_count()} visible GPU(s); "
                           "launch with --num_processes equal to the GPU count or fix CUDA_VISIBLE_DEVICES.")
     check_output_dir(training_inputs.get("output_dir"))
+    check_optimizer_library(training_inputs.get("optim"))
     check_per_node_sizes(deepspeed)
     check_one_process_per_gpu(training_inputs)
     check_precision_on_gpu(training_inputs)
@@ -80,6 +82,26 @@ def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: boo
     if strategy.kind == "deepspeed":
         strategy = replace(strategy, sequence_parallel_size=parallelism.sequence_parallel_size)
     return parallelism, strategy
+
+
+def check_optimizer_library(optim: Any) -> None:
+    """Trainer's bitsandbytes optimizers (8-bit or paged states: `adamw_8bit`, axolotl's default) need bitsandbytes,
+    whose absence Trainer reports only once the model is loaded, in a traceback."""
+    import importlib.util
+
+    name = str(optim or "")
+    if ("8bit" in name or "bnb" in name or name.startswith("paged_")) and importlib.util.find_spec(
+            "bitsandbytes") is None:
+        raise RecipeError(f"`optim: {name}` keeps its states with bitsandbytes, which is not installed here: install "
+                          "it (it needs a CUDA GPU), or give `optim: adamw_torch` (32-bit states).")
+
+
+def check_both_sharding_engines(training_inputs: dict[str, Any]) -> None:
+    """`fsdp` and `deepspeed` together (an axolotl config may carry both) end in Trainer's ValueError."""
+    fsdp, deepspeed = training_inputs.get("fsdp"), training_inputs.get("deepspeed")
+    if fsdp not in (None, "", [], False) and deepspeed not in (None, "", {}):
+        raise RecipeError(f"`fsdp: {fsdp}` and `deepspeed: {deepspeed}` ask for two sharding engines; keep one "
+                          "(drop `fsdp` to train under DeepSpeed, or `deepspeed` to train under FSDP).")
 
 
 def check_context_parallel_rows(parallelism: Parallelism, data_args) -> None:

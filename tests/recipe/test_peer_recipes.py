@@ -5,6 +5,7 @@ safetensors, BPE tokenizer with ChatML's special tokens), the data by local fold
 for the hub ids (the recipe's own mixture, each `id` replaced). What became of each key is read back from
 `effective_config.json`."""
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from support import PROJECT_ROOT
 
 from finetune.cli import main
 from finetune.errors import RecipeError
-from finetune.recipe.parse import read_recipe
+from finetune.recipe.parse import parse_recipe, read_recipe
 
 PEERS = PROJECT_ROOT / "tests" / "fixtures" / "peers"
 
@@ -220,3 +221,44 @@ def test_a_tools_config_is_read_as_its_own_saying_so_and_its_renamed_keys_work_o
         "(given as axolotl's sequence_len)")
     assert re.search(r"is read as an axolotl config \(\d+ of the \d+ keys that are not Trainer's are axolotl's\)",
                      capsys.readouterr().out)
+
+
+def test_axolotls_published_lora_1b_trains_its_nulls_unset_and_its_cpu_less_keys_said(tmp_path, hub_model_dir,
+                                                                                        hub_data, monkeypatch):
+    recipe = PEERS / "axolotl_llama3_lora_1b.yml"
+    monkeypatch.chdir(tmp_path)  # its `dataset_prepared_path: last_run_prepared` is relative, as axolotl reads it
+    model_and_data = ["--model_name_or_path", str(hub_model_dir), "--dataset_mixture", local_mixture(recipe, hub_data)]
+    if importlib.util.find_spec("bitsandbytes") is None:  # its `optimizer: adamw_8bit`: one line, before loading
+        with pytest.raises(RecipeError, match=r"^`optim: adamw_8bit` keeps its states with bitsandbytes, which is not "
+                                              r"installed here: .* or give `optim: adamw_torch`"):
+            parse_recipe(recipe, model_and_data)
+        model_and_data += ["--optimizer", "adamw_torch"]
+    effective = train(recipe, tmp_path / "out", *model_and_data, "--max_steps", "2")
+    noted = effective["foreign_keys"]["noted"]
+    for key in ("lora_fan_in_fan_out", "early_stopping_patience", "xformers_attention", "wandb_project"):
+        assert f"`{key}: null` (unset)" in noted
+    assert any(note.startswith("`group_by_length: false` (batches are drawn at random") for note in noted)
+    adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert set(adapter["target_modules"]) == {"gate_proj", "down_proj", "up_proj", "q_proj", "v_proj", "k_proj",
+                                              "o_proj"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("base_model: x\nearly_stopping_patience: 3\n", "axolotl's `early_stopping_patience: 3` .* is not supported: "
+                                                     "training runs the steps it is given"),
+    ("base_model: x\ngroup_by_length: true\n", "`group_by_length: true` .* is not supported: batches are drawn"),
+])
+def test_an_axolotl_key_that_would_change_training_is_refused_saying_what_to_do(tmp_path, text, message):
+    recipe = tmp_path / "config.yaml"
+    recipe.write_text(text)
+    with pytest.raises(RecipeError, match=message):
+        read_recipe(recipe, [])
+
+
+def test_an_axolotl_config_with_fsdp_and_deepspeed_is_refused_in_one_line(tmp_path):
+    recipe = tmp_path / "config.yaml"
+    zero2 = PROJECT_ROOT / "deepspeed_configs" / "zero2.json"
+    recipe.write_text(f"base_model: tiny\nsequence_len: 64\nfsdp:\n  - full_shard\ndeepspeed: {zero2}\n")
+    with pytest.raises(RecipeError, match=r"^`fsdp: \['full_shard'\]` and `deepspeed: .*zero2.json` ask for two "
+                                          r"sharding engines; keep one"):
+        parse_recipe(recipe, [])
