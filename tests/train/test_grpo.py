@@ -6,8 +6,10 @@ and refuses one that does not, naming the term; bad rewards, data and keys stop 
 
 import json
 import shutil
+import signal
 import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -182,9 +184,9 @@ def test_a_reward_that_cannot_be_used_is_refused_by_name(tmp_path, monkeypatch):
         not_a_function = 3
     """)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RecipeError, match="module `no_such_module` cannot be imported"):
+    with pytest.raises(RecipeError, match="module `no_such_module` cannot be found"):
         GRPOArguments(reward_funcs=["no_such_module:reward"])
-    with pytest.raises(RecipeError, match=f"module `{module}` has no function `missing`"):
+    with pytest.raises(RecipeError, match=f"module `{module}` \\(.*my_rewards.py\\) has no function `missing`"):
         GRPOArguments(reward_funcs=[f"{module}:missing"])
     with pytest.raises(RecipeError, match="it is a int"):
         GRPOArguments(reward_funcs=[f"{module}.not_a_function"])
@@ -197,10 +199,102 @@ def test_a_reward_that_cannot_be_used_is_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match="cannot be called as TRL calls one"):
         CheckedReward(f"{module}:positional", my_rewards.positional)(prompts=["a"], completions=["x"],
                                                                      completion_ids=[[1]], answer=["x"], task=["t"])
-    (tmp_path / "lm").mkdir()
+    with pytest.raises(RecipeError, match=r"`reward_funcs: .*lm` has a config but no weights"):
+        (tmp_path / "lm").mkdir()
+        (tmp_path / "lm" / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                                "num_labels": 1}))
+        GRPOArguments(reward_funcs=[str(tmp_path / "lm")])
+    (tmp_path / "lm" / "config.json").write_text('{"architectures": [')
+    with pytest.raises(RecipeError, match=r"`reward_funcs: .*lm`: .*lm/config.json is not valid JSON \(Expecting "
+                                          r"value: line 1 column 20"):
+        GRPOArguments(reward_funcs=[str(tmp_path / "lm")])
+    (tmp_path / "lm" / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                            "num_labels": 1}))
+    import os
+
+    torch.save({"payload": os.system}, tmp_path / "lm" / "pytorch_model.bin")  # a pickle that would run code
+    with pytest.raises(RecipeError, match=r"lm/pytorch_model.bin references posix.system, which is not checkpoint "
+                                          "state; refusing to load it"):
+        GRPOArguments(reward_funcs=[str(tmp_path / "lm")])
+    (tmp_path / "lm" / "pytorch_model.bin").unlink()
     (tmp_path / "lm" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(RecipeError, match="a reward model is a one-score ...ForSequenceClassification"):
         GRPOArguments(reward_funcs=[str(tmp_path / "lm")])
+
+
+def _sleeps(completions, **kwargs):
+    try:
+        time.sleep(30)
+    except Exception:  # a broad except in the user's code does not swallow the timeout
+        pass
+    return [1.0] * len(completions)
+
+
+def _scores(*values):
+    return lambda completions, **kwargs: list(values)
+
+
+def _raises(completions, answer, **kwargs):
+    return [float(answer[0]["missing"])]
+
+
+def test_a_reward_call_is_bounded_and_its_scores_finite_or_none():
+    """A hung reward function stops the run at `reward_timeout`, naming it; an infinite or NaN score is refused by
+    name (TRL reads NaN as not scored), None stays TRL's "not scored"; an exception is named with its function."""
+    call = {"prompts": ["p", "q"], "completions": ["a", "b"], "completion_ids": [[1], [2]], "answer": [{}, {}]}
+    handler = signal.getsignal(signal.SIGALRM)
+    started = time.monotonic()
+    with pytest.raises(RecipeError, match=r"^reward function `mine.rewards:slow` did not return within 0.2 s "
+                                          r"\(`reward_timeout: 0.2`\): make it faster, or raise `reward_timeout`"):
+        CheckedReward("mine.rewards:slow", _sleeps, timeout=0.2)(**call)
+    assert time.monotonic() - started < 5
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    for bad in (float("inf"), float("nan"), -float("inf")):
+        with pytest.raises(RecipeError, match=f"^reward function `mine.rewards:bad` returned {bad} among its "
+                                              "scores: each must be a finite number \\(return None"):
+            CheckedReward("mine.rewards:bad", _scores(1.0, bad), timeout=5)(**call)
+    assert CheckedReward("mine.rewards:some", _scores(None, 2), timeout=5)(**call) == [None, 2.0]
+    with pytest.raises(RecipeError, match=r"^reward function `mine.rewards:raises` raised KeyError: 'missing' "
+                                          r"\(.*test_grpo.py, line \d+\)\.$"):
+        CheckedReward("mine.rewards:raises", _raises, timeout=5)(**call)
+    with pytest.raises(RecipeError, match="`reward_timeout: 0` must be a positive number of seconds"):
+        GRPOArguments(reward_timeout=0)
+
+
+def test_plan_and_dry_run_read_a_reward_module_without_running_it(tmp_path, monkeypatch, capsys):
+    """`finetune plan --recipe` and `finetune train --dry-run` run nothing: a reward function's module (and its
+    package's __init__.py) is found and its source read, not imported; a misspelled name is still refused by name."""
+    package = tmp_path / "marked"
+    package.mkdir()
+    ran = tmp_path / "ran"
+    (package / "__init__.py").write_text(f"open({str(ran)!r} + '-package', 'w').close()\n")
+    (package / "rewards.py").write_text(f"open({str(ran)!r} + '-module', 'w').close()\n"
+                                        "def length(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text("\n".join(line for line in open("recipes/demo.yaml").read().splitlines()
+                                if not line.startswith("output_dir")) +
+                      f"\nmethod: grpo\nmax_completion_length: 8\nreward_funcs: [marked.rewards:length]\n"
+                      f"output_dir: {tmp_path / 'run'}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    assert main(["plan", "--recipe", str(recipe), "--gpus", "1", "--gpu-memory", "24", "--json"]) == 0
+    assert main(["train", str(recipe), "--dry-run"]) == 0
+    assert not list(tmp_path.glob("ran*")) and "marked" not in sys.modules
+    capsys.readouterr()
+    assert main(["train", str(recipe), "--reward_funcs", "marked.rewards:lenght", "--dry-run"]) == 2
+    assert (f"reward function `marked.rewards:lenght`: module `marked.rewards` ({package / 'rewards.py'}) has no "
+            "function `lenght` (did you mean `length`?)") in capsys.readouterr().err
+    assert not list(tmp_path.glob("ran*"))
+    (package / "broken.py").write_text("def reward(:\n")
+    with pytest.raises(RecipeError, match=r"broken.py, line 1: .* \(it does not parse as Python\)"):
+        GRPOArguments(reward_funcs=["marked.broken:reward"])
+    from finetune.train.methods.grpo.rewards import code_notice, import_reward
+
+    assert code_notice(["exact_match", "accuracy_reward", "marked.rewards:length"]) == (
+        "note: reward_funcs: `marked.rewards:length` imports Python of your own: its module runs as code, like a "
+        "script, on every rank; use only modules you trust.")
+    assert import_reward("marked.rewards:length")(["a", "b"]) == [1.0, 1.0]  # the run imports it
+    assert sorted(path.name for path in tmp_path.glob("ran*")) == ["ran-module", "ran-package"]
 
 
 def test_bad_grpo_keys_and_data_are_refused_by_name(tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ from finetune.recipe.methods import Method
 from finetune.train.methods.grpo.rewards import BUILT_IN, check_reward_names
 
 GRPO_CONFIG = "GRPOConfig"
+DEFAULT_REWARD_TIMEOUT = 300.0  # seconds: a round's scoring, generous for a local function, short of a hung run
 
 
 @functools.cache
@@ -52,10 +53,17 @@ class GRPOArguments:
         default_factory=lambda: ["exact_match"],
         metadata={"help": f"GRPO: the rewards, summed (weighted by `reward_weights`): {', '.join(BUILT_IN)} (built-in, "
                           "against the rows' answer), a reward model's directory (`method: reward`'s output), or a "
-                          "Python function `package.module:function` (TRL's reward function signature)."},
+                          "Python function `package.module:function` (TRL's reward function signature; its module "
+                          "is code, like a script: `plan` and `--dry-run` only read its source, the run imports it)."},
     )
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "GRPO: a weight per reward in `reward_funcs` (default: 1 each)."},
+    )
+    reward_timeout: float = field(
+        default=DEFAULT_REWARD_TIMEOUT,
+        metadata={"help": "GRPO: seconds a reward function of yours may take to score one generation round's "
+                          "completions; past it the run stops naming the function (a hung scorer would hang the "
+                          "run). Raise it for a slow scorer (a remote judge)."},
     )
     num_generations: int = field(
         default=8,
@@ -100,6 +108,9 @@ class GRPOArguments:
         if self.temperature <= 0:
             raise RecipeError(f"`temperature: {self.temperature}`: GRPO samples its completions; give a positive "
                               "temperature (1.0 is TRL's default).")
+        if not 0 < self.reward_timeout < float("inf"):
+            raise RecipeError(f"`reward_timeout: {self.reward_timeout}` must be a positive number of seconds (default "
+                              f"{DEFAULT_REWARD_TIMEOUT:g}).")
         if self.beta < 0:
             raise RecipeError(f"`beta` must be ≥ 0, got {self.beta}.")
         if self.grpo_loss_type not in trl_grpo_loss_types():

@@ -9,9 +9,10 @@ import trl.trainer.grpo_trainer as trl_grpo
 from trl import GRPOTrainer
 
 from finetune.checkpoints.complete import recipe_values
+from finetune.errors import launched_rank
 from finetune.memory.generation import CacheMeter
 from finetune.models.loading import load_model
-from finetune.train.methods.grpo.rewards import resolve_rewards
+from finetune.train.methods.grpo.rewards import code_notice, resolve_rewards
 from finetune.train.methods.trl_trainers import frozen_reference, prepare_reference_for_zero3, trl_refusals
 from finetune.train.trainer import FinetuneTrainerMixin
 
@@ -35,8 +36,12 @@ def reference_loaded_as_the_policy(recipe, tokenizer):
 def grpo_trainer(recipe, model, tokenizer, data, callbacks):
     args, settings = recipe.training, recipe.method.settings
     prepare_reference_for_zero3(args, model)
+    notice = code_notice(settings.reward_funcs)
+    if notice and launched_rank() == 0:
+        print(notice)
+    rewards = resolve_rewards(settings.reward_funcs, settings.reward_timeout)
     with trl_refusals("GRPOTrainer"), reference_loaded_as_the_policy(recipe, tokenizer):
-        return FinetuneGRPOTrainer(model=model, reward_funcs=resolve_rewards(settings.reward_funcs), args=args,
+        return FinetuneGRPOTrainer(model=model, reward_funcs=rewards, args=args,
                                    train_dataset=data.train, eval_dataset=data.eval, processing_class=tokenizer,
                                    callbacks=callbacks, recipe_values=recipe_values(recipe),
                                    train_data=data.summary["train_fingerprint"])
