@@ -9,6 +9,7 @@ trainer. Adding a method is its file plus one line in `METHODS`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -120,3 +121,20 @@ def requested_method(values: dict[str, Any], tokens: list[str]) -> type[Method]:
             following = tokens[position + 1:position + 2]
             name = (inline or [value for value in following if not value.startswith("--")] or [name])[0]
     return method_class(str(name))
+
+
+def methods_with_key(key: str) -> list[str]:
+    """The methods whose own keys include `key` (`beta` is DPO's, KTO's, CPO's, ORPO's and GRPO's), in registry
+    order."""
+    return [method.name for method in all_methods() if method.arguments is not None
+            and key in {field.name for field in dataclasses.fields(method.arguments)}]
+
+
+def key_of_other_methods(key: str, method: type[Method]) -> RecipeError:
+    """The refusal of a key that would do nothing under the recipe's method, naming every method that uses it."""
+    users = methods_with_key(key)
+    if len(users) == 1:
+        return RecipeError(f"`{key}` configures `method: {users[0]}` but `method` is {method.name}: set "
+                           f"`method: {users[0]}` (or drop `{key}`).")
+    return RecipeError(f"`{key}` configures methods {', '.join(users[:-1])} and {users[-1]}, not `method: "
+                       f"{method.name}`, which has no use for it: drop `{key}`, or set `method` to one of those.")

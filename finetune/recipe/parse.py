@@ -30,7 +30,7 @@ from finetune.recipe.args import (
     ModelArguments,
 )
 from finetune.recipe.batch_plan import BatchPlan, plan_from_recipe
-from finetune.recipe.methods import Method, all_methods, requested_method
+from finetune.recipe.methods import Method, all_methods, key_of_other_methods, requested_method
 from finetune.recipe.preflight import (
     check_context_parallel_rows,
     check_launcher_precision,
@@ -283,8 +283,7 @@ def _refuse_other_methods_keys(method: type[Method], inputs: dict[type, dict[str
                     else field.default_factory() for field in dataclasses.fields(other.arguments)}
         for key, value in inputs[other.arguments].items():
             if key not in own and value != defaults[key]:
-                raise RecipeError(f"`{key}` configures `method: {other.name}` but `method` is {method.name}: set "
-                                  f"`method: {other.name}` (or drop `{key}`).")
+                raise key_of_other_methods(key, method)
 
 
 def _name_the_aliases(sources: dict[str, str], from_file: Translation, from_command_line: Translation) -> None:

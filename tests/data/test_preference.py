@@ -120,7 +120,7 @@ def test_the_synthetic_dataset_gives_held_out_pairs_and_a_file_of_pairs_loads(tm
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["--beta", "0.5"], "`beta` configures `method: dpo` but `method` is sft"),
+    (["--beta", "0.5"], "`beta` configures methods dpo, kto, cpo, orpo and grpo, not `method: sft`"),
     (["--method", "dpo", "--beta", "0"], "`beta` must be positive"),
     (["--method", "dpo", "--dpo_loss_type", "orpo"], "`dpo_loss_type: orpo` is not one of sigmoid, hinge, ipo"),
     (["--method", "dpo", "--dpo_loss_type", "sigmoid", "sft", "--dpo_loss_weights", "1"],

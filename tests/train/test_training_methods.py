@@ -95,6 +95,15 @@ def test_a_methods_keys_are_known_documented_and_refused_under_another_method(to
         reference
 
 
+def test_a_key_several_methods_use_names_them_all_under_another_method():
+    """dpo.yaml's `beta: 0.1` under `--method reward` (which has no beta): every method using it is named, not the
+    one whose default happens to differ (GRPO's 0)."""
+    with pytest.raises(RecipeError, match=r"^`beta` configures methods dpo, kto, cpo, orpo and grpo, not `method: "
+                                          r"reward`, which has no use for it: drop `beta`, or set `method` to one of "
+                                          r"those\.$"):
+        parse_recipe("recipes/dpo.yaml", ["--method", "reward"])
+
+
 def test_an_unregistered_method_is_refused_with_the_closest_name():
     with pytest.raises(RecipeError, match=r"^`method: sftt` is not one of sft, dpo, reward, .*"
                                           r"\(did you mean `sft`\?\)"):
