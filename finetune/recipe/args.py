@@ -367,6 +367,59 @@ def check_trackers(report_to: list[str]) -> None:
             extra = " (pip install 'finetune-kit[tracking]')" if name in ("wandb", "mlflow") else ""
             raise RecipeError(f"`report_to: {name}` needs the {package} package, which is not installed: pip install "
                               f"{package}{extra}, or leave {name} out of report_to.")
+    if "wandb" in report_to:
+        check_wandb_login(os.environ)
+    if "mlflow" in report_to:
+        check_mlflow_store(os.environ)
+
+
+def check_wandb_login(environ) -> None:
+    """W&B logs in with WANDB_API_KEY or the key `wandb login` wrote to the netrc file (NETRC, else ~/.netrc:
+    wandb/sdk/lib/wbauth/wbnetrc.py), for the host of WANDB_BASE_URL; offline or disabled runs need none. Without
+    any, `wandb.init` fails once the model and data are loaded, or waits for a key on the terminal."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if environ.get("WANDB_API_KEY") or environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") \
+            or environ.get("WANDB_DISABLED", "").lower() in ("true", "1", "yes"):
+        return
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = Path(environ["NETRC"]).expanduser() if environ.get("NETRC") else next(
+        (candidate for candidate in (Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser())
+         if candidate.exists()), None)
+    try:
+        if path is not None and path.is_file() and netrc.netrc(path).authenticators(host):
+            return
+    except (netrc.NetrcParseError, OSError):
+        pass  # as wandb reads it: no key
+    raise RecipeError(f"`report_to: wandb` but W&B has no key for {host} (no WANDB_API_KEY, nothing in "
+                      f"{path or '~/.netrc'}): run `wandb login`, or set WANDB_MODE=offline to keep the run on disk "
+                      "(`wandb sync` later).")
+
+
+def check_mlflow_store(environ) -> None:
+    """MLflow logs to MLFLOW_TRACKING_URI; without it, to `sqlite:///mlflow.db` in the working directory (MLflow 3:
+    mlflow/store/tracking/__init__.py, DEFAULT_TRACKING_URI), or `./mlruns` where one already holds runs. A SQLite
+    store needs SQLAlchemy and Alembic, which mlflow-skinny lacks; a file store is refused by MLflow 3 unless
+    MLFLOW_ALLOW_FILE_STORE is set. Either ends in a traceback once the model and data are loaded."""
+    import importlib.util
+
+    from mlflow.tracking._tracking_service.utils import _get_default_tracking_uri
+
+    given = environ.get("MLFLOW_TRACKING_URI")
+    uri = given or _get_default_tracking_uri()
+    where = f"MLFLOW_TRACKING_URI={uri}" if given else f"MLflow's default store, {uri} (no MLFLOW_TRACKING_URI)"
+    scheme = uri.split(":", 1)[0] if "://" in uri or uri.startswith("file:") else "file"
+    if scheme in ("sqlite", "postgresql", "mysql", "mssql"):
+        missing = [package for package in ("sqlalchemy", "alembic") if importlib.util.find_spec(package) is None]
+        if missing:
+            raise RecipeError(f"`report_to: mlflow` logs to {where}, which needs {' and '.join(missing)} (not "
+                              "installed: mlflow-skinny): pip install mlflow, or set MLFLOW_TRACKING_URI to a "
+                              "tracking server (http://HOST:5000).")
+    if scheme == "file" and environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        raise RecipeError(f"`report_to: mlflow` logs to {where}, a file store, which MLflow 3 refuses unless "
+                          "MLFLOW_ALLOW_FILE_STORE=true: set it, or set MLFLOW_TRACKING_URI to a tracking server "
+                          "(http://HOST:5000) or a sqlite:/// database.")
 
 
 @dataclass

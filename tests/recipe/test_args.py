@@ -86,6 +86,10 @@ def test_evaluation_before_training_is_trainers_default_off_and_the_demo_asks_fo
 
 
 def test_report_to_takes_several_trackers_and_names_one_it_cannot_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # logged in or offline, and MLflow's store usable (test_tracking.py)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
     def report_to(*words):
         return parse_recipe("recipes/demo.yaml", ["--report_to", *words, "--output_dir", str(tmp_path)]).training \
             .report_to

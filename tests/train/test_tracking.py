@@ -10,8 +10,9 @@ import struct
 from types import SimpleNamespace
 
 import pytest
-from support import CPU_LAUNCHES, assert_succeeded, launch_demo
+from support import CPU_LAUNCHES, PROJECT_ROOT, assert_succeeded, launch_demo
 
+from finetune.errors import RecipeError
 from finetune.recipe.parse import parse_recipe
 from finetune.train.tracking import TrackedRunCallback, flatten, mlflow_params, run_parameters
 
@@ -168,7 +169,10 @@ def test_mlflow_params_hold_the_effective_config_beside_trainers_arguments(track
     assert params["learning_rate"] == "0.002" and params["strategy"] == "zero2"  # Trainer's own: the recipe's key
 
 
-def test_report_to_takes_several_trackers_on_the_command_line():
+def test_report_to_takes_several_trackers_on_the_command_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     assert parse_recipe("recipes/demo.yaml", ["--report_to", "wandb", "mlflow"]).training.report_to == \
         ["wandb", "mlflow"]
     assert parse_recipe("recipes/demo.yaml", []).training.report_to == ["tensorboard"]
@@ -223,3 +227,43 @@ def test_mlflow_keeps_a_resumed_runs_params_and_the_run_is_taken_up_again_after_
     assert mlflow.active_run().info.run_id == run.info.run_id
     mlflow.end_run()
     assert mlflow.get_run(run.info.run_id).data.params == {"finetune/lora_r": "8", "finetune/method": "sft"}
+
+
+@pytest.fixture
+def no_tracker_setup(monkeypatch, tmp_path):
+    """No W&B key, mode or netrc entry, and no MLflow URI, in an empty working directory."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_BASE_URL", "MLFLOW_TRACKING_URI",
+                 "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_wandb_without_a_login_stops_while_the_recipe_is_read_naming_the_fix(no_tracker_setup, monkeypatch):
+    with pytest.raises(RecipeError, match=r"^`report_to: wandb` but W&B has no key for api.wandb.ai \(no "
+                                          r"WANDB_API_KEY, nothing in .*netrc\): run `wandb login`, or set "
+                                          r"WANDB_MODE=offline"):
+        parse_recipe(str(PROJECT_ROOT / "recipes/demo.yaml"), ["--report_to", "wandb"])
+    (no_tracker_setup / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    assert parse_recipe(str(PROJECT_ROOT / "recipes/demo.yaml"), ["--report_to", "wandb"]).training.report_to == [
+        "wandb"]  # `wandb login` wrote the key
+    (no_tracker_setup / "netrc").unlink()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    parse_recipe(str(PROJECT_ROOT / "recipes/demo.yaml"), ["--report_to", "wandb"])
+
+
+def test_mlflow_without_a_tracking_uri_names_its_default_store_and_what_it_lacks(no_tracker_setup, monkeypatch):
+    import importlib.util
+
+    demo = str(PROJECT_ROOT / "recipes/demo.yaml")
+    if importlib.util.find_spec("sqlalchemy") is None:  # mlflow-skinny: MLflow 3's default sqlite store cannot open
+        with pytest.raises(RecipeError, match=r"^`report_to: mlflow` logs to MLflow's default store, "
+                                              r"sqlite:///mlflow.db \(no MLFLOW_TRACKING_URI\), which needs "
+                                              r"sqlalchemy.*: pip install mlflow, or set MLFLOW_TRACKING_URI"):
+            parse_recipe(demo, ["--report_to", "mlflow"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (no_tracker_setup / "mlruns").as_uri())
+    with pytest.raises(RecipeError, match=r"a file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE=true"):
+        parse_recipe(demo, ["--report_to", "mlflow"])
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert parse_recipe(demo, ["--report_to", "mlflow"]).training.report_to == ["mlflow"]
