@@ -202,39 +202,45 @@ def _pick_samples(samples: list[dict]) -> list[dict]:
     return picked
 
 
+def _shown(value, spec: str) -> str:
+    """A measure as the table shows it; `–` where there is none (before the first evaluation, or a mean over no
+    scored completion, which TRL logs as None when every reward returned None)."""
+    return "–" if value is None else format(value, spec)
+
+
 def print_before_after(summary: dict, console: Console | None = None) -> None:
     console = console or Console()
     before, after = summary.get("before"), summary.get("after")
     if not after:
-        console.print(f"train loss {summary.get('train_loss', float('nan')):.4f} (no eval split: no before/after)")
+        console.print(f"train loss {_shown(summary.get('train_loss'), '.4f')} (no eval split: no before/after)")
         return
     if not before:
         table = Table(title="After training", caption="eval_on_start: true adds a 'before' column")
         table.add_column("metric")
         table.add_column(f"after (step {after['step']})", justify="right")
-        table.add_row("eval loss", f"{after['eval_loss']:.4f}")
+        table.add_row("eval loss", _shown(after["eval_loss"], ".4f"))
         for name in PREFERENCE_METRICS.values():
             if name in after:
-                table.add_row(name.replace("_", " "), f"{after[name]:.3f}")
+                table.add_row(name.replace("_", " "), _shown(after[name], ".3f"))
         for task, accuracy in after.get("exact_match", {}).items():
-            table.add_row(f"exact match: {task}", f"{accuracy:.1%}")
+            table.add_row(f"exact match: {task}", _shown(accuracy, ".1%"))
         console.print(table)
         return
     table = Table(title="Before vs after training")
     table.add_column("metric")
     table.add_column(f"before (step {before['step']})", justify="right")
     table.add_column(f"after (step {after['step']})", justify="right")
-    table.add_row("eval loss", f"{before['eval_loss']:.4f}", f"{after['eval_loss']:.4f}")
+    table.add_row("eval loss", _shown(before["eval_loss"], ".4f"), _shown(after["eval_loss"], ".4f"))
     for name in PREFERENCE_METRICS.values():
         if name in after:
             then = before.get(name)
-            table.add_row(name.replace("_", " "), "–" if then is None else f"{then:.3f}", f"{after[name]:.3f}")
+            table.add_row(name.replace("_", " "), _shown(then, ".3f"), _shown(after[name], ".3f"))
     for name, value in after.get("rewards", {}).items():
         then = before.get("rewards", {}).get(name)
-        table.add_row(f"reward {name} (sampled)", "–" if then is None else f"{then:.3f}", f"{value:.3f}")
+        table.add_row(f"reward {name} (sampled)", _shown(then, ".3f"), _shown(value, ".3f"))
     for task, accuracy in after.get("exact_match", {}).items():
         then = before.get("exact_match", {}).get(task)
-        table.add_row(f"exact match: {task}", "–" if then is None else f"{then:.1%}", f"{accuracy:.1%}")
+        table.add_row(f"exact match: {task}", _shown(then, ".1%"), _shown(accuracy, ".1%"))
     console.print(table)
     if after.get("samples") and before.get("samples"):
         samples = Table(title="Sample generations (held-out)")

@@ -5,6 +5,7 @@ a resumed run logs the uninterrupted run's losses; `finetune plan --method grpo`
 and refuses one that does not, naming the term; bad rewards, data and keys stop with a named error."""
 
 import json
+import re
 import shutil
 import signal
 import sys
@@ -259,6 +260,20 @@ def test_a_reward_call_is_bounded_and_its_scores_finite_or_none():
         CheckedReward("mine.rewards:raises", _raises, timeout=5)(**call)
     with pytest.raises(RecipeError, match="`reward_timeout: 0` must be a positive number of seconds"):
         GRPOArguments(reward_timeout=0)
+
+
+def test_the_report_of_a_run_whose_rewards_scored_nothing_shows_no_mean():
+    """Every reward None ("not scored") for every completion: TRL logs the mean reward as None; the before/after table
+    shows `–` (it ended the run in a TypeError)."""
+    from rich.console import Console
+
+    from finetune.train.evaluation import print_before_after
+
+    console = Console(record=True, width=100)
+    measures = {"eval_loss": 0.0, "mean_reward": None, "rewards": {"none": None}}
+    print_before_after({"before": {"step": 0, **measures}, "after": {"step": 2, **measures}}, console)
+    table = console.export_text()
+    assert re.search(r"mean reward +│ +– +│ +– ", table) and re.search(r"reward none \(sampled\) +│ +– +│ +– ", table)
 
 
 def test_plan_and_dry_run_read_a_reward_module_without_running_it(tmp_path, monkeypatch, capsys):
