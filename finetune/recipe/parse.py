@@ -191,7 +191,6 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
                          sources.get("strategy") == COMMAND_LINE)
     if lora.use_qlora:
         check_qlora(model.torch_dtype, training_inputs, strategy)
-    check_lora_adapters(model, lora)
     check_pure_bf16(training_inputs, strategy)
     check_launcher_precision(training_inputs, sources)
     shared = parallelism.total // parallelism.data_parallel_size * strategy.pipeline_parallel_size  # ranks of a batch
@@ -263,6 +262,7 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     model = _build(ModelArguments, inputs[ModelArguments], values, overrides)
     data = _build(DataArguments, inputs[DataArguments], values, overrides)
     lora = _build(LoraArguments, inputs[LoraArguments], values, overrides)
+    check_lora_adapters(model, lora)  # names against the model's own, built empty: a dry run and a launch stop here
     _refuse_other_methods_keys(method, inputs)
     settings = None if method.arguments is None else _build(method.arguments, inputs[method.arguments], values,
                                                             overrides)

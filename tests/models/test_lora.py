@@ -48,3 +48,12 @@ def test_a_token_in_the_environment_lands_in_no_file(lora_runs):
     files = [path for output_dir in lora_runs.values() for path in output_dir.rglob("*") if path.is_file()]
     assert len(files) > 30  # adapters, tokenizer, trainer state, training_args.bin, reports
     assert not [path for path in files if PLANTED_TOKEN.encode() in path.read_bytes()]
+
+
+@pytest.mark.parametrize("launch", [[], ["--gpus", "2"]])
+def test_a_misspelled_target_module_stops_the_dry_run_in_one_line(capsys, launch):
+    assert main(["train", "recipes/demo.yaml", "--dry-run", *launch, "--use_lora", "true",
+                 "--lora_target_modules", "q_prj", "v_proj"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("finetune: error: `lora_target_modules: q_prj` matches no module of LlamaForCausalLM "
+                            "(did you mean `q_proj`?)") and "\n" not in error
