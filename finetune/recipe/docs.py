@@ -205,7 +205,10 @@ def from_tools_guide() -> str:
         "to 1 is a fraction, above 1 a count of rows; `lora_dropout` left out is 0, as in axolotl.",
         "",
         *_key_table([(key, None) for key in AXOLOTL_KEYS]),
-        "A config in this shape that trains: `tests/fixtures/peers/axolotl_lora.yml`.",
+        "A key given as null is unset, as axolotl reads it. Its published `examples/llama-3/lora-1b.yml` trains as it",
+        "is, with only the model and the data replaced (`tests/fixtures/peers/axolotl_llama3_lora_1b.yml`; without",
+        "bitsandbytes, its `optimizer: adamw_8bit` is refused in one line and `--optimizer adamw_torch` given), as",
+        "does `tests/fixtures/peers/axolotl_lora.yml`.",
         "",
         "## LLaMA-Factory",
         "",
@@ -218,6 +221,8 @@ def from_tools_guide() -> str:
         "(`finetuning_type` left out), rank 8, alpha twice the rank, no dropout.",
         "",
         *_key_table([(key, None) for key in LLAMA_FACTORY_KEYS]),
-        "A config in this shape that trains: `tests/fixtures/peers/llamafactory_lora_sft.yaml`.",
+        "Its published `examples/train_lora/llama3_lora_sft.yaml` and `llama3_lora_pretrain.yaml` (`stage: pt`: each",
+        "dataset's text read as finetune's `text` format) train as they are, with only the model and the data",
+        "replaced: `tests/fixtures/peers/llamafactory_llama3_*.yaml`.",
     ]
     return "\n".join(lines).rstrip() + "\n"

@@ -282,7 +282,7 @@ def _factory_stage(value: Any, values: dict) -> dict:
     from finetune.recipe.methods import all_methods
 
     names = [method.name for method in all_methods()]
-    if value in (None, "sft"):
+    if value in (None, "sft", "pt"):  # pretraining: supervised fine-tuning on plain text (`_factory_entry`)
         return {}
     value = FACTORY_STAGES.get(value, value)
     if value in names:  # a stage finetune trains under the same name
@@ -349,7 +349,11 @@ def _factory_entry(name: str, info: dict, folder: Path, values: dict) -> dict:
     if spec.get("ranking"):
         raise ValueError(f"dataset `{name}` is a ranking (preference) dataset; preference pairs are read in "
                          "finetune's own formats (docs/preference.md)")
-    if (spec.get("formatting") or "alpaca") == "alpaca":
+    if values.get("stage") == "pt":  # pretraining reads the `prompt` column as plain text (LLaMA-Factory's c4_demo)
+        ours["format"] = "text"
+        if columns.get("prompt", "text") != "text":
+            rename[columns["prompt"]] = "text"
+    elif (spec.get("formatting") or "alpaca") == "alpaca":
         ours["format"] = "alpaca"
         for theirs, column in (("prompt", "instruction"), ("query", "input"), ("response", "output")):
             if columns.get(theirs) not in (None, column):
@@ -395,7 +399,9 @@ LLAMA_FACTORY_KEYS = (
     TrlKey("neat_packing", LLAMA_FACTORY, ours="packing"),
     TrlKey("enable_liger_kernel", LLAMA_FACTORY, ours="use_liger_kernel"),
     TrlKey("pref_beta", LLAMA_FACTORY, ours="beta"),
-    TrlKey("stage", LLAMA_FACTORY, expand=_factory_stage, why="`method: sft`, the default"),
+    TrlKey("stage", LLAMA_FACTORY, expand=_factory_stage,
+           why="`method: sft`, the default; `pt` reads each dataset's text as finetune's `text` format, every token "
+               "learned"),
     TrlKey("finetuning_type", LLAMA_FACTORY, expand=_factory_finetuning, why="all weights are trained"),
     TrlKey("dataset", LLAMA_FACTORY, expand=_factory_dataset),
     TrlKey("flash_attn", LLAMA_FACTORY, expand=_factory_flash, why="Transformers chooses the attention"),

@@ -133,34 +133,14 @@ def factory_data(folder: Path) -> Path:
     (folder / "identity.json").write_text(json.dumps(alpaca_rows(12)))
     renamed = [{"question": row["instruction"], "answer": row["output"]} for row in alpaca_rows(30, start=12)]
     (folder / "alpaca_en_demo.json").write_text(json.dumps(renamed))
+    (folder / "c4_demo.jsonl").write_text("".join(json.dumps({"text": f"{row['instruction']} {row['output']}"}) + "\n"
+                                                  for row in alpaca_rows(20)))
     (folder / "dataset_info.json").write_text(json.dumps({
         "identity": {"file_name": "identity.json"},
         "alpaca_en_demo": {"file_name": "alpaca_en_demo.json", "columns": {"prompt": "question", "response": "answer"}},
+        "c4_demo": {"file_name": "c4_demo.jsonl", "columns": {"prompt": "text"}},  # as LLaMA-Factory's data/ lists it
     }))
     return folder
-
-
-def test_a_llama_factory_config_trains_with_its_datasets_and_defaults(tmp_path, hub_model_dir, monkeypatch):
-    factory_data(tmp_path / "data")
-    monkeypatch.chdir(tmp_path)  # `dataset_dir: data`, from the working directory, as LLaMA-Factory reads it
-    effective = train(PEERS / "llamafactory_lora_sft.yaml", tmp_path / "out",
-                      "--model_name_or_path", str(hub_model_dir))
-    foreign, values = effective["foreign_keys"], effective["values"]
-    assert foreign["read_as"] == "LLaMA-Factory config"
-    assert {"cutoff_len": "max_seq_length", "lora_rank": "lora_r", "lora_target": "lora_target_modules",
-            "val_size": "eval_split_ratio", "preprocessing_num_workers": "dataset_num_proc"}.items() <= foreign[
-        "renamed"].items()
-    assert foreign["read_into"]["finetuning_type"] == {"use_lora": True}
-    entries = foreign["read_into"]["dataset"]["dataset_mixture"]["datasets"]
-    assert [entry["rows"] for entry in entries] == [1000, 1000]
-    assert entries[1]["rename"] == {"question": "instruction", "answer": "output"}
-    assert foreign["tool_defaults"] == {"lora_alpha": 16, "lora_dropout": 0.0}  # LLaMA-Factory's: twice the rank
-    assert values["lora_alpha"]["source"].startswith("LLaMA-Factory's default")
-    assert any(note.startswith("`template: llama3` (the tokenizer's own chat template") for note in foreign["noted"])
-    adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
-    assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
-    summary = json.loads((tmp_path / "out" / "data_summary.json").read_text())
-    assert summary["train_rows"] + summary["eval_rows"] == 42
 
 
 @pytest.mark.parametrize("text, message", [
@@ -262,3 +242,29 @@ def test_an_axolotl_config_with_fsdp_and_deepspeed_is_refused_in_one_line(tmp_pa
     with pytest.raises(RecipeError, match=r"^`fsdp: \['full_shard'\]` and `deepspeed: .*zero2.json` ask for two "
                                           r"sharding engines; keep one"):
         parse_recipe(recipe, [])
+
+
+@pytest.mark.parametrize("name, rows, data_format", [("llamafactory_llama3_lora_sft.yaml", 42, "alpaca"),
+                                                     ("llamafactory_llama3_lora_pretrain.yaml", 20, "text")])
+def test_llama_factorys_published_lora_examples_train(tmp_path, hub_model_dir, monkeypatch, name, rows, data_format):
+    factory_data(tmp_path / "data")  # its `data/dataset_info.json`, from the working directory
+    monkeypatch.chdir(tmp_path)
+    effective = train(PEERS / name, tmp_path / "out", "--model_name_or_path", str(hub_model_dir), "--max_steps", "2")
+    foreign = effective["foreign_keys"]
+    assert foreign["read_as"] == "LLaMA-Factory config" and foreign["read_into"]["finetuning_type"] == {
+        "use_lora": True}
+    assert {entry["format"] for entry in foreign["read_into"]["dataset"]["dataset_mixture"]["datasets"]} == {
+        data_format}
+    assert json.loads((tmp_path / "out" / "data_summary.json").read_text())["train_rows"] == rows
+    adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (8, 16)  # LLaMA-Factory's default alpha: twice the rank
+    assert foreign["tool_defaults"] == {"lora_alpha": 16, "lora_dropout": 0.0}
+    assert effective["values"]["lora_alpha"]["source"].startswith("LLaMA-Factory's default")
+    assert {"cutoff_len": "max_seq_length", "lora_rank": "lora_r", "lora_target": "lora_target_modules",
+            "preprocessing_num_workers": "dataset_num_proc"}.items() <= foreign["renamed"].items()
+    entries = foreign["read_into"]["dataset"]["dataset_mixture"]["datasets"]
+    assert all(entry["rows"] == 1000 for entry in entries)  # `max_samples`: each dataset's first rows
+    if name.endswith("_sft.yaml"):
+        assert entries[1]["rename"] == {"question": "instruction", "answer": "output"}
+        assert any(note.startswith("`template: llama3` (the tokenizer's own chat template") for note in foreign[
+            "noted"])
