@@ -33,6 +33,7 @@ def hub_data(tmp_path_factory):
         "HuggingFaceTB/smoltalk": save_hub_dataset(root / "smoltalk", {"all": {
             "train": conversation_rows(32, tag="s"), "test": conversation_rows(8, start=32, tag="s")}}),
         "teknium/GPT4-LLM-Cleaned": save_hub_dataset(root / "gpt4llm", {"default": {"train": alpaca_rows(40)}}),
+        "tatsu-lab/alpaca": save_hub_dataset(root / "alpaca", {"default": {"train": alpaca_rows(40)}}),
     }
 
 
@@ -203,21 +204,26 @@ def test_a_tools_config_is_read_as_its_own_saying_so_and_its_renamed_keys_work_o
                      capsys.readouterr().out)
 
 
-def test_axolotls_published_lora_1b_trains_its_nulls_unset_and_its_cpu_less_keys_said(tmp_path, hub_model_dir,
-                                                                                        hub_data, monkeypatch):
-    recipe = PEERS / "axolotl_llama3_lora_1b.yml"
+@pytest.mark.parametrize("name", ["axolotl_llama3_lora_1b.yml", "axolotl_llama3_fft_8b.yaml"])
+def test_axolotls_published_examples_train_their_nulls_unset_and_their_cpu_less_keys_said(
+        tmp_path, hub_model_dir, hub_data, monkeypatch, name):
+    recipe = PEERS / name
     monkeypatch.chdir(tmp_path)  # its `dataset_prepared_path: last_run_prepared` is relative, as axolotl reads it
     model_and_data = ["--model_name_or_path", str(hub_model_dir), "--dataset_mixture", local_mixture(recipe, hub_data)]
-    if importlib.util.find_spec("bitsandbytes") is None:  # its `optimizer: adamw_8bit`: one line, before loading
-        with pytest.raises(RecipeError, match=r"^`optim: adamw_8bit` keeps its states with bitsandbytes, which is not "
-                                              r"installed here: .* or give `optim: adamw_torch`"):
+    if importlib.util.find_spec("bitsandbytes") is None:  # its 8-bit optimizer: one line, before loading
+        with pytest.raises(RecipeError, match=r"^`optim: (adamw|paged_adamw)_8bit` keeps its states with bitsandbytes, "
+                                              r"which is not installed here: .* or give `optim: adamw_torch`"):
             parse_recipe(recipe, model_and_data)
         model_and_data += ["--optimizer", "adamw_torch"]
     effective = train(recipe, tmp_path / "out", *model_and_data, "--max_steps", "2")
     noted = effective["foreign_keys"]["noted"]
-    for key in ("lora_fan_in_fan_out", "early_stopping_patience", "xformers_attention", "wandb_project"):
+    for key in ("early_stopping_patience", "xformers_attention", "wandb_project"):
         assert f"`{key}: null` (unset)" in noted
     assert any(note.startswith("`group_by_length: false` (batches are drawn at random") for note in noted)
+    if "fft" in name:  # all weights trained
+        assert not (tmp_path / "out" / "adapter_config.json").exists()
+        return
+    assert "`lora_fan_in_fan_out: null` (unset)" in noted
     adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert set(adapter["target_modules"]) == {"gate_proj", "down_proj", "up_proj", "q_proj", "v_proj", "k_proj",
                                               "o_proj"}
