@@ -244,9 +244,8 @@ def check_destination(source: Path, out_dir: Path, force: bool) -> None:
                           f"({EXPORT_RECORD}): give a new or empty directory, or pass --force to write into it.")
 
 
-def forget_earlier_export(out_dir: Path) -> list[str]:
-    """Removes the files an earlier export into `out_dir` wrote, so none of its shards or adapter files is left beside
-    the new model; returns their names."""
+def earlier_export_files(out_dir: Path) -> list[str]:
+    """The files an earlier export into `out_dir` wrote that are still there, as its record lists them."""
     record = out_dir / EXPORT_RECORD
     if not record.is_file():
         return []
@@ -254,8 +253,13 @@ def forget_earlier_export(out_dir: Path) -> list[str]:
         files = json.loads(record.read_text()).get("files", [])
     except (ValueError, AttributeError):
         files = []
-    removed = [name for name in files if isinstance(name, str) and Path(name).name == name
-               and (out_dir / name).is_file()]
+    return [name for name in files if isinstance(name, str) and Path(name).name == name and (out_dir / name).is_file()]
+
+
+def forget_earlier_export(out_dir: Path) -> list[str]:
+    """Removes the files an earlier export into `out_dir` wrote, so none of its shards or adapter files is left beside
+    the new model; returns their names."""
+    removed = earlier_export_files(out_dir)
     for name in removed:
         (out_dir / name).unlink()
     return removed

@@ -31,20 +31,24 @@ def export_command_parser(subparsers) -> None:
 
 
 def export_command(args) -> int:
-    from finetune.checkpoints.export import export
+    from finetune.checkpoints.export import earlier_export_files, export
     from finetune.errors import RecipeError
 
     if args.gguf:
         path, replaced = export_gguf(args)
-        print(f"exported {args.checkpoint} to {path}" + (f" (replacing the earlier {', '.join(replaced)})"
-                                                          if replaced else ""))
+        print(f"exported {args.checkpoint} to {path}{replacing(replaced)}")
         return 0
     if args.gguf_type is not None:
         raise RecipeError(f"--gguf-type {args.gguf_type} is the type of a GGUF export: add --gguf, or leave it out.")
+    replaced = earlier_export_files(Path(args.out_dir))  # an earlier export's (GGUF files too): named, not unsaid
     out_dir = export(args.checkpoint, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype,
                      base_model=args.base_model, seed=args.seed, force=args.force)
-    print(f"exported {args.checkpoint} to {out_dir}")
+    print(f"exported {args.checkpoint} to {out_dir}{replacing(replaced)}")
     return 0
+
+
+def replacing(names: list[str]) -> str:
+    return f" (replacing the earlier {', '.join(names)})" if names else ""
 
 
 def export_gguf(args) -> tuple[Path, list[str]]:
@@ -53,7 +57,13 @@ def export_gguf(args) -> tuple[Path, list[str]]:
     of other types exported there before stay beside it; returns the file and the names of the files it replaced (an
     earlier file of the same type, or an earlier safetensors export's)."""
     from finetune import outputs
-    from finetune.checkpoints.export import EXPORT_RECORD, check_destination, forget_earlier_export, writing_export
+    from finetune.checkpoints.export import (
+        EXPORT_RECORD,
+        check_destination,
+        earlier_export_files,
+        forget_earlier_export,
+        writing_export,
+    )
     from finetune.errors import RecipeError
     from finetune.models.gguf import GGUF_TYPES, check_convertible, gguf_bytes, write_gguf
     from finetune.train.trained_model import load_with_tokenizer
@@ -72,8 +82,7 @@ def export_gguf(args) -> tuple[Path, list[str]]:
     path = out_dir / f"{name}-{gguf_type}.gguf"
     earlier = outputs.read_record(out_dir, EXPORT_RECORD, missing=None) if out_dir.is_dir() else None
     if isinstance(earlier, dict) and earlier.get("format") == "gguf":  # other types stay: only this name is replaced
-        kept = [file for file in earlier.get("files") or [] if isinstance(file, str) and Path(file).name == file
-                and file != path.name and (out_dir / file).is_file()]
+        kept = [file for file in earlier_export_files(out_dir) if file != path.name]
         replaced = [path.name] if path.is_file() else []
     else:
         kept, replaced = [], forget_earlier_export(out_dir)

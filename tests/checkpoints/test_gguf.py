@@ -260,6 +260,10 @@ def test_destination_rules_hold_and_gguf_types_sit_side_by_side(hub_model_dir, t
     assert main(["export", str(hub_model_dir), str(out), "--gguf"]) == 0  # the same type again: named
     assert capsys.readouterr().out.strip().endswith("(replacing the earlier out-f16.gguf)")
     assert sorted(path.name for path in out.iterdir()) == ["finetune_export.json", "out-f16.gguf", "out-q8_0.gguf"]
+    assert main(["export", str(hub_model_dir), str(out)]) == 0  # a safetensors export replaces them: named too
+    assert capsys.readouterr().out.strip() == (f"exported {hub_model_dir} to {out} (replacing the earlier "
+                                               "out-f16.gguf, out-q8_0.gguf)")
+    assert not list(out.glob("*.gguf"))
     assert main(["export", str(hub_model_dir), str(hub_model_dir / "inside"), "--gguf"]) == 2
     assert "is inside the source" in capsys.readouterr().err
 
