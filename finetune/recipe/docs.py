@@ -194,7 +194,10 @@ def from_tools_guide() -> str:
                     + [(key, method.name) for method in all_methods() for key in method.trl_keys]),
         "Recipes in these shapes that train with only the model and the data overridden: "
         "`tests/fixtures/trl_sft_recipe.yaml`,",
-        "`tests/fixtures/peers/handbook_*.yaml` (tests/recipe/test_peer_recipes.py).",
+        "`tests/fixtures/peers/handbook_*.yaml` (tests/recipe/test_peer_recipes.py); the handbook's published",
+        "`recipes/smollm2/sft/config.yaml` as it is (`handbook_smollm2_sft_published.yaml`), where its",
+        "`push_to_hub: true` offline, `report_to: wandb` without a login and `flash_attention_2` without flash-attn",
+        "are each refused in one line before anything loads.",
         "",
         "## axolotl",
         "",

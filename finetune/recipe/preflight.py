@@ -57,6 +57,7 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
                           "launch with --num_processes equal to the GPU count or fix CUDA_VISIBLE_DEVICES.")
     check_output_dir(training_inputs.get("output_dir"))
     check_optimizer_library(training_inputs.get("optim"))
+    check_hub_push(training_inputs)
     check_per_node_sizes(deepspeed)
     check_one_process_per_gpu(training_inputs)
     check_precision_on_gpu(training_inputs)
@@ -94,6 +95,21 @@ def check_optimizer_library(optim: Any) -> None:
             "bitsandbytes") is None:
         raise RecipeError(f"`optim: {name}` keeps its states with bitsandbytes, which is not installed here: install "
                           "it (it needs a CUDA GPU), or give `optim: adamw_torch` (32-bit states).")
+
+
+def check_hub_push(training_inputs: dict[str, Any]) -> None:
+    """`push_to_hub: true` (the handbook's recipes carry it) makes Trainer create the repository as it starts: offline
+    or without a token, a traceback once the model and data are loaded."""
+    if not is_true(training_inputs.get("push_to_hub")):
+        return
+    from huggingface_hub import constants, get_token
+
+    if constants.HF_HUB_OFFLINE:
+        raise RecipeError("`push_to_hub: true` but the hub is offline here (HF_HUB_OFFLINE): set `push_to_hub: false` "
+                          "and upload the run later (`hf upload REPO OUTPUT_DIR`).")
+    if not (training_inputs.get("hub_token") or get_token()):
+        raise RecipeError("`push_to_hub: true` needs a hub token and there is none (HF_TOKEN, `hf auth login`): log "
+                          "in, or set `push_to_hub: false`.")
 
 
 def check_both_sharding_engines(training_inputs: dict[str, Any]) -> None:

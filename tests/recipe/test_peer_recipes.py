@@ -94,17 +94,6 @@ def test_handbook_dpo_recipes_train_on_their_mixture(tmp_path, hub_model_dir, hu
     assert summary["train_rows"] == 24 and summary["eval_rows"] == 8
 
 
-def test_handbook_smollm2_sft_trains_on_a_configuration_and_named_splits(tmp_path, hub_model_dir, hub_data):
-    recipe = PEERS / "handbook_smollm2_sft.yaml"
-    effective = train(recipe, tmp_path, "--model_name_or_path", str(hub_model_dir),
-                      "--dataset_name", str(hub_data["HuggingFaceTB/smoltalk"]))
-    renamed = effective["foreign_keys"]["renamed"]
-    assert renamed["dataset_train_split"] == "dataset_split" and renamed["dataset_test_split"] == "eval_split"
-    summary = json.loads((tmp_path / "data_summary.json").read_text())
-    assert summary["train_rows"] == 32 and summary["eval_rows"] == 8  # config `all`, splits train and test
-    assert saved_template(tmp_path) == recipe_value(recipe, "chat_template")
-
-
 def test_an_axolotl_config_trains_with_its_keys_read_into_ours(tmp_path, hub_model_dir, hub_data):
     recipe = PEERS / "axolotl_lora.yml"
     effective = train(recipe, tmp_path, "--model_name_or_path", str(hub_model_dir),
@@ -274,3 +263,28 @@ def test_llama_factorys_published_lora_examples_train(tmp_path, hub_model_dir, m
         assert entries[1]["rename"] == {"question": "instruction", "answer": "output"}
         assert any(note.startswith("`template: llama3` (the tokenizer's own chat template") for note in foreign[
             "noted"])
+
+
+def test_the_handbooks_published_smollm2_sft_recipe_trains(tmp_path, hub_model_dir, hub_data, monkeypatch, capsys):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # as the test suite runs
+    monkeypatch.setenv("WANDB_MODE", "offline")  # its `report_to: [tensorboard, wandb]`, with no W&B account here
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    recipe = PEERS / "handbook_smollm2_sft_published.yaml"
+    model_and_data = ["--model_name_or_path", str(hub_model_dir), "--dataset_name",
+                      str(hub_data["HuggingFaceTB/smoltalk"]), "--max_steps", "2"]
+    # its `push_to_hub: true`, offline here, and `attn_implementation: flash_attention_2` without flash-attn: one
+    # line each, before anything is written, and the run trains with each turned off
+    assert main(["train", str(recipe), "--output_dir", str(tmp_path / "refused"), *model_and_data]) == 2
+    assert "finetune: error: `push_to_hub: true` but the hub is offline here" in capsys.readouterr().err
+    model_and_data += ["--push_to_hub", "false"]
+    if importlib.util.find_spec("flash_attn") is None:
+        assert main(["train", str(recipe), "--output_dir", str(tmp_path / "refused"), *model_and_data]) == 2
+        assert "error: `attn_implementation: flash_attention_2` cannot be used here" in capsys.readouterr().err
+        model_and_data += ["--attn_implementation", "sdpa"]
+    effective = train(recipe, tmp_path / "out", *model_and_data)
+    assert effective["values"]["max_seq_length"]["value"] == 8192
+    renamed = effective["foreign_keys"]["renamed"]
+    assert renamed["dataset_train_split"] == "dataset_split" and renamed["dataset_test_split"] == "eval_split"
+    summary = json.loads((tmp_path / "out" / "data_summary.json").read_text())
+    assert summary["train_rows"] == 32 and summary["eval_rows"] == 8  # config `all`, splits train and test
+    assert saved_template(tmp_path / "out") == recipe_value(recipe, "chat_template")
