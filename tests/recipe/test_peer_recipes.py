@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from hub_fixtures import alpaca_rows, conversation_rows, preference_rows, save_hub_dataset
 from support import PROJECT_ROOT
 
@@ -37,9 +38,9 @@ def hub_data(tmp_path_factory):
     }
 
 
-def local_mixture(recipe: Path, hub_data: dict, **changes) -> str:
+def local_mixture(recipe: Path, hub_data: dict, *overrides: str, **changes) -> str:
     """The recipe's own dataset mixture (as finetune reads it) with each hub id replaced by its local stand-in."""
-    mixture = read_recipe(recipe, []).data.mixture.to_dict()
+    mixture = read_recipe(recipe, list(overrides)).data.mixture.to_dict()
     for entry in mixture["datasets"]:
         entry["path"] = str(hub_data[entry["path"]])
     return json.dumps({**mixture, **changes})
@@ -83,10 +84,14 @@ def test_handbook_zephyr_sft_trains_with_its_template_and_mixture(tmp_path, hub_
 
 
 @pytest.mark.parametrize("name", ["handbook_zephyr_dpo.yaml", "handbook_smollm2_dpo.yaml"])
-def test_handbook_dpo_recipes_train_on_their_mixture(tmp_path, hub_model_dir, hub_data, name):
+def test_handbook_dpo_recipes_train_on_their_mixture(tmp_path, hub_model_dir, hub_data, monkeypatch, name):
     recipe = PEERS / name
-    effective = train(recipe, tmp_path, "--model_name_or_path", str(hub_model_dir),
-                      "--dataset_mixture", local_mixture(recipe, hub_data, test_split_size=8))
+    # the published smollm2 recipe is run as the handbook's scripts/dpo.py runs it, offline
+    published = ["--method", "dpo", "--push_to_hub", "false"] if "method" not in yaml.safe_load(
+        recipe.read_text()) else []
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # its `report_to: [tensorboard, wandb]`, with no W&B account here
+    effective = train(recipe, tmp_path, "--model_name_or_path", str(hub_model_dir), *published,
+                      "--dataset_mixture", local_mixture(recipe, hub_data, *published, test_split_size=8))
     assert effective["values"]["max_seq_length"]["value"] == 1024
     assert any(note.startswith("`max_prompt_length: 512` (TRL 1.16 has no separate prompt limit")
                for note in effective["foreign_keys"]["noted"])
