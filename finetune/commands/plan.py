@@ -271,6 +271,9 @@ def print_plan(plan: dict) -> None:
         print_group_sizes(console, plan["group_sizes"], size, unit_name)
     if plan.get("data") is not None:
         print_data_lengths(console, plan)
+    if (plan.get("data") or {}).get("router_aux_loss_coef") is not None:  # finetune.models.experts
+        console.print(f"Experts: the load-balancing loss is added at router_aux_loss_coef "
+                      f"{plan['data']['router_aux_loss_coef']:g} (0 turns it off).", highlight=False)
     for line in calibration_lines(plan):
         console.print(line, soft_wrap=True, highlight=False)
     console.print(f"Fits: a total within {HEADROOM:.0%} of the GPU less {_gib(CUDA_CONTEXT_BYTES)} GiB for the CUDA "

@@ -34,6 +34,22 @@ def your_strategy(training: dict, config: str | None):
     return None, None
 
 
+def load_balancing_in_plan(model_args) -> float | None:
+    """The load-balancing weight a model with experts will train with (the recipe's `router_aux_loss_coef`, else its
+    config's), from its config alone; None without experts, or when the config cannot be read here."""
+    from finetune.memory.shapes import resolve_config
+    from finetune.models.experts import has_router_loss
+
+    try:
+        config = resolve_config(model_args.model_name_or_path).get_text_config()
+    except (OSError, ValueError):
+        return None
+    if not has_router_loss(config):
+        return None
+    given = model_args.router_aux_loss_coef
+    return float(getattr(config, "router_aux_loss_coef", 0.0) if given is None else given)
+
+
 def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu | None = None,
                         config: str | None = None, batch_options: dict | None = None,
                         overrides: list[str] | None = None, sections=None, **hardware) -> tuple[PlanRequest, dict]:
@@ -51,6 +67,9 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
     # the lengths the method's data will have (None: planned at `max_seq_length`, as for pairs TRL tokenizes later)
     lengths, summary = sections.method.plan_data(sections)
     summary["method"] = sections.method.name
+    weight = load_balancing_in_plan(sections.model)
+    if weight is not None:  # a model with experts trains its load-balancing loss (finetune.models.experts)
+        summary["router_aux_loss_coef"] = weight
     strategy, strategy_source = your_strategy(training, config)
     given = {key: value for key, value in (batch_options or {}).items() if value is not None}
     micro, accumulation = training["per_device_train_batch_size"], training["gradient_accumulation_steps"]

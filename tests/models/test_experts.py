@@ -51,7 +51,8 @@ def test_a_weight_for_a_model_without_experts_is_refused():
         turn_on_load_balancing(model, 0.01)
 
 
-def test_a_mixtral_run_trains_with_the_checkpoints_weight_and_records_it(tmp_path):
+def mixtral_recipe(tmp_path):
+    """A recipe training a tiny Mixtral checkpoint (load-balancing weight 0.02, switched off as shipped) on 16 rows."""
     tokenizer = build_tokenizer()
     model = tiny_mixtral(vocab_size=len(tokenizer), router_aux_loss_coef=0.02, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
@@ -62,6 +63,17 @@ def test_a_mixtral_run_trains_with_the_checkpoints_weight_and_records_it(tmp_pat
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"model_name_or_path: {tmp_path / 'moe'}\ntrain_file: {rows}\nmax_steps: 2\n"
                       "max_seq_length: 64\nper_device_train_batch_size: 2\n")
+    return recipe
+
+
+def test_the_plan_of_a_mixtral_recipe_shows_its_load_balancing_weight(tmp_path, capsys):
+    recipe = mixtral_recipe(tmp_path)
+    assert main(["plan", "--recipe", str(recipe), "--gpus", "1", "--gpu-memory", "80"]) == 0
+    assert "Experts: the load-balancing loss is added at router_aux_loss_coef 0.02" in capsys.readouterr().out
+
+
+def test_a_mixtral_run_trains_with_the_checkpoints_weight_and_records_it(tmp_path):
+    recipe = mixtral_recipe(tmp_path)
     assert main(["train", str(recipe), "--output_dir", str(tmp_path / "run")]) == 0
     recorded = json.loads((tmp_path / "run" / "effective_config.json").read_text())["values"]["router_aux_loss_coef"]
     assert recorded["value"] == 0.02 and recorded["source"].startswith("the checkpoint's config")

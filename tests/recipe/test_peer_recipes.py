@@ -272,7 +272,7 @@ def test_llama_factorys_published_lora_examples_train(tmp_path, hub_model_dir, m
 
 def test_the_handbooks_published_smollm2_sft_recipe_trains(tmp_path, hub_model_dir, hub_data, monkeypatch, capsys):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # as the test suite runs
-    monkeypatch.setenv("WANDB_MODE", "offline")  # its `report_to: [tensorboard, wandb]`, with no W&B account here
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # its `report_to: [tensorboard, wandb]`, with no W&B account here
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     recipe = PEERS / "handbook_smollm2_sft_published.yaml"
     model_and_data = ["--model_name_or_path", str(hub_model_dir), "--dataset_name",
