@@ -293,3 +293,10 @@ def test_the_handbooks_published_smollm2_sft_recipe_trains(tmp_path, hub_model_d
     summary = json.loads((tmp_path / "out" / "data_summary.json").read_text())
     assert summary["train_rows"] == 32 and summary["eval_rows"] == 8  # config `all`, splits train and test
     assert saved_template(tmp_path / "out") == recipe_value(recipe, "chat_template")
+
+
+def test_axolotls_published_8_bit_lora_example_is_refused_naming_what_trains_instead():
+    with pytest.raises(RecipeError, match=r"^axolotl's `load_in_8bit: true` in recipe .*instruct_lora_8b.yml. is not "
+                                          r"supported: an 8-bit base is not supported; `adapter: qlora` trains on a "
+                                          r"4-bit NF4 base\.$"):
+        read_recipe(PEERS / "axolotl_llama3_instruct_lora_8b.yml", [])
