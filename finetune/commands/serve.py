@@ -30,6 +30,9 @@ ENGINES = ("auto", "transformers", "vllm")
 # How long a stopped server may take to finish the request it is answering before it is killed (uvicorn waits for
 # open connections without limit, and transformers serve cannot be told otherwise).
 SHUTDOWN_GRACE_SECONDS = 10
+# What stops a serve: Ctrl-C, a `kill`, and the terminal or SSH session closing (SIGHUP, which would otherwise end the
+# process without removing its copy of the model).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def serve_command_parser(subparsers) -> None:
@@ -171,8 +174,10 @@ def serve_command(args) -> int:
     engine = pick_engine(args.engine)
     if args.export_dir is not None:
         check_export_dir(source, Path(args.export_dir))
-    # SIGTERM while the model is written ends here as SystemExit, through the `finally` that removes the workspace
-    previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # SIGTERM or SIGHUP while the model is written ends here as SystemExit (SIGINT as KeyboardInterrupt), through the
+    # `finally` that removes the workspace
+    previous = {signum: signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))
+                for signum in (signal.SIGTERM, signal.SIGHUP)}
     workspace = Path(tempfile.mkdtemp(prefix="finetune-serve-"))
     try:
         folder = Path(args.export_dir).resolve() if args.export_dir else workspace / "model"
@@ -191,7 +196,8 @@ def serve_command(args) -> int:
         return run_server(server_command(engine, name, args.host, args.port), workspace)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
-        signal.signal(signal.SIGTERM, previous_handler)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def check_export_dir(source: Path, export_dir: Path) -> None:
@@ -206,7 +212,7 @@ def check_export_dir(source: Path, export_dir: Path) -> None:
 
 
 def run_server(command: list[str], folder: Path, grace_seconds: float = SHUTDOWN_GRACE_SECONDS) -> int:
-    """Runs the server until it ends or this process is asked to stop (SIGINT, SIGTERM), which it passes on; a
+    """Runs the server until it ends or this process is asked to stop (`STOP_SIGNALS`), which it passes on; a
     server still busy `grace_seconds` later (a request being answered) is killed. A stop asked for is a clean end
     (0)."""
     server = subprocess.Popen(command, cwd=folder, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -217,7 +223,7 @@ def run_server(command: list[str], folder: Path, grace_seconds: float = SHUTDOWN
             server.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
         stopping.append(time.monotonic())
 
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
     try:
         while True:  # in steps: a signal's handler returns into wait(), which would wait on without a deadline
             try:

@@ -176,10 +176,11 @@ def test_a_huge_max_tokens_is_capped_at_the_context_and_sigterm_mid_answer_stops
     assert not [path.name for path in temporary.iterdir() if path.name.startswith("finetune-serve-")]
 
 
-def test_a_server_busy_past_the_grace_period_is_killed(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["kill", "terminal closed"])
+def test_a_server_busy_past_the_grace_period_is_killed(tmp_path, stop):
     ignores_sigint = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
                       "print('up', flush=True); time.sleep(60)"]
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    threading.Timer(1.0, os.kill, (os.getpid(), stop)).start()
     started = time.monotonic()
     assert run_server(ignores_sigint, tmp_path, grace_seconds=0.5) == 0
     assert time.monotonic() - started < 10
@@ -202,3 +203,21 @@ def test_serve_disk_full_is_one_line_and_leaves_nothing(untrained_tiny, tmp_path
     assert "the served model needs ~" in output and "nothing partial was left there" in output
     assert not kept.exists()
 
+
+
+def test_a_stop_while_the_model_is_written_removes_the_copy(tmp_path, monkeypatch):
+    """SIGHUP (the terminal closing) as SIGTERM: the serve ends, and the temporary folder goes with it."""
+    from finetune.commands import serve
+
+    def stopped_while_writing(source, folder, base_model, seed):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(5)
+
+    monkeypatch.setattr(serve, "write_served_model", stopped_while_writing)
+    monkeypatch.setattr(serve.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(tmp_path), "--port", str(free_port())])
+    assert exit_info.value.code == 128 + signal.SIGHUP
+    assert list(tmp_path.iterdir()) == []
