@@ -4,6 +4,7 @@ rank's ledger equals the prediction, the generation round's KV cache, a reward m
 a resumed run logs the uninterrupted run's losses; `finetune plan --method grpo` recommends a group size that fits
 and refuses one that does not, naming the term; bad rewards, data and keys stop with a named error."""
 
+import asyncio
 import json
 import re
 import shutil
@@ -24,7 +25,7 @@ from finetune.memory.generation import CacheMeter
 from finetune.memory.shapes import model_shape
 from finetune.recipe.parse import parse_recipe, read_recipe
 from finetune.train.methods.grpo import GRPOArguments
-from finetune.train.methods.grpo.rewards import CheckedReward, answer_format, exact_match
+from finetune.train.methods.grpo.rewards import CheckedReward, answer_format, checked_reward, exact_match
 
 # 300 steps of 2 x 16 completions (2 prompts x 8 a rank), the `add` prompts only; greedy exact match and TRL's mean
 # sampled reward on the 100 held-out `add` prompts at the start, step 150 and the end; a checkpoint at step 250
@@ -260,6 +261,33 @@ def test_a_reward_call_is_bounded_and_its_scores_finite_or_none():
         CheckedReward("mine.rewards:raises", _raises, timeout=5)(**call)
     with pytest.raises(RecipeError, match="`reward_timeout: 0` must be a positive number of seconds"):
         GRPOArguments(reward_timeout=0)
+
+
+def test_an_async_reward_is_awaited_bounded_and_checked(tmp_path, monkeypatch):
+    """An `async def` reward (TRL awaits those on its event loop) is wrapped as one TRL still awaits, bounded by
+    `reward_timeout` and its scores checked; it was called as a plain function and refused as "returned coroutine"."""
+    from trl.trainer.utils import is_async_callable
+
+    (tmp_path / "async_rewards.py").write_text(textwrap.dedent("""
+        import asyncio
+
+        async def slow(completions, **kwargs):
+            await asyncio.sleep(30)
+
+        async def infinite(completions, **kwargs):
+            return [float("inf")] * len(completions)
+
+        async def fine(completions, **kwargs):
+            return [len(c) for c in completions]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    call = {"prompts": ["p", "q"], "completions": ["a", "bc"], "completion_ids": [[1], [2]]}
+    fine = checked_reward("async_rewards:fine", timeout=5)
+    assert is_async_callable(fine) and asyncio.run(fine(**call)) == [1.0, 2.0]
+    with pytest.raises(RecipeError, match=r"^reward function `async_rewards:slow` did not return within 0.1 s"):
+        asyncio.run(checked_reward("async_rewards:slow", timeout=0.1)(**call))
+    with pytest.raises(RecipeError, match=r"^reward function `async_rewards:infinite` returned inf among its scores"):
+        asyncio.run(checked_reward("async_rewards:infinite", timeout=5)(**call))
 
 
 def test_the_report_of_a_run_whose_rewards_scored_nothing_shows_no_mean():

@@ -19,6 +19,7 @@ bounded by `reward_timeout` and its scores checked: real, finite numbers, or Non
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib
 import inspect
 import json
@@ -96,7 +97,10 @@ class CheckedReward:
 
     def __call__(self, prompts, completions, **kwargs) -> list[float | None]:
         self._check_signature(prompts=prompts, completions=completions, **kwargs)
-        scores = self._call_in_time(prompts=prompts, completions=completions, **kwargs)
+        return self._checked(self._call_in_time(prompts=prompts, completions=completions, **kwargs), completions)
+
+    def _checked(self, scores, completions) -> list[float | None]:
+        """The scores as TRL takes them, or the run stopped naming what is wrong with them."""
         if isinstance(scores, (str, bytes)) or not hasattr(scores, "__len__"):
             raise RecipeError(f"reward function `{self.name}` returned {type(scores).__name__}, not a list of "
                               f"{len(completions)} numbers (one per completion).")
@@ -153,6 +157,25 @@ class CheckedReward:
             if bounded:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
+
+
+class CheckedAsyncReward(CheckedReward):
+    """An `async def` reward function, awaited as TRL awaits one (on its event loop, beside the other async rewards),
+    bounded by `reward_timeout` through `asyncio.wait_for`, its scores checked as a function's are."""
+
+    async def __call__(self, prompts, completions, **kwargs) -> list[float | None]:
+        self._check_signature(prompts=prompts, completions=completions, **kwargs)
+        try:
+            scores = await asyncio.wait_for(self.function(prompts=prompts, completions=completions, **kwargs),
+                                            self.timeout)
+        except asyncio.TimeoutError:
+            raise RecipeError(f"reward function `{self.name}` did not return within {self.timeout:g} s "
+                              f"(`{TIMEOUT_KEY}: {self.timeout:g}`): make it faster, or raise `{TIMEOUT_KEY}` for a "
+                              "slow scorer.") from None
+        except Exception as error:  # noqa: BLE001 - the user's code can fail in any way: named in one line
+            raise RecipeError(f"reward function `{self.name}` raised {type(error).__name__}: {error}"
+                              f"{_where(error)}.") from error
+        return self._checked(scores, completions)
 
 
 def _where(error: BaseException) -> str:
@@ -362,5 +385,12 @@ def code_notice(names: list[str]) -> str | None:
 def resolve_rewards(names: list[str], timeout: float | None = None) -> list[Any]:
     """The reward functions TRL's GRPOTrainer takes: built-ins, checked user functions (each call bounded by
     `timeout` seconds), and reward model paths (TRL loads them)."""
-    return [BUILT_IN[name] if name in BUILT_IN else name if is_reward_model(name)
-            else CheckedReward(name, import_reward(name), timeout) for name in names]
+    return [BUILT_IN[name] if name in BUILT_IN else name if is_reward_model(name) else checked_reward(name, timeout)
+            for name in names]
+
+
+def checked_reward(name: str, timeout: float | None = None) -> CheckedReward:
+    """The function named by import path, imported and wrapped as TRL will call it: awaited if it is `async def`."""
+    function = import_reward(name)
+    checked = CheckedAsyncReward if inspect.iscoroutinefunction(function) else CheckedReward
+    return checked(name, function, timeout)
