@@ -207,13 +207,13 @@ def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dt
     if dtype is not None:
         model = model.to(EXPORT_DTYPES[dtype])
     forget_earlier_export(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    before = {path.name for path in out_dir.iterdir()}  # a user's files under --force are not this export's
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        found = beside(source, name)
-        if found is not None:
-            (out_dir / name).write_bytes(found.read_bytes())
+    before = {path.name for path in out_dir.iterdir()} if out_dir.is_dir() else set()  # a user's files (--force)
+    with writing_export(out_dir, weights_bytes(model), "the exported model"):
+        model.save_pretrained(out_dir, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            found = beside(source, name)
+            if found is not None:
+                (out_dir / name).write_bytes(found.read_bytes())
     written = sorted(path.name for path in out_dir.iterdir() if path.name not in before | {EXPORT_RECORD})
     outputs.write_record(out_dir, EXPORT_RECORD, {"source": str(source.resolve()), "dtype": dtype, "files": written})
     return out_dir
@@ -263,6 +263,11 @@ def forget_earlier_export(out_dir: Path) -> list[str]:
     for name in removed:
         (out_dir / name).unlink()
     return removed
+
+
+def weights_bytes(model) -> int:
+    """What `model`'s weights take in safetensors, as they are held (each tensor's elements times their size)."""
+    return sum(weight.numel() * weight.element_size() for weight in model.state_dict().values())
 
 
 @contextmanager

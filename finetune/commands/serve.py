@@ -105,7 +105,7 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
     chat template, stops in the generation config. True when the run learned plain text (no template to chat in)."""
     import contextlib
 
-    from finetune.checkpoints.export import writing_export
+    from finetune.checkpoints.export import weights_bytes, writing_export
     from finetune.train.evaluation import record_stop_tokens
     from finetune.train.trained_model import load_with_tokenizer, plain_text_format
 
@@ -116,8 +116,7 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
         model = model.merge_and_unload()
     record_stop_tokens(model, tokenizer, plain_text)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    weights_bytes = sum(weight.numel() * weight.element_size() for weight in model.state_dict().values())
-    with writing_export(folder, weights_bytes, "the served model"):
+    with writing_export(folder, weights_bytes(model), "the served model"):
         model.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
     return plain_text

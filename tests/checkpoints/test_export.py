@@ -81,3 +81,25 @@ def test_zero3_shards_answer_in_chat_as_the_gathered_model(deepspeed_runs, tmp_p
         outputs.append(capsys.readouterr())
     assert outputs[0].out == outputs[1].out  # after 3 steps: EOS first, by a logit margin of 0.16
     assert "Processing zero checkpoint" in outputs[0].err  # DeepSpeed's consolidation prints, kept off stdout
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing_partial(tmp_path, capsys, monkeypatch):
+    """safetensors' quoted ENOSPC halfway through the weights: one line naming the folder, and no half-written file."""
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+
+    tokenizer = presets.build_tokenizer()
+    presets.build_model(tokenizer, seed=0).save_pretrained(tmp_path / "run")
+
+    def full_disk(model, folder, **kwargs):
+        (folder / "model.safetensors").write_bytes(b"x" * 2000)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "run"), str(out)]) == 2
+    output = capsys.readouterr().err
+    assert "Traceback" not in output
+    assert output.strip().splitlines()[-1].startswith(f"finetune: error: no space left on {out}: ")
+    assert "the exported model needs ~" in output and "nothing partial was left there" in output
+    assert not out.exists()
