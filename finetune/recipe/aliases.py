@@ -287,7 +287,7 @@ def translate_command_line(tokens: list[str], method: type[Method] | None = None
 def _tool_key(name: str, tool: str | None, native: set[str], tables: dict[str, dict[str, TrlKey]]) -> TrlKey | None:
     """The key of the file's tool (of any tool for a finetune recipe) that a command-line option names, when it is
     renamed to ours or noted (a key whose value needs reading is given in the file)."""
-    if name in native:
+    if name in native or (tool is None and name in trl_key_names()):  # a finetune recipe's TRL keys are TRL's
         return None
     for owner, table in tables.items():
         key = table.get(name)
