@@ -224,6 +224,20 @@ def test_a_reward_that_cannot_be_used_is_refused_by_name(tmp_path, monkeypatch):
         GRPOArguments(reward_funcs=[str(tmp_path / "lm")])
 
 
+def test_a_reward_run_folder_without_its_final_model_names_its_newest_checkpoint(tmp_path):
+    """A folder with no config.json in `reward_funcs` (a reward run stopped before its final save) is named as a folder
+    without a model, with the newest checkpoint holding one; it was read as a malformed import path."""
+    run = tmp_path / "reward_run"
+    for step in (2, 10):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "config.json").write_text("{}")
+    with pytest.raises(RecipeError, match=rf"^`reward_funcs: {run}` is a folder without a model \(no config.json\); "
+                                          rf"{run / 'checkpoint-10'} holds one: name the folder"):
+        GRPOArguments(reward_funcs=[str(run)])
+    with pytest.raises(RecipeError, match=r"is a folder without a model \(no config.json\): name the folder"):
+        GRPOArguments(reward_funcs=[str(tmp_path)])
+
+
 def _sleeps(completions, **kwargs):
     try:
         time.sleep(30)

@@ -216,6 +216,14 @@ def check_reward_model(path: str) -> None:
                           "was trained to read them: save it beside the model (`method: reward` does).")
 
 
+def _saved_inside(folder: str) -> str:
+    """`; checkpoint-N holds one` for a reward run stopped before its final save: the newest checkpoint to name."""
+    from finetune.checkpoints.complete import checkpoints_newest_first
+
+    saved = [path for path in checkpoints_newest_first(folder) if is_reward_model(str(path))]
+    return f"; {saved[0]} holds one" if saved else ""
+
+
 def split_reward_name(name: str) -> tuple[str, str]:
     """(module, function) of an import path, `package.module:function` or `package.module.function`; TRL's own
     rewards by name."""
@@ -363,6 +371,10 @@ def check_reward_names(names: list[str]) -> None:
             continue
         if is_reward_model(name):
             check_reward_model(name)
+        elif Path(name).is_dir():
+            raise RecipeError(f"`reward_funcs: {name}` is a folder without a model (no config.json)"
+                              f"{_saved_inside(name)}: name the folder `method: reward` saved, or a checkpoint "
+                              "inside it.")
         else:
             check_reward_function(name)
 
