@@ -74,7 +74,8 @@ def test_synthetic_tasks_score_through_lm_eval_as_the_run_scored_them(trained_de
         {f"synthetic_{task}": value for task, value in trained.items()}  # e.g. add 0.12, reverse 0.98, sort 0.82
     assert record["max_new_tokens"] == 8  # the run's generation_max_new_tokens, from its effective config
     assert record["base_model"] == "tiny" and all(record["before"][name]["exact_match"] == 0 for name in SYNTHETIC)
-    assert "synthetic_reverse" in shown and "+0.9" in shown  # before → after, with the change
+    change = f"+{record['scores']['synthetic_reverse']['exact_match']:.4f}"  # from 0 before: e.g. +0.9800
+    assert "synthetic_reverse" in shown and change in shown  # before → after, with the change
 
     model, tokenizer = load_with_tokenizer(trained_demo)
     examples = [{"prompt": row["messages"][:-1], "reference": row["messages"][-1]["content"], "task": "mine"}
@@ -103,7 +104,7 @@ def test_a_lora_run_and_zero3_shards_score_without_an_export_by_hand(lora_runs, 
     LoRA run (adapter on the `tiny` base rebuilt from the run's seed) gives its merged export's answers, and its
     results go beside it, one new file an evaluation."""
     output_dir = deepspeed_runs["zero3"]["output_dir"]
-    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint = tmp_path / "run" / "checkpoint-3"  # results go outside the run it belongs to
     shutil.copytree(output_dir / "checkpoint-3", checkpoint)
     (checkpoint / "model.safetensors").unlink()  # leave only the ZeRO shards
     scored = {}
