@@ -219,16 +219,17 @@ def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dt
     return out_dir
 
 
-def check_destination(source: Path, out_dir: Path, force: bool) -> None:
-    """Export never writes over what it reads: the destination is not the source, inside it or its run, or around it
-    (a link to either counts as it), nor a training run's output_dir or checkpoint, even under `force`. A non-empty
-    folder is written into only when an earlier export left it (its files are replaced) or with `force`: a user's
-    files are not overwritten unasked."""
+def check_destination(source: Path, out_dir: Path, force: bool, outside_the_run: bool = False) -> None:
+    """Export never writes over what it reads: the destination is not the source, inside it or around it (a link to
+    either counts as it), nor a training run's output_dir or checkpoint, even under `force`; with `outside_the_run`
+    (a served copy, written whole and removed after) not inside the source's run either, where `finetune export
+    RUN/checkpoint-N RUN/merged` is a user's habit. A non-empty folder is written into only when an earlier export left
+    it (its files are replaced) or with `force`: a user's files are not overwritten unasked."""
     source_real, out_real = source.resolve(), out_dir.resolve()
     source_run = source_real.parent if CHECKPOINT_NAME.match(source_real.name) else source_real
     where = ("is" if out_real == source_real else "is inside" if out_real.is_relative_to(source_real) else
              "holds" if source_real.is_relative_to(out_real) else
-             "is inside the run of" if out_real.is_relative_to(source_run) else None)
+             "is inside the run of" if outside_the_run and out_real.is_relative_to(source_run) else None)
     if where is not None:
         raise RecipeError(f"the export destination {out_dir} {where} the source {source}: writing there would replace "
                           "or mix with the weights it is read from. Give a directory outside the run.")

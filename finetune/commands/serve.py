@@ -205,7 +205,7 @@ def check_export_dir(source: Path, export_dir: Path) -> None:
     from finetune.checkpoints.export import check_destination
     from finetune.errors import RecipeError
 
-    check_destination(source, export_dir, force=False)
+    check_destination(source, export_dir, force=False, outside_the_run=True)
     if export_dir.exists() and any(export_dir.iterdir()):
         raise RecipeError(f"--export-dir {export_dir} is not empty: give a new or empty folder.")
 
