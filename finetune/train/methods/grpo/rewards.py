@@ -132,6 +132,14 @@ class CheckedReward:
         except ValueError:  # no signature to read (a builtin): the call itself tells
             pass
 
+    def _timed_out(self) -> RecipeError:
+        return RecipeError(f"reward function `{self.name}` did not return within {self.timeout:g} s "
+                           f"(`{TIMEOUT_KEY}: {self.timeout:g}`): make it faster, or raise `{TIMEOUT_KEY}` for a slow "
+                           "scorer.")
+
+    def _raised(self, error: Exception) -> RecipeError:
+        return RecipeError(f"reward function `{self.name}` raised {type(error).__name__}: {error}{_where(error)}.")
+
     def _call_in_time(self, **arguments):
         """The function's answer, the call interrupted past `timeout` seconds (by SIGALRM, in the thread TRL calls
         it from, so that it runs as TRL would run it: its CUDA device, grad mode and thread-locals); off the main
@@ -147,12 +155,9 @@ class CheckedReward:
         try:
             return self.function(**arguments)
         except _TimedOut:
-            raise RecipeError(f"reward function `{self.name}` did not return within {self.timeout:g} s "
-                              f"(`{TIMEOUT_KEY}: {self.timeout:g}`): make it faster, or raise `{TIMEOUT_KEY}` for a "
-                              "slow scorer.") from None
+            raise self._timed_out() from None
         except Exception as error:  # noqa: BLE001 - the user's code can fail in any way: named in one line
-            raise RecipeError(f"reward function `{self.name}` raised {type(error).__name__}: {error}"
-                              f"{_where(error)}.") from error
+            raise self._raised(error) from error
         finally:
             if bounded:
                 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -169,12 +174,9 @@ class CheckedAsyncReward(CheckedReward):
             scores = await asyncio.wait_for(self.function(prompts=prompts, completions=completions, **kwargs),
                                             self.timeout)
         except asyncio.TimeoutError:
-            raise RecipeError(f"reward function `{self.name}` did not return within {self.timeout:g} s "
-                              f"(`{TIMEOUT_KEY}: {self.timeout:g}`): make it faster, or raise `{TIMEOUT_KEY}` for a "
-                              "slow scorer.") from None
+            raise self._timed_out() from None
         except Exception as error:  # noqa: BLE001 - the user's code can fail in any way: named in one line
-            raise RecipeError(f"reward function `{self.name}` raised {type(error).__name__}: {error}"
-                              f"{_where(error)}.") from error
+            raise self._raised(error) from error
         return self._checked(scores, completions)
 
 
