@@ -122,7 +122,7 @@ def test_a_lora_run_and_zero3_shards_score_without_an_export_by_hand(lora_runs, 
         assert main(["eval", str(lora), "--tasks", "synthetic_reverse", "--limit", "20"]) == 0
     kept = sorted((lora / "eval_harness").glob("results_*.json"))
     assert len(kept) == 2  # the second evaluation did not overwrite the first
-    merged_results = tmp_path / "merged.json"
+    merged_results = tmp_path / "merged_scores.json"  # merged.json's answers folder would be the model's own folder
     assert main(["eval", str(tmp_path / "merged"), "--tasks", "synthetic_reverse", "--limit", "20", "--output",
                  str(merged_results)]) == 0
     lora_answers = [row["answer"] for row in answers(kept[0], "synthetic_reverse")]
