@@ -252,8 +252,7 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     for key in from_file.defaults:
         sources[key] = f"{from_file.tool}{TOOLS_DEFAULT}`{key}` out)"
     if resolved_auto:
-        for key in ("bf16", "fp16"):
-            sources[key] = f"{sources.get('bf16', 'the recipe')}: {resolved_auto}"
+        sources["bf16"] = sources["fp16"] = f"{sources.get('bf16', 'the recipe')}: {resolved_auto}"
     shared = shared_method_keys()
     inputs = {section: {f.name: getattr(namespace, f.name) for f in dataclasses.fields(section)
                         if f.init and hasattr(namespace, f.name)

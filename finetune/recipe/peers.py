@@ -262,6 +262,8 @@ AXOLOTL_KEYS = (
                "`max_steps`"),
     _note("xformers_attention", "Transformers chooses the attention (SDPA); xformers is not used", kept=(False,)),
     _note("s2_attention", "shifted sparse attention is not supported", kept=(False,)),
+    *(_note(kernel, "axolotl's fused LoRA kernels (Triton, CUDA) are not used; peft's LoRA layers compute the same "
+                    "outputs") for kernel in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel")),
     _note("save_safetensors", "checkpoints are always saved as safetensors", kept=(True,)),
     _note("eval_table_size", "eval predictions are not logged as a table; `finetune eval` writes the answers",
           kept=(0,)),

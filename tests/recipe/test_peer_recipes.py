@@ -201,9 +201,25 @@ def test_a_tools_config_is_read_as_its_own_saying_so_and_its_renamed_keys_work_o
                      capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("name", ["axolotl_llama3_lora_1b.yml", "axolotl_llama3_fft_8b.yaml"])
+NULLS_OF_THE_LLAMA_3_EXAMPLES = ("`early_stopping_patience: null` (unset)", "`xformers_attention: null` (unset)",
+                                 "`wandb_project: null` (unset)")
+KERNELS_NOTE = "(axolotl's fused LoRA kernels (Triton, CUDA) are not used; peft's LoRA layers compute the same outputs)"
+LLAMA_3_TARGETS = {"gate_proj", "down_proj", "up_proj", "q_proj", "v_proj", "k_proj", "o_proj"}
+
+
+@pytest.mark.parametrize("name, notes", [
+    ("axolotl_llama3_lora_1b.yml", (*NULLS_OF_THE_LLAMA_3_EXAMPLES, "`lora_fan_in_fan_out: null` (unset)",
+                                    "`group_by_length: false` (batches are drawn at random")),
+    ("axolotl_llama3_fft_8b.yaml", (*NULLS_OF_THE_LLAMA_3_EXAMPLES, "`group_by_length: false` (batches are drawn at "
+                                    "random")),
+    ("axolotl_llama3_lora_1b_kernels.yml", ("`wandb_project: null` (unset)", f"`lora_mlp_kernel: true` {KERNELS_NOTE}",
+                                            f"`lora_qkv_kernel: true` {KERNELS_NOTE}",
+                                            f"`lora_o_kernel: true` {KERNELS_NOTE}",
+                                            "`loss_watchdog_threshold: 5.0` (finetune stops a run whose loss "
+                                            "diverges")),
+])
 def test_axolotls_published_examples_train_their_nulls_unset_and_their_cpu_less_keys_said(
-        tmp_path, hub_model_dir, hub_data, monkeypatch, name):
+        tmp_path, hub_model_dir, hub_data, monkeypatch, name, notes):
     recipe = PEERS / name
     monkeypatch.chdir(tmp_path)  # its `dataset_prepared_path: last_run_prepared` is relative, as axolotl reads it
     model_and_data = ["--model_name_or_path", str(hub_model_dir), "--dataset_mixture", local_mixture(recipe, hub_data)]
@@ -214,16 +230,16 @@ def test_axolotls_published_examples_train_their_nulls_unset_and_their_cpu_less_
         model_and_data += ["--optimizer", "adamw_torch"]
     effective = train(recipe, tmp_path / "out", *model_and_data, "--max_steps", "2")
     noted = effective["foreign_keys"]["noted"]
-    for key in ("early_stopping_patience", "xformers_attention", "wandb_project"):
-        assert f"`{key}: null` (unset)" in noted
-    assert any(note.startswith("`group_by_length: false` (batches are drawn at random") for note in noted)
+    for note in notes:
+        assert any(line.startswith(note) for line in noted), (note, noted)
+    assert effective["values"]["eval_split_ratio"]["value"] == recipe_value(recipe, "val_set_size")
     if "fft" in name:  # all weights trained
         assert not (tmp_path / "out" / "adapter_config.json").exists()
         return
-    assert "`lora_fan_in_fan_out: null` (unset)" in noted
     adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
-    assert set(adapter["target_modules"]) == {"gate_proj", "down_proj", "up_proj", "q_proj", "v_proj", "k_proj",
-                                              "o_proj"}
+    assert set(adapter["target_modules"]) == LLAMA_3_TARGETS
+    given = yaml.safe_load(recipe.read_text())
+    assert adapter["lora_dropout"] == given.get("lora_dropout", 0.0)  # axolotl's default where the example has none
 
 
 def test_an_axolotl_config_with_fsdp_and_deepspeed_is_refused_in_one_line(tmp_path):

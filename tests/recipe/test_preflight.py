@@ -107,7 +107,7 @@ def test_bf16_auto_in_a_recipe_file_trains_without_mixed_precision_on_cpu(tmp_pa
     recipe_file.write_text((PROJECT_ROOT / "recipes/demo.yaml").read_text() + "bf16: auto\n")
     recipe = parse_recipe(recipe_file, [])
     assert not recipe.training.bf16 and not recipe.training.fp16
-    assert recipe.sources["fp16"].endswith("auto → fp32 (no GPU visible)")
+    assert recipe.sources["bf16"] == recipe.sources["fp16"] == f"recipe {recipe_file}: auto → fp32 (no GPU visible)"
 
 
 # --- sizes written for one cluster shape, checked against the launch's ------------------------------------------
