@@ -1,6 +1,7 @@
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,6 +72,66 @@ def pytest_collection_modifyitems(config, items):
         weight[groups[item.path]] = weight.get(groups[item.path], 0.0) + launch_weight(item)
         item.add_marker(pytest.mark.xdist_group(groups[item.path]))
     items.sort(key=lambda item: -weight[groups[item.path]])  # stable: a group's tests keep their order
+
+
+# Every process a test starts that pays the imports again (a launch, `python -m finetune`, a launch script) is
+# counted, by the test file that started it; the suite's summary says how many, against the launches forked.
+def pytest_configure(config):
+    from finetune.testing.warm_launch import count_processes_started
+
+    if os.environ.get("PYTEST_XDIST_WORKER") or not config.pluginmanager.hasplugin("xdist") or \
+            config.getoption("numprocesses", None) in (None, 0):
+        config.processes_log = Path(tempfile.mkdtemp(prefix="processes_")) / "started.jsonl"
+        count_processes_started(config.processes_log)
+    config.processes = {"forked": 0, "started": []}
+
+
+def processes_of_this_session(config) -> dict:
+    import support
+
+    started = []
+    for log in (getattr(config, "processes_log", None), support.warm_launcher().processes_log if support._warm else
+                None):
+        if log is not None and Path(log).is_file():
+            started += [json.loads(line) for line in Path(log).read_text().splitlines()]
+    started = [entry for entry in started if "finetune.testing.warm_launch" not in entry["command"]]
+    return {"forked": support._warm.launches if support._warm else 0, "started": started}
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its counts go to the controller
+        session.config.workeroutput["processes"] = json.dumps(processes_of_this_session(session.config))
+    elif getattr(session.config, "processes_log", None) is not None:
+        session.config.processes = processes_of_this_session(session.config)
+
+
+def pytest_testnodedown(node, error):
+    worker = json.loads(getattr(node, "workeroutput", {}).get("processes", '{"forked": 0, "started": []}'))
+    node.config.processes["forked"] += worker["forked"]
+    node.config.processes["started"] += worker["started"]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    counts = config.processes
+    by_file: dict[str, int] = {}
+    for entry in counts["started"]:
+        name = entry["test"].split("::")[0] or "(a session fixture)"
+        by_file[name] = by_file.get(name, 0) + 1
+    terminalreporter.write_sep("-", f"{len(counts['started'])} processes started that import again (launches, "
+                                    f"`python -m finetune`, launch scripts); {counts['forked']} forked from the warm "
+                                    "process")
+    for name, count in sorted(by_file.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{count:4d}  {name}")
+
+
+@pytest.fixture(autouse=True)
+def launcher_tier(request):
+    """Tests marked `launcher` start real launches (support.run); the others fork them from the warm process."""
+    import support
+
+    support.LAUNCHER_TIER = request.node.get_closest_marker("launcher") is not None
+    yield
+    support.LAUNCHER_TIER = False
 
 
 class LaunchedOnRead(Mapping):

@@ -3,6 +3,8 @@ processes (read from the shipped strategy table)."""
 
 from __future__ import annotations
 
+import atexit
+import os
 from pathlib import Path
 
 from finetune.launch.commands import Launch, accelerate_launch_command, finetune_command, free_port  # noqa: F401
@@ -10,6 +12,9 @@ from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME
 from finetune.memory import model_shape
 from finetune.testing import subprocesses
 from finetune.testing.subprocesses import OUTPUT_TAIL  # noqa: F401
+from finetune.testing.warm_launch import WarmLauncher
+
+REAL_LAUNCHES = "FINETUNE_TESTS_REAL_LAUNCHES"
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +42,31 @@ LORA_DEMO_RUN = ["--use_lora", "true", "--lora_r", "8", "--learning_rate", "1e-2
 PLANTED_TOKEN = "hf_notarealtokenbutonlyfortests"
 
 
-def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = PROJECT_ROOT):
+# Tests about the launcher itself (`@pytest.mark.launcher`: a rank's last line, hangs, signals, the run lock, the
+# self-launch, two nodes, the README's commands) start real processes; every other launch and one-process run is
+# forked from a warm process (finetune.testing.warm_launch), which has imported what they import. Set by conftest for
+# each test; FINETUNE_TESTS_REAL_LAUNCHES=1 makes every launch real.
+LAUNCHER_TIER = False
+_warm: WarmLauncher | None = None
+
+
+def warm_launcher() -> WarmLauncher:
+    global _warm
+    if _warm is None:
+        _warm = WarmLauncher()
+        atexit.register(_warm.stop)
+    return _warm
+
+
+def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = PROJECT_ROOT,
+        real: bool | None = None):
+    """Runs `command` as a subprocess would (`finetune.testing.subprocesses.run`): forked from the warm process unless
+    `real` (default: the test is of the launcher tier) or the command cannot be forked (another program, or an
+    environment a library reads at import)."""
+    real = LAUNCHER_TIER if real is None else real
+    if not real and not os.environ.get(REAL_LAUNCHES) and warm_launcher().can_run(command, {**os.environ,
+                                                                                           **(env or {})}):
+        return warm_launcher().run(command, timeout=timeout, env=env, cwd=cwd)
     return subprocesses.run(command, timeout=timeout, env=env, cwd=cwd)
 
 
@@ -65,9 +94,9 @@ def assert_succeeded(result) -> None:
 
 def launch_demo(launch: Launch | str, output_dir, *extra: str, deepspeed_json: str | None = None,
                 timeout: float = 600, env: dict | None = None, num_processes: int | None = None,
-                program: tuple[str, ...] | None = None):
+                program: tuple[str, ...] | None = None, real: bool | None = None):
     """A short 2-process run of recipes/demo.yaml as `launch` says (or under an Accelerate config file), optionally with
-    another DeepSpeed JSON, another process count or another program in place of the launch's."""
+    another DeepSpeed JSON, another process count or another program in place of the launch's; `real` as `run`."""
     launch = Launch(launch) if isinstance(launch, str) else launch
     if deepspeed_json is not None:
         launch = launch._replace(deepspeed_json=deepspeed_json)
@@ -75,7 +104,7 @@ def launch_demo(launch: Launch | str, output_dir, *extra: str, deepspeed_json: s
         launch = launch._replace(program=program)
     command = launch.command("train", "recipes/demo.yaml", "--output_dir", str(output_dir), *DEMO_SHORT_RUN, *extra,
                              num_processes=num_processes)
-    return run(command, timeout=timeout, env=env)
+    return run(command, timeout=timeout, env=env, real=real)
 
 
 # What DeepSpeed's measured memory may exceed the estimator by, per state and run (the ledger's documented slack).

@@ -254,6 +254,7 @@ def check_launch(argv: list[str], places: dict) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.launcher
 def test_the_readme_two_gpu_launch_runs_on_its_cpu_twin(places, tmp_path):
     """The README's 2-GPU command, as written but on the CPU twin of its config, the tiny model and a few steps."""
     command = next(c for d, c in COMMANDS if d == "README.md" and "accelerate_configs/ddp.yaml" in c)

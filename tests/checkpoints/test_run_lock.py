@@ -27,6 +27,10 @@ from finetune.errors import RecipeError
 HOLDER = """
 import sys, time
 from finetune.checkpoints.run_lock import acquire
+
+# The launcher tier (two runs on one folder at once: the real launcher and its ranks):
+# launches are real processes, not forked (tests/support.py).
+pytestmark = pytest.mark.launcher
 acquire(sys.argv[1], sys.argv[2])
 print("held", flush=True)
 time.sleep(120)

@@ -25,6 +25,10 @@ from finetune.checkpoints.preemption import Interrupted, ending_in_one_line_on_s
 from finetune.launch.watchdog import RankWatchdog
 from finetune.recipe.parse import parse_recipe
 
+# The launcher tier (watchdog, hangs, signals and preemption: what the real launcher and ranks do):
+# launches are real processes, not forked (tests/support.py).
+pytestmark = pytest.mark.launcher
+
 FAULTS = ("tests/fault_injection.py",)
 DDP = CPU_LAUNCHES["ddp"]
 STEPS = 60

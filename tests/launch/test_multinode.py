@@ -19,6 +19,10 @@ from finetune.checkpoints.complete import checkpoint_step, checkpoints_newest_fi
 from finetune.errors import RecipeError
 from finetune.launch.rendezvous import meet
 
+# The launcher tier (two nodes over loopback, the launch scripts and SLURM: the real launchers):
+# launches are real processes, not forked (tests/support.py).
+pytestmark = pytest.mark.launcher
+
 SCRIPTS = PROJECT_ROOT / "scripts"
 ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
 CPU_CONFIG = "accelerate_configs/cpu_deepspeed_zero2.yaml"

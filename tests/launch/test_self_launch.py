@@ -18,6 +18,10 @@ from finetune.launch.self_launch import LAUNCH_PLAN_ENV, split_launch_options, t
 from finetune.plan.launch import plan_launch
 from finetune.recipe.parse import parse_recipe
 
+# The launcher tier (`finetune train` launching itself: the real launcher it starts):
+# launches are real processes, not forked (tests/support.py).
+pytestmark = pytest.mark.launcher
+
 LAUNCHER_VARIABLES = ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK", "MASTER_ADDR",
                       "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_DEEPSPEED",
                       "ACCELERATE_USE_FSDP", LAUNCH_PLAN_ENV, "SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID",

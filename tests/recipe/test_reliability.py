@@ -390,6 +390,7 @@ def test_an_output_folder_that_stops_accepting_files_mid_run_stops_in_one_line_k
 
 
 @pytest.mark.distributed
+@pytest.mark.launcher
 def test_a_refusal_in_a_launched_rank_is_the_last_line_the_launcher_prints(tmp_path):
     """Accelerate's launcher re-raises torch.distributed.elastic's ChildFailedError with a traceback of its own; the
     rank leaves its one line in elastic's reply file, so the launcher's closing summary quotes it."""
