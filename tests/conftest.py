@@ -83,7 +83,7 @@ def pytest_configure(config):
             config.getoption("numprocesses", None) in (None, 0):
         config.processes_log = Path(tempfile.mkdtemp(prefix="processes_")) / "started.jsonl"
         count_processes_started(config.processes_log)
-    config.processes = {"forked": 0, "started": []}
+    config.processes = {"forked": 0, "started": [], "real": []}
 
 
 def processes_of_this_session(config) -> dict:
@@ -95,7 +95,7 @@ def processes_of_this_session(config) -> dict:
         if log is not None and Path(log).is_file():
             started += [json.loads(line) for line in Path(log).read_text().splitlines()]
     started = [entry for entry in started if "finetune.testing.warm_launch" not in entry["command"]]
-    return {"forked": support._warm.launches if support._warm else 0, "started": started}
+    return {"forked": support._warm.launches if support._warm else 0, "started": started, "real": support.REAL_RUNS}
 
 
 def pytest_sessionfinish(session):
@@ -106,9 +106,9 @@ def pytest_sessionfinish(session):
 
 
 def pytest_testnodedown(node, error):
-    worker = json.loads(getattr(node, "workeroutput", {}).get("processes", '{"forked": 0, "started": []}'))
-    node.config.processes["forked"] += worker["forked"]
-    node.config.processes["started"] += worker["started"]
+    worker = json.loads(getattr(node, "workeroutput", {}).get("processes", '{"forked": 0, "started": [], "real": []}'))
+    for key in ("forked", "started", "real"):
+        node.config.processes[key] += worker[key]
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -120,8 +120,12 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_sep("-", f"{len(counts['started'])} processes started that import again (launches, "
                                     f"`python -m finetune`, launch scripts); {counts['forked']} forked from the warm "
                                     "process")
+    why: dict[str, set] = {}
+    for entry in counts["real"]:  # the runs support.run did not fork; the others are the tests' own subprocesses
+        why.setdefault(entry["test"].split("::")[0], set()).add(entry["why"])
     for name, count in sorted(by_file.items(), key=lambda item: -item[1]):
-        terminalreporter.write_line(f"{count:4d}  {name}")
+        reasons = "; ".join(sorted(why.get(name, ()))) or "started by the test itself"
+        terminalreporter.write_line(f"{count:4d}  {name} ({reasons})")
 
 
 @pytest.fixture(autouse=True)

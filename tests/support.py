@@ -47,6 +47,7 @@ PLANTED_TOKEN = "hf_notarealtokenbutonlyfortests"
 # forked from a warm process (finetune.testing.warm_launch), which has imported what they import. Set by conftest for
 # each test; FINETUNE_TESTS_REAL_LAUNCHES=1 makes every launch real.
 LAUNCHER_TIER = False
+REAL_RUNS: list[dict] = []  # the runs `run` did not fork, and why
 _warm: WarmLauncher | None = None
 
 
@@ -64,9 +65,11 @@ def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: 
     `real` (default: the test is of the launcher tier) or the command cannot be forked (another program, or an
     environment a library reads at import)."""
     real = LAUNCHER_TIER if real is None else real
-    if not real and not os.environ.get(REAL_LAUNCHES) and warm_launcher().can_run(command, {**os.environ,
-                                                                                           **(env or {})}):
+    why = ("the launcher tier" if real else "FINETUNE_TESTS_REAL_LAUNCHES" if os.environ.get(REAL_LAUNCHES) else
+           warm_launcher().why_not(command, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}))
+    if why is None:
         return warm_launcher().run(command, timeout=timeout, env=env, cwd=cwd)
+    REAL_RUNS.append({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "why": why})
     return subprocesses.run(command, timeout=timeout, env=env, cwd=cwd)
 
 

@@ -48,17 +48,22 @@ WARM_ATTRIBUTES = (
                       "PreTrainedTokenizerFast", "Trainer", "TrainingArguments")),
     ("trl", ("SFTTrainer", "DPOTrainer", "SFTConfig", "DPOConfig")),
 )
-# Environment variables read when a library is imported (a cache folder, a thread count, offline mode): a command
-# that changes one runs as a subprocess, where they are read afresh.
+# Environment variables read when a process starts or a library is imported (the C allocator's tunables, a cache
+# folder, a thread count, offline mode): a command that changes one runs as a subprocess, where they are read afresh.
 READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_",
-                  "TOKENIZERS_", "PYTHON", "DS_", "CUDA", "LD_", "XDG_", "TRITON_", "ACCELERATE_")
-READ_AT_CALL = ("HF_TOKEN",)  # read each time it is needed
+                  "TOKENIZERS_", "PYTHON", "DS_", "CUDA", "LD_", "MALLOC_", "GLIBC_", "XDG_", "TRITON_",
+                  "ACCELERATE_")
+READ_AT_CALL = ("HF_TOKEN", "ACCELERATE_")  # read each time they are needed
+# Defaults libraries write into the environment when imported (DeepSpeed, torch's inductor), in the test process as in
+# a fresh one: not a difference.
+SET_BY_IMPORTS = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
 
 
 def read_at_import(env: dict[str, str], warm_env: dict[str, str]) -> list[str]:
     """The variables `env` sets differently from the warm process's environment that a library reads at import."""
     changed = {key for key in set(env) | set(warm_env) if env.get(key) != warm_env.get(key)}
-    return sorted(key for key in changed if key.startswith(READ_AT_IMPORT) and key not in READ_AT_CALL)
+    return sorted(key for key in changed if key.startswith(READ_AT_IMPORT) and not key.startswith(READ_AT_CALL)
+                  and key not in SET_BY_IMPORTS)
 
 
 def starts_python(command) -> bool:
@@ -316,9 +321,12 @@ class WarmLauncher:
             self._process.kill()
             self._process.wait()
 
-    def can_run(self, command: list[str], env: dict[str, str]) -> bool:
-        return forkable(command) and not read_at_import(env, self._warm_env or {**os.environ,
-                                                                                "PYTHONUNBUFFERED": "1"})
+    def why_not(self, command: list[str], env: dict[str, str]) -> str | None:
+        """Why `command` with `env` must run as a subprocess, or None."""
+        if not forkable(command):
+            return "not `python -m MODULE` or `python SCRIPT.py`"
+        changed = read_at_import(env, self._warm_env or {**os.environ, "PYTHONUNBUFFERED": "1"})
+        return f"sets {', '.join(changed)}, read at import" if changed else None
 
     def run(self, command: list[str], timeout: float = 600, env: dict | None = None, cwd: str | Path | None = None,
             without: tuple[str, ...] = ()):
