@@ -46,7 +46,7 @@ WARM_MODULES = (
 WARM_ATTRIBUTES = (
     ("transformers", ("AutoModelForCausalLM", "AutoTokenizer", "LlamaForCausalLM", "Qwen2ForCausalLM",
                       "PreTrainedTokenizerFast", "Trainer", "TrainingArguments")),
-    ("trl", ("SFTTrainer", "DPOTrainer", "SFTConfig", "DPOConfig")),
+    ("trl", ("SFTTrainer", "SFTConfig")),
 )
 # Environment variables read when a process starts or a library is imported (the C allocator's tunables, a cache
 # folder, a thread count, offline mode): a command that changes one runs as a subprocess, where they are read afresh.
@@ -56,7 +56,8 @@ READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH", 
 READ_AT_CALL = ("HF_TOKEN", "ACCELERATE_")  # read each time they are needed
 # Defaults libraries write into the environment when imported (DeepSpeed, torch's inductor), in the test process as in
 # a fresh one: not a difference.
-SET_BY_IMPORTS = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
+SET_BY_IMPORTS = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK",
+                  "HF_XET_HIGH_PERFORMANCE")
 
 
 def read_at_import(env: dict[str, str], warm_env: dict[str, str]) -> list[str]:
@@ -88,6 +89,7 @@ def count_processes_started(log: str | Path) -> None:
 
 def forkable(command: list[str]) -> bool:
     """`python -m MODULE ARGS` or `python SCRIPT.py ARGS` with this interpreter."""
+    command = [str(part) for part in command]
     return (len(command) >= 2 and command[0] == sys.executable
             and (command[1] == "-m" and len(command) >= 3 or command[1].endswith(".py")))
 
@@ -128,6 +130,15 @@ def warm_up() -> dict[str, str]:
             registry.clear()
     assert_fork_discipline()
     return {key: value for key, value in os.environ.items() if before.get(key) != value}
+
+
+def fresh_signal_handlers() -> None:
+    """The handlers a new interpreter starts with (a fork keeps its parent's: the elastic agent's SIGTERM handler would
+    raise in a rank it stops, where a new interpreter just ends)."""
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets it at start-up
 
 
 def run_as_python(argv: list[str]) -> int:
@@ -191,6 +202,7 @@ def _ranks_by_fork(without: tuple[str, ...] = ()) -> None:
         def rank(*argv: str):
             for name in without:
                 os.environ.pop(name, None)
+            fresh_signal_handlers()
             status = run_as_python(list(argv))
             if status != 0:
                 raise SystemExit(status)  # the agent reads the rank's exit status, as it reads a binary's
@@ -219,8 +231,7 @@ def _watch(request: dict, connection: socket.socket) -> None:
     """In the forked child: start the program in a child of its own and report how it ended (its exit status, or minus
     the signal that ended it, as `subprocess` reports it), even when the program execs another (a self-launch)."""
     os.setpgid(0, 0)  # a timeout stops this process and every one the program starts
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-        signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
+    fresh_signal_handlers()
     connection.sendall(f"group {os.getpid()}\n".encode())
     program = os.fork()
     if program == 0:

@@ -23,14 +23,15 @@ from finetune.checkpoints.complete import COMPLETE_MARKER
 from finetune.checkpoints.run_lock import acquire, output_dir_lock, release
 from finetune.errors import RecipeError
 
+# The launcher tier (two runs on one folder at once: the real launcher and its ranks):
+# launches are real processes, not forked (tests/support.py).
+pytestmark = pytest.mark.launcher
+
 # A process that takes the lock through the module, says so, and holds it until killed.
 HOLDER = """
 import sys, time
 from finetune.checkpoints.run_lock import acquire
 
-# The launcher tier (two runs on one folder at once: the real launcher and its ranks):
-# launches are real processes, not forked (tests/support.py).
-pytestmark = pytest.mark.launcher
 acquire(sys.argv[1], sys.argv[2])
 print("held", flush=True)
 time.sleep(120)
