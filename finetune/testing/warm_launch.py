@@ -128,6 +128,7 @@ def warm_up() -> dict[str, str]:
         registry = getattr(module, "__warningregistry__", None)
         if isinstance(registry, dict):
             registry.clear()
+    warnings.onceregistry.clear()
     assert_fork_discipline()
     return {key: value for key, value in os.environ.items() if before.get(key) != value}
 
