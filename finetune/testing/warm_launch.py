@@ -40,8 +40,8 @@ from finetune.testing.subprocesses import OUTPUT_TAIL
 WARM_MODULES = (
     "torch", "torch.distributed.run", "torch.distributed.elastic.multiprocessing", "transformers",
     "transformers.trainer", "accelerate", "accelerate.commands.launch", "datasets", "peft", "trl", "deepspeed",
-    "finetune.cli", "finetune.commands.train", "finetune.train.run", "finetune.launch.accelerate_launch",
-)
+    "finetune.cli", "finetune.commands.train", "finetune.train.run",
+)  # not the modules run as `__main__` (`-m finetune.launch.accelerate_launch`): runpy warns when one is loaded
 # Classes behind Transformers' and TRL's lazy modules, loaded by first use.
 WARM_ATTRIBUTES = (
     ("transformers", ("AutoModelForCausalLM", "AutoTokenizer", "LlamaForCausalLM", "Qwen2ForCausalLM",

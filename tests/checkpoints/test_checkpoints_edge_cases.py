@@ -42,16 +42,19 @@ def checkpoints(output_dir) -> dict[str, bool]:
 @pytest.fixture(scope="module")
 def crashed_zero2(tmp_path_factory):
     """ZeRO-2 with save_total_limit 1: rank 1 killed while saving step 4, rerun with auto and rank 1 killed starting
-    step 5, rerun with auto to the end. Records what was on disk after each run."""
+    step 5, rerun with auto to the end. Records what was on disk after each run. The killed runs are real processes:
+    the test reads which rank the launcher names, which torch's elastic agent finds by time among real ranks (forked
+    ranks it finds in their order)."""
     launch = CPU_LAUNCHES["zero2"]
     root = tmp_path_factory.mktemp("crash")
     out, record = root / "run", {}
-    record["mid_save"] = launch_demo(launch, out, *SAVE_EVERY_2, program=FAULTS, env=kill_rank_1("save", 4))
+    record["mid_save"] = launch_demo(launch, out, *SAVE_EVERY_2, program=FAULTS, env=kill_rank_1("save", 4),
+                                     real=True)
     record["after_mid_save"] = checkpoints(out)
     record["model_written_mid_save"] = (out / "checkpoint-4" / "model.safetensors").is_file()
     shutil.copytree(out / "checkpoint-2", root / "kept" / "checkpoint-2")  # for the world-size test
     record["mid_run"] = launch_demo(launch, out, *SAVE_EVERY_2, "--resume_from_checkpoint", "auto", program=FAULTS,
-                                    env=kill_rank_1("step", 5))
+                                    env=kill_rank_1("step", 5), real=True)
     record["after_mid_run"] = checkpoints(out)
     record["rerun"] = launch_demo(launch, out, *SAVE_EVERY_2, "--resume_from_checkpoint", "auto")
     return root, out, record
