@@ -4,6 +4,7 @@ same rank environments, losses, memory ledger and effective config. A rank envir
 sets is a difference this test reports."""
 
 import json
+import os
 
 import pytest
 from support import CPU_LAUNCHES, assert_succeeded, launch_demo
@@ -22,6 +23,9 @@ def launched(root, real: bool, without: tuple[str, ...] = ()):
     output_dir, environments = root / "run", root / "environments"
     environments.mkdir(parents=True)
     env = {"RECORD_ENVIRONMENT": str(environments)}
+    # What the launch starts from (this process's environment changes as other tests import libraries): the ranks'
+    # environments are compared as what each launch set or changed.
+    (environments / "parent.json").write_text(json.dumps({**os.environ, "PYTHONUNBUFFERED": "1", **env}))
     if real:
         result = launch_demo(CPU_LAUNCHES["zero2"], output_dir, program=RECORDING, env=env, real=True)
     else:
@@ -37,8 +41,13 @@ def differences(first, second) -> list[str]:
     """What two runs of the same command wrote differently, as `file: key` lines."""
     (first_dir, first_env), (second_dir, second_env) = first, second
     found = []
+    def set_by_the_launch(folder, rank: int) -> dict:
+        parent, environment = (json.loads((folder / name).read_text()) for name in ("parent.json", f"rank-{rank}.json"))
+        return {key: environment.get(key) for key in set(parent) | set(environment)
+                if environment.get(key) != parent.get(key)}
+
     for rank in (0, 1):
-        one, other = (json.loads((folder / f"rank-{rank}.json").read_text()) for folder in (first_env, second_env))
+        one, other = set_by_the_launch(first_env, rank), set_by_the_launch(second_env, rank)
         found += [f"rank {rank} environment: {key}" for key in sorted(set(one) | set(other))
                   if key not in PER_LAUNCH and one.get(key) != other.get(key)]
 
