@@ -66,7 +66,7 @@ def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: 
     environment a library reads at import)."""
     real = LAUNCHER_TIER if real is None else real
     why = ("the launcher tier" if real else "FINETUNE_TESTS_REAL_LAUNCHES" if os.environ.get(REAL_LAUNCHES) else
-           warm_launcher().why_not(command, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}))
+           warm_launcher().why_not(command, subprocesses.child_environment(env)))
     if why is None:
         return warm_launcher().run(command, timeout=timeout, env=env, cwd=cwd)
     REAL_RUNS.append({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "why": why})

@@ -12,10 +12,15 @@ from finetune.errors import ChildTimedOut
 OUTPUT_TAIL = 6000  # characters of a child's output shown when it fails
 
 
+def child_environment(env: dict | None = None) -> dict[str, str]:
+    """A child's environment: this process's, unbuffered output, and `env` over it."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
 def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: str | Path | None = None):
     """Runs `command`, returning the CompletedProcess with stdout and stderr merged into `.output`; a timeout is a
     `ChildTimedOut` with the output so far."""
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    child_env = child_environment(env)
     try:
         result = subprocess.run(
             command, cwd=cwd, env=child_env, timeout=timeout, text=True,

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from finetune.errors import ChildTimedOut
-from finetune.testing.subprocesses import OUTPUT_TAIL
+from finetune.testing.subprocesses import OUTPUT_TAIL, child_environment
 
 # What a run imports, loaded once in the warm process (a module's own imports follow it).
 WARM_MODULES = (
@@ -314,7 +314,7 @@ class WarmLauncher:
     def start(self) -> None:
         if self._process is not None and self._process.poll() is None:
             return
-        self._warm_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._warm_env = child_environment()
         if os.path.exists(self._address):
             os.unlink(self._address)
         self._process = subprocess.Popen([sys.executable, "-m", "finetune.testing.warm_launch", self._address],
@@ -337,7 +337,7 @@ class WarmLauncher:
         """Why `command` with `env` must run as a subprocess, or None."""
         if not forkable(command):
             return "not `python -m MODULE` or `python SCRIPT.py`"
-        changed = read_at_import(env, self._warm_env or {**os.environ, "PYTHONUNBUFFERED": "1"})
+        changed = read_at_import(env, self._warm_env or child_environment())
         return f"sets {', '.join(changed)}, read at import" if changed else None
 
     def run(self, command: list[str], timeout: float = 600, env: dict | None = None, cwd: str | Path | None = None,
@@ -345,32 +345,35 @@ class WarmLauncher:
         """As `finetune.testing.subprocesses.run`, forked from the warm process; `without`: variables taken out of
         each launched rank's environment (a planted difference)."""
         self.start()
-        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        child_env = child_environment(env)
         command = [str(part) for part in command]
         output_file = tempfile.NamedTemporaryFile(dir=self._folder, suffix=".out", delete=False).name
         request = {"argv": command, "env": child_env, "cwd": str(cwd or os.getcwd()), "output": output_file,
                    "without": list(without), "processes": self.processes_log}
         self.launches += 1
-        deadline = time.monotonic() + timeout
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(timeout)  # the whole run: the two lines are its first and last words
             connection.connect(self._address)
             connection.sendall((json.dumps(request) + "\n").encode())
             lines = connection.makefile("r")
             group = int(lines.readline().split()[1])
-            returncode = None
-            while returncode is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([connection], [], [], left)[0]:
-                    _kill_group(group)
-                    output = Path(output_file).read_text(errors="replace")
-                    os.unlink(output_file)
-                    raise ChildTimedOut(f"timed out after {timeout}s: {' '.join(command)}\n{output[-OUTPUT_TAIL:]}")
+            try:
                 line = lines.readline()
-                returncode = int(line.split()[1]) if line.startswith("status ") else -signal.SIGKILL  # killed
-        output = Path(output_file).read_text(errors="replace")
-        os.unlink(output_file)
+            except TimeoutError:
+                _kill_group(group)
+                tail = _taken(output_file)[-OUTPUT_TAIL:]
+                raise ChildTimedOut(f"timed out after {timeout}s: {' '.join(command)}\n{tail}") from None
+        returncode = int(line.split()[1]) if line.startswith("status ") else -signal.SIGKILL  # killed before it said
         _wait_group_gone(group)
+        output = _taken(output_file)
         return SimpleNamespace(args=command, returncode=returncode, output=output, stdout=output, forked=True)
+
+
+def _taken(output_file: str) -> str:
+    """A run's output, its file removed."""
+    output = Path(output_file).read_text(errors="replace")
+    os.unlink(output_file)
+    return output
 
 
 def _kill_group(group: int) -> None:

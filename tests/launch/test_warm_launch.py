@@ -4,10 +4,11 @@ same rank environments, losses, memory ledger and effective config. A rank envir
 sets is a difference this test reports."""
 
 import json
-import os
 
 import pytest
 from support import CPU_LAUNCHES, assert_succeeded, launch_demo
+
+from finetune.testing.subprocesses import child_environment
 
 # Each launch has its own port, rendezvous id and reply files, and this test its own record folders and phase.
 PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "RECORD_ENVIRONMENT",
@@ -25,7 +26,7 @@ def launched(root, real: bool, without: tuple[str, ...] = ()):
     env = {"RECORD_ENVIRONMENT": str(environments)}
     # What the launch starts from (this process's environment changes as other tests import libraries): the ranks'
     # environments are compared as what each launch set or changed.
-    (environments / "parent.json").write_text(json.dumps({**os.environ, "PYTHONUNBUFFERED": "1", **env}))
+    (environments / "parent.json").write_text(json.dumps(child_environment(env)))
     if real:
         result = launch_demo(CPU_LAUNCHES["zero2"], output_dir, program=RECORDING, env=env, real=True)
     else:
