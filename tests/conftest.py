@@ -28,50 +28,30 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_exte
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-# The session fixtures that launch training runs: the tests reading one share its runs, so under pytest-xdist
-# (`make test` runs two workers, one per core: a launch leaves a core idle while its launcher and ranks start and stop)
-# the test files reading the same one go to the same worker, and each file stays whole on one worker for its
-# module-scoped runs.
-# The demo run is not among them: it is trained once for every worker (`demo_run`), so its readers (chat, and every
-# method that starts from the SFT'd model) spread over the workers instead of queueing on one.
-LAUNCHING_SESSION_FIXTURES = ("deepspeed_runs", "ddp_run", "lora_runs", "checkpointed_runs")
-
-
-def worker_groups(items) -> dict[str, str]:
-    """Test file -> its worker group: files joined while they read a launching session fixture in common."""
-    group = {item.path: item.path for item in items}
-
-    def root(path):
-        while group[path] != path:
-            path = group[path]
-        return path
-
-    first_reader: dict[str, Any] = {}
-    for item in items:
-        for name in LAUNCHING_SESSION_FIXTURES:
-            if name in item.fixturenames:
-                other = first_reader.setdefault(name, item.path)
-                group[root(item.path)] = root(other)
-    return {path: root(path).relative_to(Path(__file__).parent).as_posix() for path in group}
+# Under pytest-xdist (`make test` runs two workers, one a core) each test file stays whole on one worker, for its
+# module-scoped runs; the runs many files read are the catalogue's (tests/catalogue.py), trained once for every
+# worker, so their readers spread over the workers instead of queueing on one. The costliest files start first, so
+# the last to start is a short one and both workers end together.
+LAUNCHING_FIXTURES = ("deepspeed_runs", "ddp_run", "lora_runs", "checkpointed_runs", "catalogue", "trained_demo",
+                      "demo_run")
 
 
 def launch_weight(item) -> float:
-    """What a test costs, roughly: a launch for each distributed test or reader of a launching fixture."""
+    """What a test costs, roughly: a launch for each distributed test or reader of a catalogue row."""
     launches = item.get_closest_marker("distributed") is not None or any(
-        name in item.fixturenames for name in LAUNCHING_SESSION_FIXTURES)
+        name in item.fixturenames for name in LAUNCHING_FIXTURES)
     return 1.0 if launches else 0.05
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Marks each test with its worker group (pytest-xdist's `--dist loadgroup`) and puts the costliest groups first,
-    so the last group to start is a short one and both workers end together."""
-    groups = worker_groups(items)
-    weight: dict[str, float] = {}
+    """Marks each test with its file as its worker group (pytest-xdist's `--dist loadgroup`) and puts the costliest
+    files first."""
+    weight: dict[Path, float] = {}
     for item in items:
-        weight[groups[item.path]] = weight.get(groups[item.path], 0.0) + launch_weight(item)
-        item.add_marker(pytest.mark.xdist_group(groups[item.path]))
-    items.sort(key=lambda item: -weight[groups[item.path]])  # stable: a group's tests keep their order
+        weight[item.path] = weight.get(item.path, 0.0) + launch_weight(item)
+        item.add_marker(pytest.mark.xdist_group(item.path.relative_to(Path(__file__).parent).as_posix()))
+    items.sort(key=lambda item: -weight[item.path])  # stable: a file's tests keep their order
 
 
 # Every process a test starts that pays the imports again (a launch, `python -m finetune`, a launch script) is
@@ -165,113 +145,83 @@ class LaunchedOnRead(Mapping):
         return len(self._launchers)
 
 
-# One 2-process demo run per CPU-runnable DeepSpeed config (fp32, the CPU default), plus two in bf16 mixed
-# precision, shared by the strategy and memory tests so the start-up cost is paid once per config.
-BF16_RUNS = ["zero2", "zero3"]
-# The fp32 ZeRO-3 run also leaves a checkpoint (ZeRO shards) for the export tests.
-# It also scores the final model with lm-eval when training ends (tests/train/test_harness.py).
-EXTRA_ARGS = {"zero3": ("--save_strategy", "steps", "--save_steps", "3", "--eval_harness_tasks", "synthetic_add")}
-SELF_LAUNCHED = {"zero3"}  # launched by `finetune train --strategy zero3` itself, not typed
+@pytest.fixture(scope="session")
+def catalogue(tmp_path_factory):
+    """The session's shared runs (tests/catalogue.py), each trained once for every worker: `catalogue[name]`."""
+    from catalogue import Catalogue
+
+    return Catalogue(shared_folder(tmp_path_factory))
+
+
+def read_run(entry) -> dict:
+    """A catalogue row as the DeepSpeed runs' readers take it: effective config, losses, log history, output_dir and
+    what the launch printed."""
+    from support import assert_succeeded
+
+    assert_succeeded(entry)
+    state = json.loads((entry.output_dir / "trainer_state.json").read_text())
+    return {
+        "effective": json.loads((entry.output_dir / "effective_config.json").read_text()),
+        "losses": [record["loss"] for record in state["log_history"] if "loss" in record],
+        "log_history": state["log_history"],
+        "output_dir": entry.output_dir,
+        "output": entry.output,
+        "steps": entry.steps,
+    }
 
 
 @pytest.fixture(scope="session")
-def deepspeed_runs(tmp_path_factory):
-    """`deepspeed_runs[key]`: the run's effective config, losses, log history, output_dir and launcher output; keys
-    are the CPU-runnable DeepSpeed configs and `zero2_bf16`, `zero3_bf16`. Each is typed as `accelerate launch`, but
-    `zero3`, which `finetune train --gpus 2 --strategy zero3` launches itself (tests/launch/test_self_launch.py)."""
-    from support import CPU_RUNNABLE_DEEPSPEED, DEMO_SHORT_RUN, assert_succeeded, launch_demo, run
+def deepspeed_runs(catalogue):
+    """`deepspeed_runs[key]`: the run's effective config, losses, log history, output_dir, launcher output and step
+    count; keys are the CPU-runnable DeepSpeed configs and `zero2_bf16`, `zero3_bf16` (the catalogue's `deepspeed/`
+    rows). Each is typed as `accelerate launch`, but `zero3`, which `finetune train --gpus 2 --strategy zero3` launches
+    itself (tests/launch/test_self_launch.py); `zero2` is also `checkpointed_runs["zero2"]`."""
+    from catalogue import ROWS
 
-    from finetune.launch.commands import finetune_command
-
-    def launcher(name: str, key: str, extra: tuple[str, ...]):
-        def launch() -> dict:
-            output_dir = tmp_path_factory.mktemp(key)
-            if key in SELF_LAUNCHED:
-                result = run(finetune_command("train", "recipes/demo.yaml", "--gpus", "2", "--strategy", name,
-                                              "--output_dir", str(output_dir), *DEMO_SHORT_RUN, *extra,
-                                              *EXTRA_ARGS.get(key, ())))
-            else:
-                result = launch_demo("accelerate_configs/cpu_deepspeed_zero2.yaml", output_dir, *extra,
-                                     *EXTRA_ARGS.get(key, ()), deepspeed_json=f"deepspeed_configs/{name}.json")
-            assert_succeeded(result)
-            state = json.loads((output_dir / "trainer_state.json").read_text())
-            return {
-                "effective": json.loads((output_dir / "effective_config.json").read_text()),
-                "losses": [entry["loss"] for entry in state["log_history"] if "loss" in entry],
-                "log_history": state["log_history"],
-                "output_dir": output_dir,
-                "output": result.output,
-            }
-        return launch
-
-    runs = [*((name, name, ()) for name in CPU_RUNNABLE_DEEPSPEED),
-            *((name, f"{name}_bf16", ("--bf16", "true")) for name in BF16_RUNS)]
-    return LaunchedOnRead({key: launcher(name, key, extra) for name, key, extra in runs})
+    keys = [name.split("/", 1)[1] for name in ROWS if name.startswith("deepspeed/")]
+    return LaunchedOnRead({key: (lambda key=key: read_run(catalogue[f"deepspeed/{key}"])) for key in keys})
 
 
 @pytest.fixture(scope="session")
-def ddp_run(tmp_path_factory):
+def ddp_run(catalogue):
     """A short 2-process DDP run (gloo) with an fp16 gradient-compression hook, carrying a deliberately tight launch
     plan (the real plan of this run with half its model states), as a self-launch hands its ranks one; returns its
     output_dir, where `launcher_output.txt` keeps what the launch printed."""
-    from support import DEMO_SHORT_RUN, assert_succeeded, run
+    from support import assert_succeeded
 
-    from finetune.launch.commands import Launch
-    from finetune.launch.self_launch import LAUNCH_PLAN_ENV, Machine
-    from finetune.plan.launch import plan_launch
-
-    output_dir = tmp_path_factory.mktemp("ddp")
-    _, plan, _ = plan_launch("recipes/demo.yaml", [*DEMO_SHORT_RUN, "--ddp_comm_hook", "fp16", "--strategy", "ddp"],
-                             Machine(2, None, 16.0, "the test", None))
-    plan["predicted"]["model_states_bytes"] //= 2
-    # handed as a self-launch hands it: naming the launcher process, whose ranks alone trust it
-    command = Launch("accelerate_configs/cpu_ddp.yaml").command(
-        "train", "recipes/demo.yaml", "--output_dir", str(output_dir), *DEMO_SHORT_RUN, "--ddp_comm_hook", "fp16")
-    become_launcher = ("import json, os, sys; plan = json.loads(sys.argv[1]) | {'launcher_pid': os.getpid()}; "
-                       f"os.execve(sys.argv[2], sys.argv[2:], {{**os.environ, {LAUNCH_PLAN_ENV!r}: json.dumps(plan)}})")
-    result = run([sys.executable, "-c", become_launcher, json.dumps(plan), *command])
-    assert_succeeded(result)
-    (output_dir / "launcher_output.txt").write_text(result.output)
-    return output_dir
+    entry = catalogue["ddp/tight_plan"]
+    assert_succeeded(entry)
+    return entry.output_dir
 
 
 @pytest.fixture(scope="session")
-def lora_runs(tmp_path_factory):
+def lora_runs(catalogue):
     """Short 2-process LoRA runs of the demo recipe under DDP, ZeRO-2 and ZeRO-3 (`lora_runs[name]`: its output_dir,
     with what the launch printed beside it in `<output_dir>.log`), each launched when first read."""
-    from support import CPU_LAUNCHES, LORA_DEMO_RUN, PLANTED_TOKEN, assert_succeeded, launch_demo
+    from support import CPU_LAUNCHES, PLANTED_TOKEN, assert_succeeded
 
-    def launcher(name: str):
-        def launch():
-            output_dir = tmp_path_factory.mktemp(f"lora_{name}")
-            # The DDP run's log is read for library warnings, some of which a fresh interpreter prints as it imports
-            # (test_self_launch.py): its processes are real.
-            result = launch_demo(CPU_LAUNCHES[name], output_dir, *LORA_DEMO_RUN, env={"HF_TOKEN": PLANTED_TOKEN},
-                                 real=name == "ddp")
-            assert_succeeded(result)
-            assert PLANTED_TOKEN not in result.output
-            output_dir.with_name(f"{output_dir.name}.log").write_text(result.output)  # outside the run's own files
-            return output_dir
-        return launch
+    def read(name: str) -> Path:
+        entry = catalogue[f"lora/{name}"]
+        assert_succeeded(entry)
+        assert PLANTED_TOKEN not in entry.output
+        return entry.output_dir
 
-    return LaunchedOnRead({name: launcher(name) for name in CPU_LAUNCHES})
+    return LaunchedOnRead({name: (lambda name=name: read(name)) for name in CPU_LAUNCHES})
 
 
 @pytest.fixture(scope="session")
-def checkpointed_runs(tmp_path_factory):
+def checkpointed_runs(catalogue):
     """`checkpointed_runs[name]`: the output_dir of a 2-process run of the demo recipe under CPU_LAUNCHES[name] with
     complete checkpoints at steps 3 and 6 (support.CHECKPOINTED_RUN), shared by the resume and untrusted-checkpoint
     tests: read it, copy it before changing anything in it."""
-    from support import CHECKPOINTED_RUN, CPU_LAUNCHES, assert_succeeded, launch_demo
+    from support import CPU_LAUNCHES, assert_succeeded
 
-    def launcher(name: str):
-        def launch():
-            output_dir = tmp_path_factory.mktemp(f"checkpointed_{name}")
-            assert_succeeded(launch_demo(CPU_LAUNCHES[name], output_dir, *CHECKPOINTED_RUN))
-            return output_dir
-        return launch
+    def read(name: str) -> Path:
+        entry = catalogue[f"checkpointed/{name}"]
+        assert_succeeded(entry)
+        return entry.output_dir
 
-    return LaunchedOnRead({name: launcher(name) for name in CPU_LAUNCHES})
+    return LaunchedOnRead({name: (lambda name=name: read(name)) for name in CPU_LAUNCHES})
 
 
 @pytest.fixture(scope="session")
@@ -291,25 +241,11 @@ def shared_folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo_run(tmp_path_factory):
-    """The main job exactly as `make demo` runs it on a machine without GPUs: `finetune train recipes/demo.yaml --gpus
-    2`, which launches itself on 2 CPU processes under the recipe's DeepSpeed ZeRO-2, 1500 steps. Returns its
-    output_dir and the launcher's output. Trained once for the session: the first worker to ask trains it under a lock
-    (both cores busy with its 2 processes), the others wait and read it."""
-    from filelock import FileLock
-    from support import run
-
-    from finetune.launch.commands import finetune_command
-
-    shared = shared_folder(tmp_path_factory)
-    output_dir, record = shared / "demo", shared / "demo_run.json"
-    with FileLock(str(shared / "demo_run.lock")):
-        if not record.is_file():
-            command = finetune_command("train", "recipes/demo.yaml", "--gpus", "2", "--output_dir", str(output_dir))
-            result = run(command, timeout=900)
-            record.write_text(json.dumps({"args": [str(arg) for arg in result.args], "returncode": result.returncode,
-                                          "output": result.output}))
-    return SimpleNamespace(output_dir=output_dir, result=SimpleNamespace(**json.loads(record.read_text())))
+def demo_run(catalogue):
+    """The main job exactly as `make demo` runs it on a machine without GPUs (the catalogue's `demo` row): its
+    output_dir and the launch's result (returncode, output)."""
+    entry = catalogue["demo"]
+    return SimpleNamespace(output_dir=entry.output_dir, result=entry)
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize("name", CPU_RUNNABLE_DEEPSPEED)
 def test_deepspeed_config_trains_and_runs_what_it_asks(deepspeed_runs, name):
     run_ = deepspeed_runs[name]
-    assert len(run_["losses"]) == 3 and all(math.isfinite(loss) for loss in run_["losses"])
+    assert len(run_["losses"]) == run_["steps"] and all(math.isfinite(loss) for loss in run_["losses"])
     strategy = run_["effective"]["strategy"]
     requested, running = strategy["requested"], strategy["running"]
     assert running["strategy"] == "deepspeed"
