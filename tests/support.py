@@ -64,8 +64,8 @@ def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: 
     """Runs `command` as a subprocess would (`finetune.testing.subprocesses.run`): forked from the warm process unless
     `real` (default: the test is of the launcher tier) or the command cannot be forked (another program, or an
     environment a library reads at import)."""
-    real = LAUNCHER_TIER if real is None else real
-    why = ("the launcher tier" if real else "FINETUNE_TESTS_REAL_LAUNCHES" if os.environ.get(REAL_LAUNCHES) else
+    why = ("the launcher tier" if LAUNCHER_TIER and real is None else "the test asks for real processes" if real else
+           "FINETUNE_TESTS_REAL_LAUNCHES" if os.environ.get(REAL_LAUNCHES) else
            warm_launcher().why_not(command, subprocesses.child_environment(env)))
     if why is None:
         return warm_launcher().run(command, timeout=timeout, env=env, cwd=cwd)

@@ -262,9 +262,50 @@ def _become(request: dict) -> int:
     os.close(output)
     os.close(null)
     argv = request["argv"][1:]
+    without = tuple(request.get("without", ()))
     if argv[:2] == ["-m", "finetune.launch.accelerate_launch"]:
-        _ranks_by_fork(tuple(request.get("without", ())))
+        _ranks_by_fork(without)
+    else:
+        _launcher_in_place(without)
     return run_as_python(argv)
+
+
+def _stop_tqdm_monitor() -> None:
+    """Stops tqdm's monitor thread, which the first progress bar of a tqdm class starts (and keeps on that class)."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "tqdm_monitor" and hasattr(thread, "tqdm_cls"):
+            thread.exit()
+            thread.tqdm_cls.monitor = None
+
+
+def _launcher_in_place(without: tuple[str, ...]) -> None:
+    """A self-launch (`finetune train --gpus N`) execs `python -m finetune.launch.accelerate_launch ...` in its own
+    process (finetune.launch.self_launch.replace_with). From now on such an exec becomes that launcher here, forking
+    its ranks, instead of a new interpreter that imports everything again: in the same process (the launch plan names
+    its pid, which `execve` keeps), with the exec's environment, a new interpreter's signal handlers and no exit
+    handler of the program it replaces. Any other exec, one whose environment changes a variable read at import, or
+    one from a process running threads, execs for real."""
+    import atexit
+    import threading
+
+    real_execve = os.execve
+
+    def execve(path, args, env):
+        args = [str(arg) for arg in args]
+        _stop_tqdm_monitor()
+        if (str(path) != sys.executable or args[1:3] != ["-m", "finetune.launch.accelerate_launch"]
+                or read_at_import(dict(env), dict(os.environ)) or threading.active_count() != 1):
+            return real_execve(path, args, env)
+        os.environ.clear()
+        os.environ.update(env)
+        atexit._clear()
+        fresh_signal_handlers()
+        _ranks_by_fork(without)
+        os._exit(run_as_python(args[1:]))
+
+    os.execve = execve
 
 
 def serve(address: str) -> None:
