@@ -60,6 +60,10 @@ SET_BY_IMPORTS = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "K
                   "HF_XET_HIGH_PERFORMANCE")
 
 
+# The interpreter arguments of Accelerate's launcher as finetune runs it: its ranks are forked
+ACCELERATE_LAUNCH = ["-m", "finetune.launch.accelerate_launch"]
+
+
 def read_at_import(env: dict[str, str], warm_env: dict[str, str]) -> list[str]:
     """The variables `env` sets differently from the warm process's environment that a library reads at import."""
     changed = {key for key in set(env) | set(warm_env) if env.get(key) != warm_env.get(key)}
@@ -263,7 +267,7 @@ def _become(request: dict) -> int:
     os.close(null)
     argv = request["argv"][1:]
     without = tuple(request.get("without", ()))
-    if argv[:2] == ["-m", "finetune.launch.accelerate_launch"]:
+    if argv[:2] == ACCELERATE_LAUNCH:
         _ranks_by_fork(without)
     else:
         _launcher_in_place(without)
@@ -295,7 +299,7 @@ def _launcher_in_place(without: tuple[str, ...]) -> None:
     def execve(path, args, env):
         args = [str(arg) for arg in args]
         _stop_tqdm_monitor()
-        if (str(path) != sys.executable or args[1:3] != ["-m", "finetune.launch.accelerate_launch"]
+        if (str(path) != sys.executable or args[1:3] != ACCELERATE_LAUNCH
                 or read_at_import(dict(env), dict(os.environ)) or threading.active_count() != 1):
             return real_execve(path, args, env)
         os.environ.clear()
