@@ -361,7 +361,9 @@ def lm_eval_guarded():
     `apply_template` at each call), where `{{ cycler.__init__.__globals__.os.system(...) }}` runs a shell command; the
     sandbox keeps its settings and filters and refuses such access. And the git commit lm-eval records is asked of git
     with its stderr discarded: from outside a repository, lm_eval/loggers/utils.py `get_git_commit_hash` leaves git's
-    `fatal: not a git repository` on the console (the hash is not kept here)."""
+    `fatal: not a git repository` on the console (the hash is not kept here). lm-eval's environment report
+    (lm_eval/loggers/utils.py `add_env_info`: torch's `collect_env`, which runs pip, conda, nvidia-smi, lscpu and
+    more, about 2 s an evaluation) is not kept here either, so it is not gathered."""
     import os
     import subprocess
 
@@ -376,15 +378,16 @@ def lm_eval_guarded():
         except (subprocess.CalledProcessError, FileNotFoundError):
             return get_commit_from_path(os.getcwd())
 
-    original = lm_eval.utils.env, lm_eval.evaluator.get_git_commit_hash
+    original = lm_eval.utils.env, lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info
     sandbox = ImmutableSandboxedEnvironment(loader=original[0].loader, undefined=original[0].undefined,
                                             keep_trailing_newline=original[0].keep_trailing_newline)
     sandbox.filters.update(original[0].filters)
-    lm_eval.utils.env, lm_eval.evaluator.get_git_commit_hash = sandbox, git_commit_hash
+    lm_eval.utils.env, lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info = (
+        sandbox, git_commit_hash, lambda results: None)
     try:
         yield
     finally:
-        lm_eval.utils.env, lm_eval.evaluator.get_git_commit_hash = original
+        lm_eval.utils.env, lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info = original
 
 
 def load_base(name: str, source: Path, seed: int | None):
