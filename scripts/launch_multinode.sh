@@ -83,7 +83,8 @@ launch=(accelerate launch --config_file "$config" --num_machines "$nnodes" --mac
         --num_processes $(( nnodes * gpus_per_node )) ${sizes[@]+"${sizes[@]}"} --rdzv_conf "timeout=$rendezvous_timeout"
         -m "${FINETUNE_MODULE:-finetune}" train "$recipe" --ddp_timeout "$ddp_timeout" "$@")
 if [ "${FINETUNE_DRY_RUN:-0}" = 1 ]; then
-    echo "env NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}"
+    echo "env NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}" \
+         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-}"
     echo "${rendezvous[*]}"
     echo "${launch[*]}"
     exit 0

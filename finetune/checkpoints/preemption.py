@@ -2,7 +2,9 @@
 complete checkpoint at the step it is at and the run exits, to be resumed with `resume_from_checkpoint: auto`.
 
 The launcher forwards SIGTERM to its workers and SIGKILLs them after its shutdown timeout (torch.distributed.elastic:
-`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s by default); SLURM signals every process of the job step itself. Ranks receive
+`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s by default; `finetune train --gpus N` and the SLURM script raise it to
+PREEMPTION_GRACE for a run that saves on preemption, and rank 0 says so when a launch left it at torch's default);
+SLURM signals every process of the job step itself. Ranks receive
 it at slightly different moments, so at each step's end they all-reduce (MAX) a one-int "stop requested" flag and
 agree on the step; then Trainer's control flags make them save together (the mixin's `_save_checkpoint` marks the
 checkpoint complete once every rank has written its part) and stop. Without `save_on_preemption` SIGTERM keeps its
@@ -24,6 +26,13 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune.errors import RecipeError
+from finetune.launch.grace import (
+    PREEMPTION_GRACE,
+    SHUTDOWN_TIMEOUT_VARIABLES,
+    TORCH_SHUTDOWN_TIMEOUT,
+    launcher_grace,
+    saves_on_preemption,
+)
 
 RESUME = "--resume_from_checkpoint auto"  # the recipe key `resume_from_checkpoint: auto` on the command line
 SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
@@ -101,9 +110,7 @@ def _leave_process_group() -> None:
 
 def save_on_preemption(args) -> bool:
     """`save_on_preemption`, on by default under SLURM, whose time limit ends a job with SIGTERM."""
-    if args.save_on_preemption is None:
-        return "SLURM_JOB_ID" in os.environ
-    return args.save_on_preemption
+    return saves_on_preemption(args.save_on_preemption)
 
 
 class PreemptionCallback(TrainerCallback):
@@ -120,6 +127,13 @@ class PreemptionCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if threading.current_thread() is threading.main_thread():
             self.previous_handler = signal.signal(signal.SIGTERM, self.request_stop)
+        if state.is_world_process_zero and launcher_grace() is not None and \
+                not any(name in os.environ for name in SHUTDOWN_TIMEOUT_VARIABLES):
+            print(f"warning: save_on_preemption: the launcher kills the ranks {TORCH_SHUTDOWN_TIMEOUT} s after "
+                  "SIGTERM (torch's default), and the rest of a step and a checkpoint must fit in that: set "
+                  f"{SHUTDOWN_TIMEOUT_VARIABLES[1]}={PREEMPTION_GRACE} in the launcher's environment (`finetune train "
+                  "RECIPE.yaml --gpus N` and scripts/slurm/finetune.sbatch do) and have SIGTERM sent that long before "
+                  "the end (SLURM: `--signal=TERM@120`).", flush=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.previous_handler is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -176,6 +177,7 @@ class Machine:
     node_rank: int = 0
     main_addr: str | None = None
     main_port: int | None = None
+    visible_gpus: int = 0          # GPUs this process sees (CUDA_VISIBLE_DEVICES)
 
     @property
     def cpu(self) -> bool:
@@ -226,7 +228,7 @@ def this_machine(options: argparse.Namespace, environ=None) -> Machine:
                               "every node), or run under SLURM.")
         main_port = main_port or (slurm_number(environ, "SLURM_JOB_ID") % 10000 + 20000 if slurm else DEFAULT_MAIN_PORT)
     return Machine(processes, gpus[0] if gpus else None, float(memory), source, host_gib if gpus else None, nodes,
-                   node_rank, main_addr, main_port)
+                   node_rank, main_addr, main_port, len(gpus))
 
 
 def first_slurm_host(environ) -> str | None:
@@ -243,9 +245,13 @@ def first_slurm_host(environ) -> str | None:
     return names[0] if names else None
 
 
-def replace_with(command: list[str], plan_json: str, machine: Machine, timeout: float) -> None:
-    """Prints the command and becomes it: after the nodes' meeting (several nodes), this process is the launcher."""
-    print(f"launch: {as_typed(command)}", flush=True)
+def replace_with(command: list[str], plan_json: str, machine: Machine, timeout: float,
+                 environment: dict[str, str] | None = None) -> None:
+    """Prints the command and becomes it, with `environment` added to this process's: after the nodes' meeting
+    (several nodes), this process is the launcher."""
+    environment = environment or {}
+    print(f"launch: {shlex.join(f'{name}={value}' for name, value in environment.items())}{' ' * bool(environment)}"
+          f"{as_typed(command)}", flush=True)
     if machine.nodes > 1:
         from finetune.launch.rendezvous import meet
 
@@ -253,4 +259,21 @@ def replace_with(command: list[str], plan_json: str, machine: Machine, timeout: 
         print(f"launch: all {machine.nodes} nodes arrived ({', '.join(names)})", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(command[0], command, {**os.environ, LAUNCH_PLAN_ENV: plan_json})
+    os.execve(command[0], command, {**os.environ, **environment, LAUNCH_PLAN_ENV: plan_json})
+
+
+def first_visible_gpu(environ=None) -> str:
+    """The GPU a one-process run on a machine with several takes: the first CUDA_VISIBLE_DEVICES names (an index, a
+    UUID or a MIG id, as given), else 0."""
+    environ = os.environ if environ is None else environ
+    named = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    return named[0] if named else "0"
+
+
+def run_here_on_one_gpu(command: list[str], plan_json: str, gpu: str) -> None:
+    """Becomes `command` (`finetune train` with the recipe) seeing only `gpu`: CUDA reads CUDA_VISIBLE_DEVICES when
+    a process first asks it about devices, which planning already did, so the run starts anew (`os.execve`: the same
+    pid, which the plan names)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(command[0], command, {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, LAUNCH_PLAN_ENV: plan_json})

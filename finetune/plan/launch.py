@@ -13,18 +13,22 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 from finetune.errors import RecipeError
 from finetune.launch.commands import Launch, accelerate_launch_command, as_typed
+from finetune.launch.grace import grace_for_launch
 from finetune.launch.self_launch import (
     LAUNCH_PLAN_ENV,
     Machine,
     check_no_stray_rendezvous,
     drop_a_stray_launch_plan,
+    first_visible_gpu,
     launch_requested,
     replace_with,
+    run_here_on_one_gpu,
     split_launch_options,
     this_machine,
     under_a_launcher,
@@ -63,6 +67,20 @@ def launch_or_run_here(recipe: str, overrides: list[str], given=None) -> list[st
             return None
         return overrides
     launch, plan, overrides = plan_launch(recipe, overrides, machine)
+    if launch is None and machine.visible_gpus > 1:
+        # one process on a machine with several GPUs: it would see them all (preflight refuses nn.DataParallel), so it
+        # runs anew seeing one, as accelerate_configs/single_gpu.yaml's `gpu_ids: "0"` pins it under a launcher
+        gpu = first_visible_gpu()
+        plan["launch"] = shlex.join([f"CUDA_VISIBLE_DEVICES={gpu}", "finetune", "train", recipe, *overrides])
+        print_launch_plan(plan)
+        print(f"plan: one process here on GPU {gpu}, one of the {machine.visible_gpus} this machine shows (set "
+              "CUDA_VISIBLE_DEVICES to choose another)")
+        print(f"launch: {plan['launch']}", flush=True)
+        if options.dry_run:
+            return None
+        run_here_on_one_gpu([sys.executable, "-m", "finetune", "train", recipe, *overrides],
+                            json.dumps({**plan, "launcher_pid": os.getpid()}), gpu)
+        return None  # not reached: the run has replaced this process
     if launch is None:  # one process needs no launcher: it runs here, with its plan
         plan["launch"] = shlex.join(["finetune", "train", recipe, *overrides])
         print_launch_plan(plan)
@@ -72,13 +90,16 @@ def launch_or_run_here(recipe: str, overrides: list[str], given=None) -> list[st
         os.environ[LAUNCH_PLAN_ENV] = json.dumps({**plan, "launcher_pid": os.getpid()})
         return overrides
     command = launch_command(launch, machine, recipe, overrides)
-    plan["launch"] = as_typed(command)
+    environment = plan["launcher_environment"]
+    plan["launch"] = shlex.join([f"{name}={value}" for name, value in environment.items()]) + " " * bool(
+        environment) + as_typed(command)
     print_launch_plan(plan)
     if options.dry_run:
         print(f"launch: {plan['launch']}")
         return None
     # the launcher keeps this process's pid (`os.execve`): its ranks trust a plan naming their parent
-    replace_with(command, json.dumps({**plan, "launcher_pid": os.getpid()}), machine, options.rendezvous_timeout)
+    replace_with(command, json.dumps({**plan, "launcher_pid": os.getpid()}), machine, options.rendezvous_timeout,
+                 environment)
     return None  # not reached: the launcher has replaced this process
 
 
@@ -86,14 +107,24 @@ def plan_launch(recipe: str, overrides: list[str], machine: Machine) -> tuple[La
     """The strategy to launch (None: one process, run here), its plan record, and the overrides to launch with
     (naming the strategy `auto` chose, so every rank checks it runs that one)."""
     from finetune.launch.devices import training_precision_here
-    from finetune.memory.shapes import model_shape
-    from finetune.plan.calibration import calibration_for
-    from finetune.plan.from_recipe import request_from_recipe
-    from finetune.recipe.batch_plan import plan_from_recipe
     from finetune.recipe.parse import read_recipe
 
     precision = training_precision_here() if machine.gpu is not None else "fp32"  # what `bf16: auto` runs as here
     sections = read_recipe(recipe, overrides, auto_precision=precision)
+    training = sections.training_inputs
+    launch, record, overrides = _plan_launch(recipe, overrides, machine, sections)
+    # a run that saves on preemption gets the time to (finetune.launch.grace)
+    record["launcher_environment"] = grace_for_launch(training.get("save_on_preemption"))
+    return launch, record, overrides
+
+
+def _plan_launch(recipe: str, overrides: list[str], machine: Machine, sections) -> tuple[Launch | None, dict,
+                                                                                           list[str]]:
+    from finetune.memory.shapes import model_shape
+    from finetune.plan.calibration import calibration_for
+    from finetune.plan.from_recipe import request_from_recipe
+    from finetune.recipe.batch_plan import plan_from_recipe
+
     training = sections.training_inputs
     named = training.get("strategy") if training.get("strategy") != "auto" else None
     axis = _recipe_axis(training)

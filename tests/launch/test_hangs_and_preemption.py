@@ -16,12 +16,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import CPU_LAUNCHES, PROJECT_ROOT, assert_succeeded, error_lines, run
+from support import CPU_LAUNCHES, PROJECT_ROOT, assert_succeeded, error_lines, finetune_command, run
 from torch.distributed import HashStore
 
 from finetune import outputs
 from finetune.checkpoints.complete import is_complete, mark_complete
 from finetune.checkpoints.preemption import Interrupted, ending_in_one_line_on_signals, save_on_preemption
+from finetune.launch.grace import PREEMPTION_GRACE, grace_for_launch, launcher_grace
 from finetune.launch.watchdog import RankWatchdog
 from finetune.recipe.parse import parse_recipe
 
@@ -271,3 +272,106 @@ def test_sigterm_without_save_on_preemption_leaves_the_newest_complete_checkpoin
     assert complete[-1] <= logged + 10
     assert line == (f"finetune: error: stopped by SIGTERM: {output_dir / f'checkpoint-{complete[-1]}'} is the newest "
                     "complete checkpoint; resume from it with `--resume_from_checkpoint auto`.")
+
+
+def test_a_run_that_saves_on_preemption_is_launched_with_a_grace_and_a_rank_says_when_it_has_torchs(capsys):
+    saves, default = {"SLURM_JOB_ID": "7"}, {}
+    assert grace_for_launch("true", default) == {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(PREEMPTION_GRACE)}
+    assert grace_for_launch(None, saves) == {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "110"}  # on by default under SLURM
+    assert grace_for_launch(None, default) == grace_for_launch("false", saves) == {}
+    assert grace_for_launch(True, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}) == {}  # the user's value stands
+    assert grace_for_launch(True, {"PET_SHUTDOWN_TIMEOUT": "300"}) == {}  # torchrun --shutdown-timeout's
+    assert launcher_grace({}) is None  # no elastic agent: nobody SIGKILLs after a grace
+    assert launcher_grace({"TORCHELASTIC_RUN_ID": "x"}) == 30
+    assert launcher_grace({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "110"}) == 110
+    assert launcher_grace({"TORCHELASTIC_RUN_ID": "x", "PET_SHUTDOWN_TIMEOUT": "90",
+                           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "110"}) == 90
+
+
+# Each rank sleeps through every step from FAULT_SLOW_FROM_STEP on, FAULT_SLOW_SECONDS long: a step longer than
+# torch's 30 s grace. Put first on PYTHONPATH, it patches Trainer in every process the launch starts.
+SLOW_STEPS = """
+import os
+import time
+
+if os.environ.get("FAULT_SLOW_SECONDS"):
+    from transformers import Trainer
+
+    original = Trainer.training_step
+
+    def training_step(self, *args, **kwargs):
+        if self.state.global_step + 1 >= int(os.environ["FAULT_SLOW_FROM_STEP"]):
+            time.sleep(float(os.environ["FAULT_SLOW_SECONDS"]))  # a signal's handler runs; the sleep goes on
+        return original(self, *args, **kwargs)
+
+    Trainer.training_step = training_step
+"""
+
+
+@pytest.mark.distributed
+def test_sigterm_in_a_step_longer_than_torchs_grace_saves_that_step_under_a_self_launch(tmp_path):
+    """`finetune train --gpus 2` with `save_on_preemption`: SIGTERM 1 s into a 40 s step. Under torch's 30 s grace the
+    launcher would SIGKILL the ranks mid-step and no checkpoint of it would exist; the self-launch gives the run
+    PREEMPTION_GRACE."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_STEPS)
+    output_dir, log = tmp_path / "run", tmp_path / "run.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FAULT_SLOW_FROM_STEP": "4", "FAULT_SLOW_SECONDS": "40",
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH"))))}
+    for name in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT", "SLURM_JOB_ID"):
+        env.pop(name, None)
+    command = finetune_command("train", "recipes/demo.yaml", "--gpus", "2", "--strategy", "ddp", "--output_dir",
+                               str(output_dir), *SHORT_RUN, "--save_on_preemption", "true")
+    with log.open("w") as file:
+        launcher = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=file, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while len(LOGGED_STEP.findall(log.read_text(errors="replace"))) < 3:  # step 4, the slow one, has begun
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
+            time.sleep(0.2)
+        time.sleep(1)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=120)
+    finally:
+        for process in psutil.Process(launcher.pid).children(recursive=True) if launcher.poll() is None else ():
+            process.kill()
+        if launcher.poll() is None:
+            launcher.kill()
+    output = log.read_text(errors="replace")
+    assert "preempted at step 4: checkpoint-4 saved in" in output, output[-6000:]
+    assert is_complete(output_dir / "checkpoint-4")
+    assert f"launch: TORCH_ELASTIC_SHUTDOWN_TIMEOUT={PREEMPTION_GRACE} accelerate launch " in output
+    assert launcher.returncode == 143
+    assert "save_on_preemption: the launcher kills the ranks" not in output  # its grace is not torch's default
+
+
+def test_rank_0_names_torchs_grace_when_training_starts_under_it(monkeypatch, capsys):
+    """Under a typed `accelerate launch` the ranks get torch's 30 s: rank 0 says so as training starts, not after a
+    preemption that saved nothing."""
+    from types import SimpleNamespace
+
+    from finetune.checkpoints.preemption import PreemptionCallback
+
+    for name in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    callback = PreemptionCallback()
+    try:
+        for rank_zero, run_id, said in ((True, "x", True), (False, "x", False), (True, None, False)):
+            if run_id is None:
+                monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+            else:
+                monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+            callback.on_train_begin(None, SimpleNamespace(is_world_process_zero=rank_zero), None)
+            callback.on_train_end(None, None, None)
+            lines = [line for line in capsys.readouterr().out.splitlines() if "the launcher kills" in line]
+            assert len(lines) == said, lines
+            if said:
+                assert "30 s after SIGTERM (torch's default)" in lines[0]
+                assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=110" in lines[0]
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+        monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "110")
+        callback.on_train_begin(None, SimpleNamespace(is_world_process_zero=True), None)
+        assert "the launcher kills" not in capsys.readouterr().out
+    finally:
+        callback.on_train_end(None, None, None)

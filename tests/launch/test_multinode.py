@@ -67,7 +67,8 @@ def test_slurm_template_starts_one_launcher_per_node_with_its_rank(tmp_path):
     port = 123456 % 10000 + 20000
     for rank, text in enumerate(nodes):
         env, rendezvous, launch = text.splitlines()[1:4]
-        assert env == "env NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0"
+        # the launcher's grace between SIGTERM and SIGKILL: the preemption save's time (finetune.launch.grace)
+        assert env == "env NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0 TORCH_ELASTIC_SHUTDOWN_TIMEOUT=110"
         assert rendezvous == (f"finetune rendezvous --nnodes 2 --node-rank {rank} --main-addr gpu-07 "
                               f"--main-port {port} --timeout 300")
         assert launch == (

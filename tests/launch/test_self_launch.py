@@ -197,6 +197,37 @@ def test_a_gpu_machine_launches_every_gpu_and_several_nodes_meet_through_slurms_
     assert "4 × NVIDIA A100-SXM4-80GB on each of 2 nodes (this is node 1)" in out
 
 
+def test_one_gpu_asked_of_a_machine_with_eight_runs_anew_seeing_only_one(monkeypatch, capsys):
+    """`--gpus 1` on an 8-GPU node: one process with no launcher would see all 8, which preflight refuses
+    (nn.DataParallel); the run starts anew (same pid, its plan) with CUDA_VISIBLE_DEVICES naming one of them."""
+    from finetune.recipe.preflight import check_one_process_per_gpu
+
+    simulate_gpus(monkeypatch, A100, count=8, memory_gib=80)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(RecipeError, match="8 GPUs are visible to one process"):  # what running here would meet
+        check_one_process_per_gpu({"use_cpu": False})
+    out, command = dry_run(capsys, "--gpus", "1", "--strategy", "single", "--use_cpu", "false")
+    assert command[:4] == ["CUDA_VISIBLE_DEVICES=0", "finetune", "train", "recipes/demo.yaml"]
+    assert "plan: one process here on GPU 0, one of the 8 this machine shows" in out
+    became = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: became.append((path, argv, env)))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,0,1,2,3")  # a scheduler's order: its first is taken
+    assert main(["train", "recipes/demo.yaml", "--gpus", "1", "--strategy", "single", "--use_cpu", "false",
+                 "--max_steps", "1"]) == 0
+    ((path, argv, env),) = became
+    assert argv[1:] == ["-m", "finetune", "train", "recipes/demo.yaml", "--strategy", "single", "--use_cpu",
+                        "false", "--max_steps", "1"] and path == argv[0]
+    assert env["CUDA_VISIBLE_DEVICES"] == "4"
+    plan = json.loads(env[LAUNCH_PLAN_ENV])
+    assert plan["launcher_pid"] == os.getpid() and plan["processes"] == 1  # the run it becomes trusts it
+    assert plan["launch"].startswith("CUDA_VISIBLE_DEVICES=4 finetune train recipes/demo.yaml")
+    capsys.readouterr()
+    # A machine showing one GPU runs here, as before.
+    simulate_gpus(monkeypatch, A100, count=1, memory_gib=80)
+    _, command = dry_run(capsys, "--gpus", "1", "--strategy", "single", "--use_cpu", "false")
+    assert command == ["none,", "one", "process", "runs", "here"]
+
+
 def test_a_strategy_named_on_the_command_line_must_be_what_a_typed_launch_runs(monkeypatch, capsys):
     from finetune.errors import RecipeError
 
