@@ -12,6 +12,7 @@ accepted: those architectures and a byte-level BPE tokenizer; anything else is r
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,25 +192,39 @@ def interleave_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return halves.transpose(1, 2).reshape(weight.shape)
 
 
-def encoded(weight: torch.Tensor, gguf_type: str):
-    """`(data, GGML type)` for one tensor: 1-D ones (norms, biases) in F32 as llama.cpp keeps them, the rest in F16 or
-    Q8_0, where a row that does not split into Q8_0's blocks of 32 falls back to F16 as the converter does."""
+def ggml_type_of(shape, gguf_type: str):
+    """The GGML type a weight of `shape` is stored in: 1-D ones (norms, biases) in F32 as llama.cpp keeps them, the
+    rest in F16 or Q8_0, where a row that does not split into Q8_0's blocks of 32 falls back to F16 as the converter
+    does (gguf's `QuantError`)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if len(shape) <= 1:
+        return GGMLQuantizationType.F32
+    if gguf_type == "q8_0" and shape[-1] % GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0] == 0:
+        return GGMLQuantizationType.Q8_0
+    return GGMLQuantizationType.F16
+
+
+def encoded(weight: torch.Tensor, ggml_type):
+    """One weight's data as the file stores it in `ggml_type` (gguf's own F16 cast and Q8_0 quantizer)."""
     from gguf import GGMLQuantizationType, quants
 
     data = weight.detach().to(torch.float32).cpu().numpy()
-    if data.ndim <= 1:
-        return data, GGMLQuantizationType.F32
-    if gguf_type == "q8_0":
-        try:
-            return quants.quantize(data, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
-        except quants.QuantError:
-            pass
-    return data.astype(np.float16), GGMLQuantizationType.F16
+    return data if ggml_type == GGMLQuantizationType.F32 else quants.quantize(data, ggml_type)
 
 
-def gguf_tensors(model, layout: Layout, gguf_type: str):
-    """`(GGUF name, data, GGML type)` for every weight; a head tied to the embedding is left out, as llama.cpp does
-    (its absence is what says "tied" to llama.cpp and Transformers)."""
+def encoded_bytes(shape, ggml_type) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    return math.prod(shape) // block_size * type_size
+
+
+def gguf_tensors(model, layout: Layout):
+    """`(GGUF name, shape, weight)` for every weight, in the file's order and llama.cpp's layout (q and k rows
+    permuted where its rotary pairs are interleaved); a head tied to the embedding is left out, as llama.cpp does (its
+    absence is what says "tied" to llama.cpp and Transformers). `weight()` gives the tensor: a permuted copy exists
+    only while it is written."""
     import gguf
 
     config = model.config
@@ -222,10 +237,13 @@ def gguf_tensors(model, layout: Layout, gguf_type: str):
             raise RecipeError(f"--gguf: {type(model).__name__}'s weight {hf_name} has no GGUF name: export without "
                               "--gguf and convert with llama.cpp's convert_hf_to_gguf.py.")
         if layout.permute_query_key and ".attn_q." in name:
-            weight = interleave_rotary_rows(weight, config.num_attention_heads)
+            heads = config.num_attention_heads
         elif layout.permute_query_key and ".attn_k." in name:
-            weight = interleave_rotary_rows(weight, config.num_key_value_heads)
-        yield (name, *encoded(weight, gguf_type))
+            heads = config.num_key_value_heads
+        else:
+            heads = None
+        yield name, tuple(weight.shape), (lambda weight=weight, heads=heads: weight if heads is None
+                                          else interleave_rotary_rows(weight, heads))
 
 
 def check_convertible(model, tokenizer, gguf_type: str) -> tuple[Layout, dict]:
@@ -262,12 +280,20 @@ def write_gguf(model, tokenizer, path: Path, gguf_type: str = "f16", name: str |
         write_hyperparameters(writer, model.config, name or path.stem, file_type)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         write_tokenizer(writer, tokenizer, tokenizer_json, model.config.vocab_size)
+        # Streamed: every tensor's name, shape and type first (the header and the tensor index come before the
+        # data), then each tensor encoded, written and dropped in turn, so the encoded model is never held whole
+        # (gguf's `add_tensor` keeps every array until `write_tensors_to_file`: twice the model in host RAM).
+        weights = list(gguf_tensors(model, layout))
         with torch.no_grad():
-            for tensor_name, data, ggml_type in gguf_tensors(model, layout, gguf_type):
-                writer.add_tensor(tensor_name, data, raw_dtype=ggml_type)
+            for tensor_name, shape, _ in weights:
+                ggml_type = ggml_type_of(shape, gguf_type)
+                writer.add_tensor_info(tensor_name, shape, np.float32, encoded_bytes(shape, ggml_type),
+                                       raw_dtype=ggml_type)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
+            writer.write_ti_data_to_file()
+            for _, shape, weight in weights:
+                writer.write_tensor_data(encoded(weight(), ggml_type_of(shape, gguf_type)))
     except BaseException:
         writer.close()
         partial.unlink(missing_ok=True)

@@ -194,6 +194,91 @@ def test_mistral_and_qwen3_take_the_same_path(tmp_path, architecture):
     assert_rounding_only(read, model, input_ids, "f16")
 
 
+def in_memory_gguf(model, tokenizer, path, gguf_type: str, name: str) -> None:
+    """The same file through gguf's own in-memory path: every encoded tensor added (`add_tensor` keeps it), then
+    `write_tensors_to_file`."""
+    import gguf
+
+    from finetune.models import gguf as ours
+
+    layout, tokenizer_json = ours.check_convertible(model, tokenizer, gguf_type)
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, layout.arch)])
+    file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if gguf_type == "q8_0" else gguf.LlamaFileType.MOSTLY_F16
+    ours.write_hyperparameters(writer, model.config, name, file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    ours.write_tokenizer(writer, tokenizer, tokenizer_json, model.config.vocab_size)
+    with torch.no_grad():
+        for tensor_name, shape, weight in ours.gguf_tensors(model, layout):
+            ggml_type = ours.ggml_type_of(shape, gguf_type)
+            writer.add_tensor(tensor_name, ours.encoded(weight(), ggml_type), raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def peak_rss_growth(write) -> int:
+    """Bytes the process's resident memory grew by at most while `write()` ran (sampled every 2 ms). glibc's mmap
+    threshold is fixed at 128 KiB meanwhile, so that a freed array goes back to the system rather than staying in the
+    heap (its default threshold grows to 32 MiB as large blocks are freed); then set to that 32 MiB."""
+    import ctypes
+    import threading
+    import time
+
+    import psutil
+
+    libc, M_MMAP_THRESHOLD = ctypes.CDLL("libc.so.6"), -3
+    process, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+
+    libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+    before = process.memory_info().rss
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        write()
+    finally:
+        done.set()
+        sampler.join()
+        libc.mallopt(M_MMAP_THRESHOLD, 32 * 1024**2)
+    return peak[0] - before
+
+
+def test_the_file_is_streamed_one_tensor_at_a_time_and_is_what_ggufs_own_writer_writes(tmp_path):
+    """At 1024 wide (4 layers, 4096 intermediate: 64M weights, 128 MB of f16 data) the export's resident memory grows
+    by a few tensors, not by the encoded model as gguf's in-memory path does (at 70B: 141 GB more); the two files are
+    the same bytes, f16 and q8_0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer("llama3")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    f16_bytes = 2 * sum(weight.numel() for weight in model.parameters() if weight.ndim > 1)
+    streamed, whole = tmp_path / "streamed.gguf", tmp_path / "whole.gguf"
+    streamed_growth = peak_rss_growth(lambda: write_gguf(model, tokenizer, streamed, name="m"))
+    whole_growth = peak_rss_growth(lambda: in_memory_gguf(model, tokenizer, whole, "f16", name="m"))
+    assert whole_growth > 0.9 * f16_bytes, (whole_growth, f16_bytes)  # the measurement sees the held data
+    assert streamed_growth < 0.2 * f16_bytes, (streamed_growth, f16_bytes)  # largest tensor: 8 MB of f16
+    assert streamed.read_bytes() == whole.read_bytes()
+    # q8_0, where ffn_down's rows of 200 do not split into blocks of 32 and fall back to f16
+    small = saved_llama(tmp_path / "llama", build_tokenizer("llama3"), intermediate_size=200)
+    model = AutoModelForCausalLM.from_pretrained(small)
+    tokenizer = AutoTokenizer.from_pretrained(small)
+    write_gguf(model, tokenizer, streamed, gguf_type="q8_0", name="m")
+    in_memory_gguf(model, tokenizer, whole, "q8_0", name="m")
+    assert streamed.read_bytes() == whole.read_bytes()
+    types = tensor_types(streamed)
+    assert types["blk.0.ffn_down.weight"] == "F16" and types["blk.0.ffn_up.weight"] == "Q8_0"
+
+
 def test_the_demo_tokenizer_is_refused_with_its_reason(tmp_path, capsys):
     tokenizer = presets.build_tokenizer()
     presets.build_model(tokenizer, seed=0).save_pretrained(tmp_path / "demo")
@@ -274,11 +359,11 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_partial(hub_model_dir, tmp_p
 
     from finetune.checkpoints import disk
 
-    def short_write(writer):
+    def short_write(writer, tensor):
         writer.fout[0].write(b"x" * 2000)
         raise OSError("4096 requested and 2000 written")
 
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", short_write)
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", short_write)
     out = tmp_path / "out"
     assert main(["export", str(hub_model_dir), str(out), "--gguf"]) == 2
     output = capsys.readouterr().err
