@@ -122,12 +122,25 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
     return plain_text
 
 
-def server_command(engine: str, name: str, host: str, port: int) -> list[str]:
+def tensor_parallel_size(config: dict, gpus: int) -> int:
+    """The GPUs vLLM shards the model over: the most of the `gpus` visible that divide its attention heads, and
+    that its key-value heads divide or are divided by (vLLM's own rule for splitting them, replicating KV heads
+    where there are fewer than GPUs). One GPU holds a model up to about 30B in bf16; a 70B needs several, and
+    `vllm serve` alone takes one."""
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    return max(n for n in range(1, max(gpus, 1) + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0))
+
+
+def server_command(engine: str, name: str, host: str, port: int, tensor_parallel: int = 1) -> list[str]:
     """The server's command line, run in the folder that holds the model under `name` (transformers serve pins a
-    model by the path it loads it from, and answers only to that name)."""
+    model by the path it loads it from, and answers only to that name; it spreads a model over the GPUs it sees with
+    `device_map="auto"`, vLLM over `tensor_parallel` of them)."""
     if engine == "vllm":
         return ["vllm", "serve", name, "--served-model-name", name, "--host", host, "--port", str(port),
-                "--generation-config", "auto"]
+                "--generation-config", "auto", *(["--tensor-parallel-size", str(tensor_parallel)]
+                                                 if tensor_parallel > 1 else [])]
     return [sys.executable, "-m", "finetune.commands.serve", name, "--host", host, "--port", str(port)]
 
 
@@ -190,9 +203,18 @@ def serve_command(args) -> int:
         if plain_text:
             print(f"note: {source} learned plain text, without a chat template: ask /v1/completions with the prompt "
                   "as it was trained; chat completions wrap it in a template it never saw.", file=sys.stderr)
-        print(f"serving {source} as `{name}` with {engine} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)",
-              file=sys.stderr, flush=True)
-        return run_server(server_command(engine, name, args.host, args.port), workspace)
+        tensor_parallel = 1
+        if engine == "vllm":
+            import json
+
+            import torch
+
+            tensor_parallel = tensor_parallel_size(json.loads((folder / "config.json").read_text()),
+                                                   torch.cuda.device_count())
+        on = f" on {tensor_parallel} GPUs (tensor parallel)" if tensor_parallel > 1 else ""
+        print(f"serving {source} as `{name}` with {engine}{on} at http://{args.host}:{args.port}/v1 (Ctrl-C stops "
+              "it)", file=sys.stderr, flush=True)
+        return run_server(server_command(engine, name, args.host, args.port, tensor_parallel), workspace)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
         for signum, handler in previous.items():

@@ -19,7 +19,7 @@ from support import PROJECT_ROOT, finetune_command, free_port
 
 from finetune import presets
 from finetune.cli import main
-from finetune.commands.serve import SHUTDOWN_GRACE_SECONDS, run_server, server_command
+from finetune.commands.serve import SHUTDOWN_GRACE_SECONDS, run_server, server_command, tensor_parallel_size
 from finetune.train.evaluation import stop_token_ids
 from finetune.train.trained_model import load_with_tokenizer
 
@@ -120,6 +120,15 @@ def test_vllm_is_given_the_served_folder_under_the_clients_name():
         "8000", "--generation-config", "auto"]
     assert server_command("transformers", "demo", "127.0.0.1", 8000)[1:] == [
         "-m", "finetune.commands.serve", "demo", "--host", "127.0.0.1", "--port", "8000"]
+    # On a node of 8 GPUs a 70B (64 heads, 8 KV heads: 141 GB in bf16, more than any one GPU) is sharded over all 8.
+    llama_70b = {"num_attention_heads": 64, "num_key_value_heads": 8}
+    assert tensor_parallel_size(llama_70b, 8) == 8 and tensor_parallel_size(llama_70b, 1) == 1
+    assert server_command("vllm", "m", "127.0.0.1", 8000, tensor_parallel_size(llama_70b, 8))[-2:] == [
+        "--tensor-parallel-size", "8"]
+    # vLLM's rule: heads divisible by the GPUs, KV heads divisible by them or dividing them.
+    assert tensor_parallel_size({"num_attention_heads": 14, "num_key_value_heads": 2}, 8) == 2  # not 7
+    assert tensor_parallel_size({"num_attention_heads": 40, "num_key_value_heads": 8}, 6) == 4  # not 5
+    assert tensor_parallel_size({"text_config": llama_70b}, 4) == 4  # a vision-language model's text config
 
 
 # The untrained model's context: short, so that an answer capped at it is quick on a busy CPU.
@@ -137,6 +146,24 @@ def untrained_tiny(tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def test_vllm_on_a_node_of_eight_gpus_is_started_over_the_gpus_the_model_splits_across(untrained_tiny, monkeypatch,
+                                                                                         capsys):
+    """`finetune serve` as it runs where vLLM and 8 GPUs are (simulated: the engine chosen, the GPU count, the server
+    not started): the tiny model's 4 heads split over 4 of them."""
+    import torch
+
+    from finetune.commands import serve
+
+    started = []
+    monkeypatch.setattr(serve, "pick_engine", lambda engine: "vllm")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(serve, "run_server", lambda command, folder: started.append(command) or 0)
+    assert main(["serve", str(untrained_tiny), "--port", str(free_port())]) == 0
+    ((command,),) = [started]
+    assert command[:3] == ["vllm", "serve", untrained_tiny.name] and command[-2:] == ["--tensor-parallel-size", "4"]
+    assert "with vllm on 4 GPUs (tensor parallel)" in capsys.readouterr().err
 
 
 def test_a_huge_max_tokens_is_capped_at_the_context_and_sigterm_mid_answer_stops_and_cleans_up(
