@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,8 +253,6 @@ def evaluate_run(source: str | Path, selection: TaskSelection, *, compare_base: 
     """Scores the model in `source` (and, with `compare_base`, the model it was trained from, given the same prompts
     and stops) on `selection`; writes the record, the task definitions and every answer beside the model (or at
     `output`, checked before the model is loaded: `results_file`) and returns the record."""
-    import sys
-
     from finetune.train.trained_model import load_with_tokenizer, plain_text_format
 
     source = Path(source)
@@ -311,14 +310,13 @@ def score(model, *, selection: TaskSelection, tasks_folder: Path, tokenizer, pla
     """`({task: {metric: value}}, {task: [answers]})` of `model` through lm-eval's `HFLM`: the local tasks as
     written (a rendered template writes BOS itself; plain text gets what the tokenizer adds, as in training), lm-eval's
     own with the chat template when the run learned one."""
-    import torch
     from datasets.exceptions import DatasetNotFoundError
     from jinja2.exceptions import SecurityError
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    model = placed_for_evaluation(model).eval()
     harness = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_gen_toks=max_new_tokens)
     runs = []
     if selection.local:
@@ -352,6 +350,43 @@ def score(model, *, selection: TaskSelection, tasks_folder: Path, tokenizer, pla
                               "answer": row["filtered_resps"][0] if row.get("filtered_resps") else None,
                               **{name: row[name] for name in scores.get(task, {}) if name in row}} for row in rows]
     return scores, samples
+
+
+# The share of a GPU's free memory the weights may take where an evaluation places them: the rest is for a batch's
+# activations and KV cache (32 prompts of a few hundred tokens: a few GiB at 70B).
+EVALUATION_WEIGHT_SHARE = 0.8
+
+
+def placed_for_evaluation(model):
+    """`model` where it is scored: the CPU without CUDA; the first GPU when its weights fit there; else spread over
+    the visible GPUs layer by layer by Accelerate's big-model dispatch (`infer_auto_device_map` + `dispatch_model`,
+    what `device_map="auto"` does; lm-eval's HFLM feeds the first device and the hooks move activations on). A 70B
+    in bf16 (141 GB) fits neither an 80 GB H100 nor a 141 GB H200 whole; over 8 H100s it takes 18 GB each. A model
+    the GPUs cannot hold between them is refused by its size before anything is moved."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return model.to("cpu")
+    need = sum(tensor.numel() * tensor.element_size() for tensor in (*model.parameters(), *model.buffers()))
+    free = [torch.cuda.mem_get_info(device)[0] for device in range(torch.cuda.device_count())]
+    room = [int(EVALUATION_WEIGHT_SHARE * bytes_free) for bytes_free in free]
+    if need <= room[0]:
+        return model.to("cuda:0")
+    if need > sum(room):
+        raise RecipeError(f"the model's weights take {need / 1024**3:.1f} GiB, more than the {len(free)} GPU(s) here "
+                          f"leave for them ({EVALUATION_WEIGHT_SHARE:.0%} of {sum(free) / 1024**3:.1f} GiB free): "
+                          "evaluate where the GPUs hold it, or free them.")
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    device_map = infer_auto_device_map(model, max_memory=dict(enumerate(room)),
+                                       no_split_module_classes=getattr(model, "_no_split_modules", None) or [])
+    if any(not isinstance(device, int) for device in device_map.values()):  # whole layers left over: no offload
+        raise RecipeError(f"the model's weights ({need / 1024**3:.1f} GiB) do not split over the {len(free)} GPU(s) "
+                          f"here in whole layers ({EVALUATION_WEIGHT_SHARE:.0%} of {sum(free) / 1024**3:.1f} GiB "
+                          "free): evaluate where the GPUs hold it, or free them.")
+    print(f"evaluation: the model ({need / 1024**3:.1f} GiB) is spread over "
+          f"{len(set(device_map.values()))} GPUs", file=sys.stderr, flush=True)
+    return dispatch_model(model, device_map)
 
 
 @contextlib.contextmanager

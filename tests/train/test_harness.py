@@ -144,6 +144,50 @@ def test_eval_harness_tasks_score_the_final_model_when_training_ends(deepspeed_r
     assert run["output"].count("lm-eval: ") == 1  # one table: rank 0's
 
 
+def test_a_model_no_gpu_holds_alone_is_spread_over_the_gpus_and_one_they_cannot_hold_is_refused(monkeypatch,
+                                                                                                  capsys):
+    """Where an evaluation puts the model, on 8 simulated GPUs: the first GPU when the weights fit its free memory
+    (less room for a batch), else spread layer by layer over as many as hold it (Accelerate's big-model dispatch),
+    else refused by size. A 16-layer model a few MB large stands in for a 70B on 80 GB GPUs."""
+    import accelerate
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.errors import RecipeError
+    from finetune.train.harness import EVALUATION_WEIGHT_SHARE, placed_for_evaluation
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=600, hidden_size=64, intermediate_size=256, num_hidden_layers=16,
+                                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False))
+    need = sum(tensor.numel() * tensor.element_size() for tensor in (*model.parameters(), *model.buffers()))
+    dispatched, moved = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(accelerate, "dispatch_model", lambda model, device_map: dispatched.append(device_map) or model)
+    monkeypatch.setattr(type(model), "to", lambda self, device: moved.append(device) or self)
+    for free_per_gpu, expected in ((2 * need, "whole"), (need / 3, "spread"), (need / 10, "refused")):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free_per_gpu: (int(free), 80 * 1024**3))
+        dispatched.clear(), moved.clear()
+        if expected == "refused":
+            with pytest.raises(RecipeError, match=r"more than the 8 GPU\(s\) here leave for them"):
+                placed_for_evaluation(model)
+            assert not dispatched and not moved  # nothing was moved before the refusal
+            continue
+        placed_for_evaluation(model)
+        if expected == "whole":
+            assert moved == ["cuda:0"] and not dispatched
+            continue
+        (device_map,) = dispatched
+        used = sorted(set(device_map.values()))
+        share = EVALUATION_WEIGHT_SHARE * need / 3
+        assert 4 <= len(used) <= 8 and used == list(range(len(used))), device_map  # 3 GPUs' worth, layers whole
+        held = {device: 0 for device in used}
+        for name, device in device_map.items():
+            module = model.get_submodule(name) if name else model
+            held[device] += sum(p.numel() * p.element_size() for p in (*module.parameters(), *module.buffers()))
+        assert max(held.values()) <= share + 1, (held, share)  # no GPU given more than its room
+        assert "is spread over" in capsys.readouterr().err
+
+
 def test_eval_help_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "--help"])
