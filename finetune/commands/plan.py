@@ -16,7 +16,8 @@ from finetune.recipe.methods import DEFAULT_METHOD, METHODS
 RECIPE_GIVES = {"model": "model_name_or_path", "precision": "bf16/fp16", "optimizer": "optim", "lora_rank": "lora_r",
                 "lora_dropout": "lora_dropout", "qlora": "use_qlora", "seq_len": "max_seq_length",
                 "gradient_checkpointing": "gradient_checkpointing", "method": "method",
-                "num_generations": "num_generations", "completion_length": "max_completion_length"}
+                "num_generations": "num_generations", "completion_length": "max_completion_length",
+                "ds3_gather_for_generation": "ds3_gather_for_generation"}
 BATCH_OPTIONS = ("global_batch_size", "max_micro_batch_size", "learning_rate", "base_batch_size", "lr_scaling")
 
 
@@ -61,6 +62,9 @@ def plan_command_parser(subparsers) -> None:
     model.add_argument("--completion-length", type=int,
                        help="grpo: new tokens a completion may have (default 256, TRL's); --seq-len bounds the prompt "
                             "and completion together")
+    model.add_argument("--ds3-gather-for-generation", choices=("true", "false"),
+                       help="grpo under ZeRO-3: gather the whole policy onto every GPU for each generation round "
+                            "(default true, TRL's; counted in the plan), or gather layer by layer per token (false)")
     batch = parser.add_argument_group("batch and learning rate (with --recipe: override the recipe's)")
     batch.add_argument("--global-batch-size", type=int,
                        help="sequences per optimizer step; must split over --gpus (default "
@@ -155,11 +159,14 @@ def make_plan_for(args, gpu, gpu_memory: float) -> dict:
         learning_rate=batch["learning_rate"], base_batch_size=batch["base_batch_size"],
         lr_scaling=batch["lr_scaling"], your_strategy=your_strategy, your_config=your_config,
         method=args.method or DEFAULT_METHOD, num_generations=args.num_generations,
-        completion_length=args.completion_length, **hardware,
+        completion_length=args.completion_length, gather_for_generation=None if args.ds3_gather_for_generation is None
+        else args.ds3_gather_for_generation == "true", **hardware,
     )
-    if (args.num_generations or args.completion_length) and not method_class(request.method).memory.generates:
-        raise RecipeError(f"`--num-generations` and `--completion-length` plan an online RL method's generation "
-                          f"(`--method grpo`); `--method {request.method}` generates nothing.")
+    if (args.num_generations or args.completion_length or args.ds3_gather_for_generation) and \
+            not method_class(request.method).memory.generates:
+        raise RecipeError(f"`--num-generations`, `--completion-length` and `--ds3-gather-for-generation` plan an "
+                          f"online RL method's generation (`--method grpo`); `--method {request.method}` generates "
+                          "nothing.")
     return make_plan(request)
 
 
@@ -267,6 +274,8 @@ def print_plan(plan: dict) -> None:
             "yes" if row["fits"] else f"no ({row['shortfall']})", style=style,
         )
     console.print(table)
+    if plan.get("gathered_policy"):
+        console.print(f"Note: {plan['gathered_policy']}", soft_wrap=True, highlight=False)
     if plan.get("group_sizes"):
         print_group_sizes(console, plan["group_sizes"], size, unit_name)
     if plan.get("data") is not None:

@@ -66,6 +66,8 @@ class MethodTerms:
     completion_length: int = 0         # online RL: new tokens the policy generates per completion (0: no generation)
     steps_per_generation: int | None = None  # micro-batches one generation round feeds (None: an optimizer step's)
     reward_model_parameters: int = 0   # frozen reward models beside the policy (scorers of the completions)
+    gathers_for_generation: bool = True  # ZeRO-3: the whole policy gathered onto every GPU for a round (TRL's
+                                         # `ds3_gather_for_generation`, on by default)
 
     @property
     def generates(self) -> bool:
@@ -406,14 +408,28 @@ def kv_cache_bytes_per_token(shape: ModelShape, setup: Setup) -> int:
 
 def generation_bytes(shape: ModelShape, setup: Setup) -> int:
     """One generation round of an online RL method on one GPU: the KV cache of every completion generated at once
-    (`generated_at_once`), each `sequence_length` tokens long at the end (its prompt and completion), and the
-    next-token logits of the last position (the model's dtype, then fp32 for the sampler's softmax). Held while
-    generating, when no activation is: the peak counts the larger of the two."""
+    (`generated_at_once`), each `sequence_length` tokens long at the end (its prompt and completion), the
+    next-token logits of the last position (the model's dtype, then fp32 for the sampler's softmax), and under ZeRO-3
+    the policy gathered whole for the round (`gathered_policy_bytes`). Held while generating, when no activation is:
+    the peak counts the larger of the two."""
     if not setup.method.generates:
         return 0
     completions = generated_at_once(setup)
     cache = completions * setup.sequence_length * kv_cache_bytes_per_token(shape, setup)
-    return cache + completions * shape.vocab_size * (_half_or_fp32(setup) + 2 * 4)
+    return (cache + completions * shape.vocab_size * (_half_or_fp32(setup) + 2 * 4)
+            + gathered_policy_bytes(shape, setup))
+
+
+def gathered_policy_bytes(shape: ModelShape, setup: Setup) -> int:
+    """Under ZeRO-3 with TRL's `ds3_gather_for_generation` (its default), each generation round runs inside
+    `unwrap_model_for_generation`, which gathers every parameter (`deepspeed.zero.GatheredParameters`,
+    trl/models/utils.py): the whole policy in the dtype it is partitioned in, on every GPU beside its partition (a
+    70B in bf16: 131 GiB). Without the gather each layer is gathered again for every generated token: no such peak,
+    but slow."""
+    if not (setup.method.generates and setup.method.gathers_for_generation and setup.strategy == "deepspeed"
+            and setup.zero_stage == 3):
+        return 0
+    return shape.num_parameters * _half_or_fp32(setup)
 
 
 def lora_trainable_parameters(shape: ModelShape, setup: Setup) -> int:

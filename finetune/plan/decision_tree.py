@@ -112,6 +112,7 @@ class PlanRequest:
     method_terms: MethodTerms | None = None  # what a recipe's settings of it add (None: the method's, by name)
     num_generations: int | None = None  # an online RL method's group size asked for (None: its default, 8)
     completion_length: int | None = None  # an online RL method's new tokens a completion (None: the method's)
+    gather_for_generation: bool | None = None  # ZeRO-3: TRL's `ds3_gather_for_generation` (None: the method's, on)
     recipe_sets_deepspeed: bool = False  # the recipe's `deepspeed` key, which wins over the launch config
     # Measured beyond the prediction on this GPU, by strategy label (finetune.plan.calibration.calibration_for)
     calibrations: dict = field(default_factory=dict, hash=False)
@@ -177,6 +178,8 @@ def method_terms(request: PlanRequest) -> MethodTerms:
     terms = request.method_terms or method_class(request.method).memory
     if terms.generates and request.completion_length:
         terms = replace(terms, completion_length=request.completion_length)
+    if terms.generates and request.gather_for_generation is not None:
+        terms = replace(terms, gathers_for_generation=request.gather_for_generation)
     return terms
 
 
@@ -276,6 +279,7 @@ def make_plan(request: PlanRequest) -> dict:
         "axes": [],
         "axis_choice": None,
         "group_sizes": None,
+        "gathered_policy": gathered_policy_note(request, shape, rows),
     }
     if request.nodes > 1:
         plan["inter_node"] = inter_node_traffic(request, shape, plan["trainable_parameters"])
@@ -299,6 +303,20 @@ def make_plan(request: PlanRequest) -> dict:
 
         plan["group_sizes"] = group_sizes(request, shape, candidate, plan["batch_plan"], recommended["overhead_bytes"])
     return _with_axes(request, shape, plan)
+
+
+def gathered_policy_note(request: PlanRequest, shape, rows: list[dict]) -> str | None:
+    """What GRPO's generation round costs under ZeRO-3 and the setting that avoids it, where a ZeRO-3 row counts the
+    gathered policy (finetune.memory.estimate.gathered_policy_bytes); None elsewhere."""
+    from finetune.memory.estimate import gathered_policy_bytes
+
+    gathered = max((gathered_policy_bytes(shape, row["estimate"].setup) for row in rows), default=0)
+    if not gathered:
+        return None
+    return (f"under ZeRO-3 each generation round gathers the whole policy onto every GPU ({_size(gathered)}, counted "
+            "in the ZeRO-3 rows; TRL's `ds3_gather_for_generation`, on by default); `ds3_gather_for_generation: "
+            "false` (`--ds3-gather-for-generation false`) avoids it, gathering each layer again for every "
+            "generated token instead: no such peak, but far slower generation.")
 
 
 def _with_axes(request: PlanRequest, shape, plan: dict) -> dict:

@@ -162,6 +162,37 @@ def test_the_plan_recommends_a_group_size_that_fits_and_refuses_one_that_does_no
     assert "`num_generations: 32` fits" in error
 
 
+def test_under_zero3_the_plan_counts_the_policy_gathered_for_generation_and_names_the_setting_that_avoids_it(capsys):
+    """Llama-3-70B GRPO on 2 × 8 H100: TRL gathers the whole policy onto every GPU for each generation round under
+    ZeRO-3 (`ds3_gather_for_generation`, on by default), 131 GiB of bf16 weights a GPU that the ZeRO-3 rows once left
+    out (planned 11.2 GiB a GPU with CPU offload); without the gather ZeRO-3 with offload fits."""
+    from finetune.memory.estimate import GiB
+
+    base = ["plan", "--model", "llama-3-70b", "--method", "grpo", "--gpus", "16", "--nodes", "2", "--gpu", "h100",
+            "--seq-len", "1024", "--completion-length", "512", "--gradient-checkpointing", "--json"]
+    assert main(base) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = {row["name"]: row for row in plan["strategies"]}
+    whole_policy = 2 * plan["num_parameters"]  # bf16
+    for name in ("ZeRO-3", "ZeRO-3 + CPU offload"):
+        assert rows[name]["per_gpu"]["generation_bytes"] >= whole_policy, name
+        assert not rows[name]["fits"]
+    assert rows["ZeRO-2"]["per_gpu"]["generation_bytes"] < 5 * GiB  # nothing is gathered there
+    assert "`ds3_gather_for_generation: false`" in plan["gathered_policy"] and "131.4 GiB" in plan["gathered_policy"]
+    assert main([*base, "--ds3-gather-for-generation", "false"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = {row["name"]: row for row in plan["strategies"]}
+    assert rows["ZeRO-3 + CPU offload"]["fits"] and plan["recommended"] == "ZeRO-3 + CPU offload"
+    assert rows["ZeRO-3 + CPU offload"]["per_gpu"]["generation_bytes"] < 5 * GiB
+    assert plan["gathered_policy"] is None
+    # A recipe says it with TRL's key, which reaches GRPOConfig and the plan alike.
+    from finetune.recipe.parse import read_recipe
+
+    sections = read_recipe("recipes/grpo.yaml", ["--ds3_gather_for_generation", "false"], auto_precision="fp32")
+    assert sections.method.terms().gathers_for_generation is False
+    assert sections.method.training_arguments(sections.data)[1]["ds3_gather_for_generation"] is False
+
+
 def test_built_in_rewards_score_text_and_chat_completions():
     chat = [[{"role": "assistant", "content": " 42\n"}], [{"role": "assistant", "content": "41"}]]
     assert exact_match(chat, ["42", "42"]) == [1.0, 0.0]

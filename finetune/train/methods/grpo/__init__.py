@@ -94,6 +94,13 @@ class GRPOArguments:
         default=None, metadata={"help": "GRPO: micro-batches each generation round feeds (default: an optimizer "
                                         "step's, `gradient_accumulation_steps`)."},
     )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={"help": "GRPO under DeepSpeed ZeRO-3: gather the whole policy onto every GPU for each generation "
+                          "round (TRL's key and default; the plan counts it: 131 GiB a GPU for a 70B in bf16). "
+                          "`false` gathers each layer again for every generated token instead: no such peak, but "
+                          "slow. No effect under other strategies."},
+    )
 
     def __post_init__(self):
         if isinstance(self.reward_funcs, str):
@@ -180,7 +187,8 @@ class GroupRelativePolicyOptimization(Method):
         return MethodTerms(reference_model=settings.beta > 0, sequences_per_example=1,
                            completion_length=settings.max_completion_length,
                            steps_per_generation=settings.steps_per_generation,
-                           reward_model_parameters=reward_model_parameters(settings.reward_funcs))
+                           reward_model_parameters=reward_model_parameters(settings.reward_funcs),
+                           gathers_for_generation=settings.ds3_gather_for_generation)
 
     def training_arguments(self, data_args):
         settings = self.settings
@@ -192,6 +200,7 @@ class GroupRelativePolicyOptimization(Method):
             "temperature": settings.temperature, "beta": settings.beta, "loss_type": settings.grpo_loss_type,
             "scale_rewards": settings.scale_rewards, "num_iterations": settings.num_iterations,
             "epsilon": settings.epsilon, "steps_per_generation": settings.steps_per_generation,
+            "ds3_gather_for_generation": settings.ds3_gather_for_generation,
             "reward_weights": settings.reward_weights, "shuffle_dataset": True, "log_completions": False,
             "remove_unused_columns": False,  # every column reaches the reward functions, as TRL means
         }
