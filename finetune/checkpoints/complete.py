@@ -35,7 +35,7 @@ from finetune.memory.ledger import optimizer_chain
 from finetune.outputs import CHECKPOINT_COMPLETE as COMPLETE_MARKER
 
 # Keys whose change between a run and its resumption is expected, not worth a warning.
-RESUME_KEYS_IGNORED = {"resume_from_checkpoint", "output_dir", "save_on_preemption"}
+RESUME_KEYS_IGNORED = {"resume_from_checkpoint", "output_dir", "save_on_preemption", "model_load_timeout"}
 
 
 PLANNED = "set by the batch plan for the launch"

@@ -190,6 +190,28 @@ def sharded_from_rank_zero(environ=None) -> bool:
     return fsdp_fills_from_rank_zero(environ) and int(environ.get("RANK", "0")) != 0
 
 
+@contextmanager
+def waiting_for_rank_zero_to_load(timeout_seconds: float):
+    """Around loading the model: under FSDP2's rank-0 loading the other ranks build it empty in seconds while global
+    rank 0 reads the checkpoint (and on a first run downloads it: 141 GB for a 70B in bf16). Their next collective,
+    the data's, would wait for it within `ddp_timeout`, which bounds training's collectives (its 1800 s default
+    asks > 78 MB/s of that read). So every rank meets after the load in a gloo group of its own, created before it
+    while they are together, whose barrier waits `timeout_seconds` (`model_load_timeout`) instead. A rank 0 that
+    fails while loading ends its process; the launcher then stops the others."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (fsdp_fills_from_rank_zero() and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1):
+        yield
+        return
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+    yield
+    dist.barrier(group=group)  # global rank 0 arrives once it has read the checkpoint
+    dist.destroy_process_group(group)
+
+
 def _on_meta_device(wanted: bool):
     """Parameters created inside are on the meta device when `wanted` (buffers stay real, as Accelerate needs)."""
     from contextlib import nullcontext

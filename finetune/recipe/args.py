@@ -564,6 +564,12 @@ class FinetuneTrainingArguments(TrainingArguments):
         metadata={"help": "Trainer's count of input tokens (all, non_padding or no), summed over ranks when a log or "
                           "a checkpoint reads it, not at every micro-step; the throughput report needs it."},
     )
+    model_load_timeout: float = field(
+        default=7200,
+        metadata={"help": "Seconds the other ranks wait for global rank 0 to read the checkpoint (or first download "
+                          "it) under FSDP2's rank-0 loading, apart from `ddp_timeout`, which bounds training's "
+                          "collectives: a 70B's 141 GB at 20 MB/s takes 2 hours."},
+    )
     save_on_preemption: bool | None = field(
         default=None,
         metadata={"help": "On SIGTERM (a preemption, or a SLURM job's end), every rank saves a complete checkpoint "

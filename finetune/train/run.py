@@ -36,7 +36,13 @@ from finetune.launch.watchdog import watching_ranks
 from finetune.memory import MemoryReportCallback
 from finetune.memory.ledger import HostLoadProbe
 from finetune.models.experts import turn_on_load_balancing
-from finetune.models.loading import load_model, load_tokenizer, materialize_empty_parameters, sharded_from_rank_zero
+from finetune.models.loading import (
+    load_model,
+    load_tokenizer,
+    materialize_empty_parameters,
+    sharded_from_rank_zero,
+    waiting_for_rank_zero_to_load,
+)
 from finetune.models.lora import FrozenWeightsCallback
 from finetune.plan.launch import memory_against_plan, over_plan_warnings
 from finetune.recipe.batch_plan import print_batch_plan, write_batch_plan
@@ -61,9 +67,10 @@ def train(recipe: Recipe) -> dict:
     with watching_ranks(args), output_dir_lock(args):
         tokenizer = load_tokenizer(recipe.model)
         loading = HostLoadProbe()  # host RAM this rank takes until the model is ready for Trainer
-        model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
-                           strategy=recipe.strategy, shapes_only=sharded_from_rank_zero(),
-                           parallelism=recipe.parallelism)
+        with waiting_for_rank_zero_to_load(args.model_load_timeout):  # not within ddp_timeout
+            model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
+                               strategy=recipe.strategy, shapes_only=sharded_from_rank_zero(),
+                               parallelism=recipe.parallelism)
         turn_on_load_balancing(model, recipe.model.router_aux_loss_coef)  # experts: their router loss, as TRL
         model = method.prepare_model(recipe, model)  # adapters, trainable weights held as the method needs
         if recipe.parallelism.sequence_parallel_size > 1:  # Ulysses wraps the attention the model runs

@@ -213,3 +213,42 @@ def test_lora_under_fsdp_shard_grad_op_trains_adapters_only_saves_them_whole_and
         assert torch.equal(exported(tokens).logits, final)
         assert torch.allclose(merged(tokens).logits, final, atol=1e-4)
         assert not torch.allclose(final, base_logits, atol=1e-3)  # the adapters changed the model
+
+
+# Global rank 0 reads the checkpoint FAULT_SLOW_LOAD_SECONDS late (a slow disk, a first download). Put first on
+# PYTHONPATH, it delays `from_pretrained` in that rank alone.
+SLOW_RANK_ZERO_LOAD = """
+import os
+import sys
+import time
+
+if os.environ.get("RANK") == "0" and os.environ.get("FAULT_SLOW_LOAD_SECONDS"):
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.from_pretrained.__func__
+
+    def from_pretrained(cls, *args, **kwargs):
+        print(f"rank 0: reading the checkpoint {os.environ['FAULT_SLOW_LOAD_SECONDS']} s late", file=sys.stderr,
+              flush=True)
+        time.sleep(float(os.environ["FAULT_SLOW_LOAD_SECONDS"]))
+        return original(cls, *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+"""
+
+
+def test_the_other_ranks_wait_for_rank_0_to_read_the_checkpoint_past_ddp_timeout(hub_model_dir, tmp_path):
+    """FSDP2 with rank-0 loading, as shipped: rank 0 reads a hub checkpoint 45 s late, past `ddp_timeout: 20`. The
+    other rank, which built the model empty at once, waits for it within `model_load_timeout`, not `ddp_timeout`
+    (which would end the run in the data's first collective), and the run trains."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_RANK_ZERO_LOAD)
+    env = {"PYTHONPATH": str(site), "FAULT_SLOW_LOAD_SECONDS": "45"}
+    output_dir = tmp_path / "run"
+    result = launch_demo(FSDP_ON_CPU, output_dir, "--model_name_or_path", str(hub_model_dir), "--ddp_timeout", "20",
+                         "--max_steps", "2", "--logging_steps", "1", "--eval_on_start", "false",
+                         "--generation_eval_samples", "0", "--max_eval_samples", "2", env=env)
+    assert "rank 0: reading the checkpoint 45 s late" in result.output  # the delay happened
+    assert_succeeded(result)
+    assert len(losses(output_dir)) == 2
