@@ -187,3 +187,6 @@ def test_a_trl_grpo_recipe_loads_as_it_is_with_its_keys_in_trls_config(tmp_path,
     with pytest.raises(RecipeError, match="vLLM generation is not wired up yet"):
         read_recipe(PROJECT_ROOT / "tests" / "fixtures" / "trl_grpo_recipe.yaml",
                     ["--method", "grpo", "--use_vllm", "true"])
+    with pytest.raises(RecipeError, match="casts the policy to bf16 in place every round"):
+        read_recipe(PROJECT_ROOT / "tests" / "fixtures" / "trl_grpo_recipe.yaml",
+                    ["--method", "grpo", "--use_transformers_continuous_batching", "true"])

@@ -165,6 +165,9 @@ class GroupRelativePolicyOptimization(Method):
         TrlKey("loss_type", GRPO_CONFIG, ours="grpo_loss_type"),
         TrlKey("use_vllm", GRPO_CONFIG, kept=(False,),
                why="completions are generated through Transformers here; vLLM generation is not wired up yet"),
+        TrlKey("use_transformers_continuous_batching", GRPO_CONFIG, kept=(False,),
+               why="TRL's continuous-batching generation casts the policy to bf16 in place every round "
+                   "(trl/trainer/grpo_trainer.py), fp32 master weights included; completions come from `generate`"),
         TrlKey("vllm_mode", GRPO_CONFIG, ignored=True, why="no vLLM here: completions come from Transformers"),
         TrlKey("vllm_gpu_memory_utilization", GRPO_CONFIG, ignored=True,
                why="no vLLM here: completions come from Transformers"),
