@@ -18,7 +18,6 @@ number: 130 for Ctrl-C, 143 for SIGTERM), instead of a traceback from every rank
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 
@@ -30,6 +29,7 @@ from finetune.launch.grace import (
     PREEMPTION_GRACE,
     SHUTDOWN_TIMEOUT_VARIABLES,
     TORCH_SHUTDOWN_TIMEOUT,
+    grace_named,
     launcher_grace,
     saves_on_preemption,
 )
@@ -127,8 +127,7 @@ class PreemptionCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if threading.current_thread() is threading.main_thread():
             self.previous_handler = signal.signal(signal.SIGTERM, self.request_stop)
-        if state.is_world_process_zero and launcher_grace() is not None and \
-                not any(name in os.environ for name in SHUTDOWN_TIMEOUT_VARIABLES):
+        if state.is_world_process_zero and launcher_grace() is not None and not grace_named():
             print(f"warning: save_on_preemption: the launcher kills the ranks {TORCH_SHUTDOWN_TIMEOUT} s after "
                   "SIGTERM (torch's default), and the rest of a step and a checkpoint must fit in that: set "
                   f"{SHUTDOWN_TIMEOUT_VARIABLES[1]}={PREEMPTION_GRACE} in the launcher's environment (`finetune train "

@@ -50,10 +50,11 @@ def accelerate_launch_command(config_file: str, *args: str, num_processes: int |
     return [*command, *options, "--main_process_port", str(port), *program, *args]
 
 
-def as_typed(command: list[str]) -> str:
-    """A launch command as a user types it: `accelerate launch ...`, not this interpreter's `-m accelerate...`."""
+def as_typed(command: list[str], environment: dict[str, str] | None = None) -> str:
+    """A launch command as a user types it: `accelerate launch ...`, not this interpreter's `-m accelerate...`, after
+    the variables `environment` adds (`NAME=value ...`)."""
     import shlex
 
     if tuple(command[1:3]) == ACCELERATE_LAUNCH:
         command = ["accelerate", "launch", *command[3:]]
-    return shlex.join(command)
+    return shlex.join([*(f"{name}={value}" for name, value in (environment or {}).items()), *command])

@@ -28,6 +28,12 @@ TORCH_SHUTDOWN_TIMEOUT = 30
 PREEMPTION_GRACE = 110
 
 
+def grace_named(environ=None) -> bool:
+    """Whether the environment names the launcher's shutdown timeout (else torch's 30 s applies)."""
+    environ = os.environ if environ is None else environ
+    return any(name in environ for name in SHUTDOWN_TIMEOUT_VARIABLES)
+
+
 def launcher_grace(environ=None) -> int | None:
     """Seconds this rank's launcher leaves it between SIGTERM and SIGKILL, as the environment it passed on says; None
     where no elastic agent started the process (one process run here, SLURM's own tasks)."""
@@ -46,7 +52,6 @@ def grace_for_launch(save_on_preemption_value, environ=None) -> dict[str, str]:
     """What a launch's environment adds for a run that saves on preemption: PREEMPTION_GRACE as the agent's shutdown
     timeout, unless the environment names one already (it wins)."""
     environ = os.environ if environ is None else environ
-    if not saves_on_preemption(save_on_preemption_value, environ) or \
-            any(name in environ for name in SHUTDOWN_TIMEOUT_VARIABLES):
+    if not saves_on_preemption(save_on_preemption_value, environ) or grace_named(environ):
         return {}
     return {SHUTDOWN_TIMEOUT_VARIABLES[1]: str(PREEMPTION_GRACE)}

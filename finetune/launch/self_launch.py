@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -250,8 +249,7 @@ def replace_with(command: list[str], plan_json: str, machine: Machine, timeout: 
     """Prints the command and becomes it, with `environment` added to this process's: after the nodes' meeting
     (several nodes), this process is the launcher."""
     environment = environment or {}
-    print(f"launch: {shlex.join(f'{name}={value}' for name, value in environment.items())}{' ' * bool(environment)}"
-          f"{as_typed(command)}", flush=True)
+    print(f"launch: {as_typed(command, environment)}", flush=True)
     if machine.nodes > 1:
         from finetune.launch.rendezvous import meet
 

@@ -71,7 +71,7 @@ def launch_or_run_here(recipe: str, overrides: list[str], given=None) -> list[st
         # one process on a machine with several GPUs: it would see them all (preflight refuses nn.DataParallel), so it
         # runs anew seeing one, as accelerate_configs/single_gpu.yaml's `gpu_ids: "0"` pins it under a launcher
         gpu = first_visible_gpu()
-        plan["launch"] = shlex.join([f"CUDA_VISIBLE_DEVICES={gpu}", "finetune", "train", recipe, *overrides])
+        plan["launch"] = as_typed(["finetune", "train", recipe, *overrides], {"CUDA_VISIBLE_DEVICES": gpu})
         print_launch_plan(plan)
         print(f"plan: one process here on GPU {gpu}, one of the {machine.visible_gpus} this machine shows (set "
               "CUDA_VISIBLE_DEVICES to choose another)")
@@ -91,8 +91,7 @@ def launch_or_run_here(recipe: str, overrides: list[str], given=None) -> list[st
         return overrides
     command = launch_command(launch, machine, recipe, overrides)
     environment = plan["launcher_environment"]
-    plan["launch"] = shlex.join([f"{name}={value}" for name, value in environment.items()]) + " " * bool(
-        environment) + as_typed(command)
+    plan["launch"] = as_typed(command, environment)
     print_launch_plan(plan)
     if options.dry_run:
         print(f"launch: {plan['launch']}")
