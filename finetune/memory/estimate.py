@@ -202,6 +202,7 @@ class MemoryEstimate:
     offloaded: dict = field(default_factory=dict)
     grads_between_micro_steps_bytes: int = 0  # on the GPU between two micro-steps of one accumulation window
     loaded_model_bytes: int = 0               # the whole model as a rank that loads it holds it (host RAM)
+    loaded_stage_bytes: tuple = ()            # pipeline: each stage as its rank loads it (host RAM), by stage
     reference_bytes: int = 0                  # a preference method's frozen reference model on this GPU
     generation_bytes: int = 0                 # online RL: one generation round's KV cache and logits on this GPU
     reward_models_bytes: int = 0              # online RL: its frozen reward models on this GPU
@@ -226,9 +227,15 @@ class MemoryEstimate:
     @property
     def host_load_bytes_per_node(self) -> int:
         """Host RAM the busiest node needs while the model loads, before sharding."""
+        if self.loaded_stage_bytes:  # a pipeline: the stages its ranks hold, one a rank
+            per_node = self.setup.gpus_per_node or self.setup.num_gpus
+            stages = self.loaded_stage_bytes
+            return max(sum(stages[start:start + per_node]) for start in range(0, len(stages), per_node))
         return int(host_load_bytes_per_node(self.loaded_model_bytes, self.setup))
 
     def host_load_bytes_of_rank(self, rank: int, device_is_host: bool = False) -> int:
+        if self.loaded_stage_bytes:
+            return self.loaded_stage_bytes[rank % len(self.loaded_stage_bytes)]
         return int(host_load_bytes_of_rank(self.loaded_model_bytes, self.setup, rank, device_is_host))
 
     @property
@@ -295,6 +302,7 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         offloaded={key: int(value) for key, value in offloaded.items() if value},
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
         loaded_model_bytes=int(loaded_model_bytes(trainable, frozen_bytes, setup)),
+        loaded_stage_bytes=pipeline_loaded_stage_bytes(shape, setup) if setup.strategy == "pipeline" else (),
         reference_bytes=int(reference_model_bytes(shape, setup)),
         generation_bytes=int(generation_bytes(shape, setup)),
         reward_models_bytes=int(frozen_model_bytes(setup.method.reward_model_parameters, setup)),
@@ -326,6 +334,17 @@ def pipeline_stage_elements(shape: ModelShape, setup: Setup) -> int:
         norm = shape.num_parameters - blocks - embedding * (1 if shape.tied_embeddings else 2)
         elements += norm + embedding
     return elements
+
+
+def pipeline_loaded_stage_bytes(shape: ModelShape, setup: Setup) -> tuple[int, ...]:
+    """Host RAM each pipeline rank takes to load its stage (finetune.train.pipeline: `fill_from_checkpoint`): the
+    model is built on the meta device and cut, then only the stage's tensors are read, each cast to its fp32 master
+    as it is read: the stage in fp32 and, at most, the largest tensor as stored (the half dtype under mixed
+    precision) twice beside its cast (the file's pages mapped while it is read, and the tensor read from them)."""
+    stored = _half_or_fp32(setup)
+    return tuple(int(4 * pipeline_stage_elements(shape, replace(setup, rank=stage))
+                     + 2 * stored * shape.largest_layer_parameters)
+                 for stage in range(setup.pipeline_parallel_size))
 
 
 def pipeline_activation_bytes(shape: ModelShape, setup: Setup) -> float:

@@ -414,6 +414,8 @@ def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
                         f"idle {bubble:.0%} of each step (bubble, {micro_batches} micro-batches)",
                         f"PP {stages} holds 1/{stages} of the layers a GPU", micro_batches=micro_batches,
                         ranks=stages)
+        # each rank reads only its stage from the checkpoint (finetune.train.pipeline: stage-only loading)
+        row["cost"] += f"; loads {_size(row['estimate'].host_load_bytes_per_node)}/node (a stage a rank)"
         rows.append(row)
     return rows
 

@@ -12,7 +12,17 @@ What the loop does that a one-process Trainer run does:
   them, so both copies take the same update;
 - gradient clipping uses the norm over every stage (the tied weight counted once);
 - checkpoints hold each stage's weights (safetensors, named as in the whole model) and its optimizer and schedule;
-  `finetune export` and the end of the run consolidate the stages into one model `from_pretrained` loads.
+  `finetune export` consolidates a checkpoint's stages into one model `from_pretrained` loads.
+
+What it does at scale:
+- each rank reads only its stage's tensors from the checkpoint (the model is built on the meta device, cut, and the
+  stage filled by name from the safetensors files, cast to fp32 one tensor at a time): a 70B cut 8 ways takes one
+  eighth of it per rank, not the whole model upcast on every rank (3.4 TB on a node);
+- the final model is written by every rank at once, its stage as one safetensors shard of `output_dir` in the
+  dtype the run saves in (`save_dtype`), with the index `from_pretrained` reads: no rank gathers the model, and
+  none waits for another's save;
+- every stage writes into one `output_dir`, so before loading the ranks check that they all see it (node-local
+  disks on several nodes are refused by name, before any hour is spent).
 
 Not supported here (refused before training starts): LoRA/QLoRA, DeepSpeed or FSDP configs, data parallelism beside
 the pipeline, packing and padding-free batches, methods other than SFT. Evaluation runs after training on the
@@ -32,14 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from finetune import outputs
-from finetune.checkpoints.pipeline_stages import STAGE_STATE, STAGE_WEIGHTS, consolidated_state
+from finetune import outputs, presets
+from finetune.checkpoints.pipeline_stages import STAGE_STATE, STAGE_WEIGHTS
 from finetune.errors import RecipeError
 from finetune.memory.estimate import pipeline_stage_layers
 from finetune.recipe.preflight import PIPELINE_SCHEDULES
 
 SCHEDULES = PIPELINE_SCHEDULES
-STAGES_FOLDER = "pipeline_stages"  # the final stages, in output_dir until they are consolidated
+FINAL_SHARD = "model-{stage:05d}-of-{stages:05d}.safetensors"  # the final model: one shard a stage
+FINAL_INDEX = "model.safetensors.index.json"  # from_pretrained's name for the map of a sharded checkpoint
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -135,6 +146,7 @@ class Stage:
     module: PipelineStageModule
     names: dict[int, str]        # id(parameter) -> its name in the whole model
     tied: nn.Parameter | None    # the tied input/output embedding, held by the first and the last stage
+    shape: object = None         # the whole model's ModelShape (finetune.memory.shapes), taken before the cut
 
     @cached_property
     def named(self) -> list[tuple[str, nn.Parameter]]:
@@ -160,9 +172,125 @@ def build_stage(model, stage: int, stages: int) -> Stage:
     kept = {id(parameter) for parameter in module.parameters()}
     with torch.no_grad():  # the other stages' weights: freed (the model object keeps its config and names)
         for parameter in model.parameters():
-            if id(parameter) not in kept:
+            if id(parameter) not in kept and not parameter.is_meta:  # on the meta device they hold nothing
                 parameter.data = torch.empty(0, dtype=parameter.dtype)
     return Stage(stage, stages, bounds[stage], module, names, tied)
+
+
+def loads_stage_only(model_args) -> bool:
+    """Whether each rank builds the model on the meta device and reads only its stage's tensors
+    (`fill_from_checkpoint`): any checkpoint; the `tiny` preset, built in code from its seed, is built whole."""
+    return model_args.model_name_or_path != presets.TINY_MODEL
+
+
+def cut_stage(recipe, model, rank: int | None = None) -> Stage:
+    """Stage `rank` (this process's by default) of `model` (as `finetune.models.loading.load_model` gave it, on the
+    meta device where `loads_stage_only`), its weights read from the checkpoint and held as the method holds them
+    (fp32 masters)."""
+    from finetune.memory.shapes import shape_of
+
+    check_attention(model, recipe.data.max_seq_length)
+    shape = shape_of(model)  # the whole model's, before the other stages' weights are freed
+    rank = dist.get_rank() if rank is None else rank
+    stage = build_stage(model, rank, recipe.strategy.pipeline_parallel_size)
+    stage.shape = shape
+    if any(parameter.is_meta for _, parameter in stage.named):
+        fill_from_checkpoint(stage, recipe.model.model_name_or_path)
+    return stage
+
+
+def checkpoint_files(source: str) -> tuple[Path, dict[str, str]]:
+    """`(folder, {tensor name: safetensors file})` of a checkpoint: a local folder, or a hub id read through the
+    hub's cache (downloaded there first if it is not yet: `from_pretrained` would have downloaded it too)."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(source, allow_patterns=["*.safetensors", "*.json"]))
+    index = folder / FINAL_INDEX
+    if index.is_file():
+        return folder, json.loads(index.read_text())["weight_map"]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as handle:
+            return folder, dict.fromkeys(handle.keys(), single.name)
+    raise RecipeError(f"pipeline parallelism reads each stage's weights from safetensors, and `{source}` has none "
+                      "(model.safetensors or model.safetensors.index.json): convert its weights to safetensors "
+                      "where you trust the files, or train without pipeline parallelism.")
+
+
+def fill_from_checkpoint(stage: Stage, source: str) -> int:
+    """Gives each of the stage's parameters still on the meta device its tensor from the checkpoint, read by name
+    (safetensors reads only what is asked) and cast to the parameter's dtype one tensor at a time; returns the
+    elements read. The other stages' tensors are never read."""
+    from safetensors import safe_open
+
+    wanted = {name: parameter for name, parameter in stage.named if parameter.is_meta}
+    folder, files = checkpoint_files(source)
+    missing = sorted(name for name in wanted if name not in files)
+    if missing:
+        raise RecipeError(f"the checkpoint `{source}` lacks {len(missing)} of stage {stage.index}'s tensors "
+                          f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): its names are not the "
+                          "model's own, which the pipeline's stages read; train it without pipeline parallelism.")
+    by_file: dict[str, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(files[name], []).append(name)
+    read = 0
+    with torch.no_grad():
+        for file, names in sorted(by_file.items()):
+            for name in names:
+                # opened for each tensor: safetensors maps the file, and the pages a read touched stay resident
+                # until it is closed (measured: the stage again, as stored, on top of its fp32 masters)
+                with safe_open(str(folder / file), framework="pt") as handle:
+                    tensor = handle.get_tensor(name)
+                parameter = wanted[name]
+                if tuple(tensor.shape) != tuple(parameter.shape):
+                    raise RecipeError(f"`{name}` is {tuple(tensor.shape)} in `{source}` but "
+                                      f"{tuple(parameter.shape)} in the model its config.json describes.")
+                held = nn.Parameter(tensor.to(parameter.dtype), requires_grad=parameter.requires_grad)
+                del tensor
+                torch.utils.swap_tensors(parameter, held)  # every module holding it (a tied head) sees it
+                read += parameter.numel()
+    return read
+
+
+def check_shared_output_dir(output_dir: str) -> None:
+    """Every stage writes its part of each checkpoint and of the final model into `output_dir`, so every rank must
+    see the same folder: on several nodes with node-local disks the model would be split across them. Each rank
+    writes a file there named by a token of rank 0's and looks for the others' (waiting a few seconds for a network
+    filesystem); where one is missing, every rank stops here, before loading, saying which ranks see which."""
+    import uuid
+
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    token = broadcast_object_list([uuid.uuid4().hex if rank == 0 else None])[0]
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    mine = folder / f".pipeline-rank-{token}-{rank}"
+    mine.touch()
+    dist.barrier()
+    deadline = time.monotonic() + 10
+    while True:
+        seen = [other for other in range(world) if (folder / f".pipeline-rank-{token}-{other}").exists()]
+        if len(seen) == world or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    import socket
+
+    views = gather_object([(rank, socket.gethostname(), str(folder.resolve()), seen)])
+    dist.barrier()  # every rank has looked before any file goes
+    mine.unlink(missing_ok=True)
+    blind = [view for view in views if len(view[3]) < world]
+    if blind:
+        said = "; ".join(f"rank {rank} on {host} ({path}) sees rank(s) {', '.join(map(str, seen))}"
+                         for rank, host, path, seen in blind)
+        raise RecipeError(f"pipeline parallelism writes every stage into one output_dir, but the ranks do not share "
+                          f"it: {said}. Give `output_dir` on a filesystem every node mounts (NFS, Lustre, ...).")
 
 
 def step_token_count(labels: torch.Tensor) -> int:
@@ -371,9 +499,13 @@ class PipelineTrainer:
         dist.barrier()
 
     def layout(self) -> dict:
+        from finetune.models.loading import dtype_name
+
+        final = self.final_dtype()
         return {"world_size": self.world, "strategy": "pipeline", "zero_stage": None,
                 "pipeline_parallel_size": self.stage.count, "pipeline_schedule": self.schedule_name,
-                "sequences_per_step": self.args.per_device_train_batch_size * self.micro_batches}
+                "sequences_per_step": self.args.per_device_train_batch_size * self.micro_batches,
+                "final_weights_dtype": final and dtype_name(final)}  # what `finetune export` writes by default
 
     def _load(self, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -389,35 +521,46 @@ class PipelineTrainer:
         history = json.loads((folder / "trainer_state.json").read_text())
         self.log_history = [entry for entry in history["log_history"] if entry.get("step", 0) <= self.global_step]
 
+    def final_dtype(self) -> torch.dtype | None:
+        """The dtype the final model is written in (`save_dtype`: `auto` is the checkpoint's own); None keeps fp32."""
+        from finetune.models.loading import saved_dtype
+
+        return saved_dtype(self.model, self.args.save_dtype)
+
     def save_final(self) -> None:
-        """Every stage's weights, consolidated by rank 0 into one model in output_dir (as `finetune export` does
-        for a checkpoint), with the tokenizer."""
-        output_dir = Path(self.args.output_dir)
-        self.save_stage(output_dir / STAGES_FOLDER, with_state=False)
-        dist.barrier()
-        if self.rank == 0:
-            model = consolidated_model(output_dir / STAGES_FOLDER, self.model.config)
-            model.save_pretrained(output_dir, safe_serialization=True)
-            self.tokenizer.save_pretrained(output_dir)
-            outputs.write_record(output_dir, "trainer_state.json", self.trainer_state())
-            for path in (output_dir / STAGES_FOLDER).iterdir():
-                path.unlink()
-            (output_dir / STAGES_FOLDER).rmdir()
-        dist.barrier()
+        """The final model in output_dir, written by every rank at once: its stage as one shard, in `final_dtype`
+        (a tied embedding by the first stage only), then, once every shard is written, rank 0 writes the index
+        `from_pretrained` reads, the config and the tokenizer. No rank holds more than its stage, and no rank waits
+        for more than the slowest shard's write."""
+        from accelerate.utils import gather_object
+        from safetensors.torch import save_file
 
+        from finetune.models.loading import dtype_name
+        from finetune.train.trainer import record_config_dtype
 
-def consolidated_model(folder: Path, config):
-    """The model `config` describes, holding the stages' weights."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(config)
-    missing, unexpected = model.load_state_dict(consolidated_state(folder), strict=False)
-    tied = {name for name in missing if name.endswith("lm_head.weight") and config.tie_word_embeddings}
-    if set(missing) - tied or unexpected:
-        raise RecipeError(f"the pipeline stages in {folder} do not make the model (missing "
-                          f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}).")
-    model.tie_weights()
-    return model
+        output_dir, dtype = Path(self.args.output_dir), self.final_dtype()
+        shard = FINAL_SHARD.format(stage=self.stage.index + 1, stages=self.stage.count)
+        weights = {name: parameter.detach().to("cpu", dtype or parameter.dtype).contiguous()
+                   for name, parameter in self.stage.named
+                   if not (self.stage.index > 0 and parameter is self.stage.tied)}
+        save_file(weights, str(output_dir / shard), metadata={"format": "pt"})
+        written = {name: (shard, tensor.numel() * tensor.element_size()) for name, tensor in weights.items()}
+        del weights
+        every = gather_object([written])  # also: every shard is written before the index names it
+        if self.rank != 0:
+            return
+        weight_map = {name: file for part in every for name, (file, _) in sorted(part.items())}
+        total = sum(size for part in every for _, size in part.values())
+        outputs.write_record(output_dir, FINAL_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        (output_dir / "model.safetensors").unlink(missing_ok=True)  # an older single-file save would be read first
+        self.model.config.save_pretrained(output_dir)
+        written = dtype or self.stage.named[0][1].dtype
+        record_config_dtype(output_dir, written)  # the dtype of the shards, not the one the model was built in
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.save_pretrained(output_dir)
+        self.tokenizer.save_pretrained(output_dir)
+        outputs.write_record(output_dir, "trainer_state.json", self.trainer_state())
+        print(f"pipeline: the model is saved in {output_dir} in {dtype_name(written)}, one shard a stage", flush=True)
 
 
 def stage_memory(trainer: PipelineTrainer) -> dict[str, int]:
@@ -445,19 +588,20 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
     predicted = estimate(shape, setup)
     return {"params_bytes": predicted.params_bytes, "grads_bytes": predicted.grads_bytes,
             "optimizer_bytes": predicted.optimizer_bytes, "activations_bytes": predicted.activations_bytes,
+            "host_load_bytes": predicted.host_load_bytes_of_rank(trainer.rank),
             "estimate": {"setup": {key: getattr(setup, key) for key in
                                    ("strategy", "num_gpus", "pipeline_parallel_size", "pipeline_schedule", "rank")}}}
 
 
-def train_pipeline(recipe, model, tokenizer, data, resume: str | None) -> dict:
-    """The whole run of this rank's stage: train, checkpoint, consolidate the model into output_dir; rank 0 writes
-    the records a Trainer run writes (trainer_state.json, effective_config.json, memory_report.json,
-    eval_results.json). Returns the summary."""
+def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | None,
+                   host_load_bytes: int | None = None) -> dict:
+    """The whole run of this rank's stage (`cut_stage`): train, checkpoint, write the final model into output_dir;
+    rank 0 writes the records a Trainer run writes (trainer_state.json, effective_config.json, memory_report.json,
+    eval_results.json). Returns the summary. `host_load_bytes`: host RAM this rank took to load its stage."""
     from accelerate.utils import gather_object
 
     from finetune.checkpoints.preemption import save_on_preemption
     from finetune.memory.estimate import pipeline_bubble_fraction
-    from finetune.memory.shapes import shape_of
 
     args = recipe.training
     size, rank = recipe.strategy.pipeline_parallel_size, dist.get_rank()
@@ -469,22 +613,21 @@ def train_pipeline(recipe, model, tokenizer, data, resume: str | None) -> dict:
     if save_on_preemption(args) and rank == 0:  # on by default under SLURM: said, not silently skipped
         print("warning: pipeline parallelism does not save on SIGTERM: a preempted run resumes from its newest "
               "complete checkpoint (`save_steps`).", flush=True)
-    check_attention(model, recipe.data.max_seq_length)
-    shape = shape_of(model)  # the whole model's, before the other stages' weights are freed
-    stage = build_stage(model, rank, size)
     trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, args.pipeline_schedule, resume)
     result = trainer.train()
+    measured, predicted = stage_memory(trainer), predicted_memory(trainer, stage.shape)
+    if host_load_bytes is not None:
+        measured["host_load_bytes"] = host_load_bytes
     memory = {"rank": rank, "world_size": trainer.world, "strategy": recipe.strategy.label,
-              "layers": [stage.layers.start, stage.layers.stop], "measured": stage_memory(trainer),
-              "predicted": predicted_memory(trainer, shape)}
-    trainer.save_final()
+              "layers": [stage.layers.start, stage.layers.stop], "measured": measured, "predicted": predicted}
     ranks = gather_object([memory])
+    trainer.save_final()
     summary = {"method": recipe.method.name, "world_size": trainer.world, "strategy": recipe.strategy.to_dict(),
                "deepspeed_zero_stage": None, "train_loss": result["train_loss"], "global_step": trainer.global_step}
     if rank == 0:
         output_dir = Path(args.output_dir)
         outputs.write_record(output_dir, outputs.MEMORY_REPORT, {"ranks": ranks})
-        bounds = stage_layers(len(decoder_parts(model)[0].layers), size)
+        bounds = stage_layers(stage.shape.num_layers, size)
         pipeline = {"stages": [[layers.start, layers.stop] for layers in bounds], "schedule": args.pipeline_schedule,
                     "micro_batches": trainer.micro_batches,
                     "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}

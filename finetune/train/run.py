@@ -51,7 +51,7 @@ from finetune.recipe.preflight import check_eval_split
 from finetune.train.divergence import NonFiniteLossCallback
 from finetune.train.effective import report_and_guard_launch
 from finetune.train.evaluation import ExactMatchCallback, print_before_after, record_stop_tokens, summarize_evaluations
-from finetune.train.pipeline import train_pipeline
+from finetune.train.pipeline import check_shared_output_dir, cut_stage, loads_stage_only, train_pipeline
 from finetune.train.throughput import ThroughputCallback
 from finetune.train.tracking import TrackedRunCallback, run_parameters
 
@@ -65,17 +65,23 @@ def train(recipe: Recipe) -> dict:
     # a silent rank or a dead launcher ends this rank (finetune.launch.watchdog); one run per output_dir
     # (finetune.checkpoints.run_lock)
     with watching_ranks(args), output_dir_lock(args):
+        pipeline = recipe.strategy.kind == "pipeline"  # the toolkit's own loop: Trainer cannot drive a pipeline
+        if pipeline:  # every stage writes into output_dir: all ranks must see it, checked before hours of loading
+            check_shared_output_dir(args.output_dir)
         tokenizer = load_tokenizer(recipe.model)
         loading = HostLoadProbe()  # host RAM this rank takes until the model is ready for Trainer
         with waiting_for_rank_zero_to_load(args.model_load_timeout):  # not within ddp_timeout
             model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
-                               strategy=recipe.strategy, shapes_only=sharded_from_rank_zero(),
-                               parallelism=recipe.parallelism)
+                               strategy=recipe.strategy, parallelism=recipe.parallelism,
+                               shapes_only=sharded_from_rank_zero() or (pipeline and loads_stage_only(recipe.model)))
         turn_on_load_balancing(model, recipe.model.router_aux_loss_coef)  # experts: their router loss, as TRL
         model = method.prepare_model(recipe, model)  # adapters, trainable weights held as the method needs
         if recipe.parallelism.sequence_parallel_size > 1:  # Ulysses wraps the attention the model runs
             prepare_sequence_parallelism(args, recipe.parallelism, attention_implementation(model))
-        materialize_empty_parameters(model)  # shapes only (FSDP2, ranks ≠ 0): Accelerate fills them from rank 0
+        if pipeline:  # this rank's stage, the only weights it reads
+            stage = cut_stage(recipe, model)
+        else:
+            materialize_empty_parameters(model)  # shapes only (FSDP2, ranks ≠ 0): Accelerate fills them from rank 0
         loading.stop()
         data = method.prepare_data(recipe, tokenizer, model)
         # saved with the model: generate() elsewhere stops there too
@@ -83,12 +89,12 @@ def train(recipe: Recipe) -> dict:
         check_eval_split(args, data.eval is not None)  # before Trainer, which would raise a ValueError of its own
         # may stop: nothing written yet
         resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"], tokenizer.chat_template)
-        if recipe.strategy.kind == "pipeline":  # the toolkit's own loop: Trainer cannot drive a pipeline
+        if pipeline:
             if args.process_index == 0:
                 method.print_data_summary(data.summary)
                 write_data_summary(data.summary, args.output_dir)
                 print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
-            return train_pipeline(recipe, model, tokenizer, data, resume)
+            return train_pipeline(recipe, model, stage, tokenizer, data, resume, host_load_bytes=loading.bytes)
         if data.eval is None:
             args.eval_on_start = False  # nothing to evaluate on: no 'before' column
 

@@ -18,6 +18,7 @@ from support import DEMO_SHORT_RUN, PROJECT_ROOT, free_port
 from finetune.checkpoints.complete import checkpoint_step, checkpoints_newest_first, is_complete
 from finetune.errors import RecipeError
 from finetune.launch.rendezvous import meet
+from finetune.outputs import RUN_LOCK
 
 # The launcher tier (two nodes over loopback, the launch scripts and SLURM: the real launchers):
 # launches are real processes, not forked (tests/support.py).
@@ -222,6 +223,24 @@ def test_two_nodes_on_loopback_train_rotate_and_resume_each_on_its_own_disk(tmp_
 def two_node_commands(output_dir: Path, *train: str) -> list[list[str]]:
     port = free_port()
     return [node_command(rank, "127.0.0.1", port, output_dir, train=train) for rank in (0, 1)]
+
+
+@pytest.mark.distributed
+def test_a_pipeline_across_nodes_with_a_folder_per_node_stops_before_loading(tmp_path):
+    """Every stage writes into one output_dir: two nodes that each see only their own folder (node-local disks)
+    both stop at the start, naming which ranks see which, before the model loads or anything is written."""
+    port = free_port()
+    commands = [[str(SCRIPTS / "launch_multinode.sh"), "--config", "accelerate_configs/cpu_ddp.yaml", "--nnodes", "2",
+                 "--node-rank", str(rank), "--main-addr", "127.0.0.1", "--main-port", str(port), "--gpus-per-node",
+                 "1", "--rendezvous-timeout", "120", "recipes/demo.yaml", *DEMO_SHORT_RUN, "--pipeline_parallel_size",
+                 "2", "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / f"node{rank}")]
+                for rank in (0, 1)]
+    outputs = run_two_nodes(commands, succeed=False)
+    for output in outputs:
+        assert "pipeline parallelism writes every stage into one output_dir, but the ranks do not share it" in output
+        assert "rank 0 on" in output and "sees rank(s) 0;" in output and "sees rank(s) 1." in output
+    for rank in (0, 1):  # the check's own files are gone, and nothing but the run lock was written
+        assert {path.name for path in (tmp_path / f"node{rank}").iterdir()} <= {RUN_LOCK}
 
 
 @pytest.mark.distributed

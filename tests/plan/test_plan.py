@@ -7,6 +7,7 @@ from gpu_simulation import T4, simulate_gpus
 
 from finetune.cli import main
 from finetune.launch.devices import KNOWN_GPUS
+from finetune.memory import model_shape
 from finetune.memory.estimate import GiB
 from finetune.plan.decision_tree import PlanRequest, make_plan
 
@@ -200,6 +201,20 @@ def test_plan_prints_the_parallelism_axes_and_picks_sequence_parallelism_for_a_l
     assert main(["plan", *long]) == 0
     out = capsys.readouterr().out
     assert "Parallelism axes on 8 GPUs" in out and "Recommended: SP 8 × ZeRO-3 — chosen because no data-parallel" in out
+
+
+def test_a_pipeline_plans_each_rank_reading_only_its_stage_at_load(capsys):
+    """Llama-3-70B, PP 8 on one node of H100s: each rank builds the model on the meta device and reads its stage in
+    fp32 (finetune.train.pipeline), so the node's host RAM at load is the model once in fp32 (plus one tensor being
+    cast on each rank), not 8 × the model loaded and upcast (6 bytes a parameter on every rank: 3.4 TB)."""
+    plan = planned(capsys, "--model", "llama-3-70b", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096", "--json")
+    pipeline = next(row for row in plan["axes"] if row["name"] == "PP 8 (1F1B)")
+    shape = model_shape("llama-3-70b")
+    at_load = pipeline["host_load_bytes_per_node"]
+    cast = 8 * 2 * 2 * shape.largest_layer_parameters  # one tensor as stored, mapped and read, on each rank
+    assert at_load == pytest.approx(4 * shape.num_parameters + cast, rel=1e-6)
+    assert at_load < 0.1 * 8 * 6 * shape.num_parameters
+    assert f"loads {at_load / 1024**3:,.1f} GiB/node (a stage a rank)" in pipeline["cost"]
 
 
 def test_a_short_sequence_keeps_the_data_parallel_recommendation_beside_the_axes(capsys):

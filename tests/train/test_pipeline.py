@@ -139,6 +139,7 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
         ({**asked, "pipeline_schedule": "interleaved"}, {}, "not one of gpipe, 1f1b"),
         (asked, {"parallelism": Parallelism(tensor_parallel_size=2)}, "tensor_parallel_size 2 beside it"),
         ({**asked, "save_on_preemption": True}, {}, "`save_on_preemption`"),
+        ({**asked, "save_on_each_node": True}, {}, "`save_on_each_node`.*nodes must share"),
     ]
     for inputs, changes, message in refusals:
         call = {"data": data, "use_lora": False, "method": "sft", "parallelism": Parallelism(), "strategy": ddp,
@@ -179,3 +180,35 @@ def test_a_decoder_the_stages_cannot_rerun_is_refused_by_name():
                                  use_sliding_window=True, sliding_window=8)
     with pytest.raises(RecipeError, match="mixes full_attention, sliding_attention layers"):
         build_stage(AutoModelForCausalLM.from_config(mixed), 0, 2)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_each_stage_reads_its_own_tensors_from_the_checkpoint_held_in_fp32(tmp_path, tied):
+    """A checkpoint's stages are built on the meta device and filled by name from its safetensors (a tied head is
+    the embedding the last stage reads under its own name); the other stages' weights stay unread."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.models.loading import hold_trainable_parameters, load_model
+    from finetune.train.pipeline import cut_stage, loads_stage_only
+
+    hub = save_hub_model(tmp_path, tie_word_embeddings=tied, num_hidden_layers=3)
+    whole = dict(AutoModelForCausalLM.from_pretrained(hub, dtype="auto").named_parameters())
+    model_args = SimpleNamespace(model_name_or_path=str(hub), torch_dtype="auto", attn_implementation=None,
+                                 trust_remote_code=False)
+    recipe = SimpleNamespace(model=model_args, data=SimpleNamespace(max_seq_length=64),
+                             strategy=SimpleNamespace(pipeline_parallel_size=2))
+    assert loads_stage_only(model_args)
+    held = []
+    for rank in (0, 1):
+        model = load_model(model_args, None, shapes_only=True)
+        hold_trainable_parameters(model, torch.float32)  # as SFT holds a full fine-tune's weights
+        stage = cut_stage(recipe, model, rank)
+        assert stage.shape.num_layers == 3 and list(stage.layers) == [[0, 1], [2]][rank]
+        for name, parameter in stage.named:
+            assert parameter.dtype == torch.float32 and torch.equal(parameter, whole[name].float()), name
+        assert all(parameter.is_meta or parameter.numel() == 0 for parameter in model.parameters()
+                   if id(parameter) not in {id(p) for _, p in stage.named})  # the other stage: never read
+        held.append({name for name, _ in stage.named})
+    assert held[0] | held[1] == set(whole) and (held[0] & held[1]) == ({"model.embed_tokens.weight"} if tied else set())
+    if tied:
+        assert stage.module.lm_head.weight is stage.tied
