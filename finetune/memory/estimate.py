@@ -349,18 +349,51 @@ def pipeline_loaded_stage_bytes(shape: ModelShape, setup: Setup) -> tuple[int, .
 
 def pipeline_activation_bytes(shape: ModelShape, setup: Setup) -> float:
     """A stage's activations at their peak: its share of the layers' saved activations for each micro-batch in
-    flight. GPipe runs every forward before the first backward (all `gradient_accumulation_steps` micro-batches);
-    1F1B lets stage s hold p − s of them (the first stage the most). The loss's fp32 logits belong to the last stage,
-    one micro-batch at a time."""
+    flight (`pipeline_layer_bytes`), and torch's receive buffers (`pipeline_recv_buffer_bytes`). GPipe runs every
+    forward before the first backward (all `gradient_accumulation_steps` micro-batches); 1F1B lets stage s hold
+    p − s of them (the first stage the most). The loss's fp32 logits belong to the last stage, one micro-batch at a
+    time. Rows are padded to `max_seq_length` (`setup.sequence_length`), which the plan's PP row passes."""
     p, stage, m = setup.pipeline_parallel_size, setup.rank, setup.gradient_accumulation_steps
     in_flight = m if setup.pipeline_schedule == "gpipe" else min(p - stage, m)
     layers = len(pipeline_stage_layers(shape.num_layers, p)[stage])
-    blocks = layers * saved_per_layer_bytes(shape, setup) * in_flight
+    blocks = layers * pipeline_layer_bytes(shape, setup, in_flight)
     if stage == p - 1:
         tokens = setup.micro_batch_size * setup.sequence_length
         blocks += saved_outside_layers_bytes(shape, setup) + (8 * tokens * shape.vocab_size
                                                               if setup.method.logits_held else 0)
-    return blocks
+    return blocks + pipeline_recv_buffer_bytes(shape, setup)
+
+
+def pipeline_layer_bytes(shape: ModelShape, setup: Setup, in_flight: int) -> float:
+    """One layer's saved bytes with `in_flight` micro-batches' forwards held: the activations once each, the
+    half-precision casts of its fp32 weights once. The loop runs a step's whole schedule inside one `torch.autocast`
+    context, and autocast caches the cast of a leaf weight for the life of its outermost context
+    (torch/amp/autocast_mode.py), so every micro-batch's backward reads the same cast (measured on fake tensors at
+    Llama-3-8B width: `finetune.memory.saved.measure(..., micro_batches=m)`)."""
+    casts = layer_weight_cast_bytes(shape, setup)
+    return (saved_per_layer_bytes(shape, setup) - casts) * in_flight + casts
+
+
+def layer_weight_cast_bytes(shape: ModelShape, setup: Setup) -> float:
+    """The half-precision copies autocast makes of one block's fp32 trainable weights (full fine-tuning under mixed
+    precision: c bytes per weight), kept for the backward; none where the weights are already in the compute dtype,
+    under LoRA (a frozen base), or with gradient checkpointing (recomputed)."""
+    precision = held_precisions(setup)
+    if setup.lora_rank or setup.peft or setup.gradient_checkpointing or precision.weights == precision.compute:
+        return 0
+    return precision.compute * sum(linear.in_features * linear.out_features for _, linear in _block_linears(shape))
+
+
+def pipeline_recv_buffer_bytes(shape: ModelShape, setup: Setup) -> int:
+    """torch's receive buffers on stage `setup.rank`: one per micro-batch for the hidden states arriving from the
+    stage before (every stage but the first) and one for their gradients arriving from the stage after (every stage
+    but the last), allocated once and kept (torch/distributed/pipelining/stage.py: `_create_act_recv_info`,
+    `_create_grad_recv_info`). They are in the hidden states' dtype: fp32 under mixed precision, where the embedding
+    is an fp32 master and the residual stays fp32."""
+    p, stage, m = setup.pipeline_parallel_size, setup.rank, setup.gradient_accumulation_steps
+    directions = (stage > 0) + (stage < p - 1)
+    residual = held_precisions(setup).residual
+    return directions * m * setup.micro_batch_size * setup.sequence_length * shape.hidden_size * residual
 
 
 def sequence_share(setup: Setup) -> Setup:

@@ -38,19 +38,22 @@ class SavedBytes:
         return self.outside_layers + num_layers * self.per_layer
 
 
-def measure(model: str, setup: Setup, loss: bool = True, packed_examples: int = 0) -> SavedBytes:
+def measure(model: str, setup: Setup, loss: bool = True, packed_examples: int = 0,
+            micro_batches: int = 1) -> SavedBytes:
     """Saved-for-backward bytes of `model` (a name `finetune.memory.shapes.resolve_config` reads) trained as `setup`
     says (precision, strategy, LoRA rank/targets/dropout, micro-batch, sequence length, gradient checkpointing,
     attention); `packed_examples` > 0 packs that many examples in each row (position ids restart, as TRL's and this
-    toolkit's packing give them); `loss=False` leaves the loss out."""
+    toolkit's packing give them); `loss=False` leaves the loss out. `micro_batches` > 1 runs that many forwards in
+    one autocast context, their graphs all held, as the pipeline loop holds the micro-batches in flight."""
     if setup.qlora:
         raise ValueError("QLoRA's 4-bit layers (bitsandbytes) do not run on fake tensors: measure LoRA instead.")
-    one = _saved_bytes(model, setup, 1, loss, packed_examples)
-    two = _saved_bytes(model, setup, 2, loss, packed_examples)
+    one = _saved_bytes(model, setup, 1, loss, packed_examples, micro_batches)
+    two = _saved_bytes(model, setup, 2, loss, packed_examples, micro_batches)
     return SavedBytes(per_layer=two - one, outside_layers=2 * one - two)
 
 
-def _saved_bytes(name: str, setup: Setup, layers: int, loss: bool, packed_examples: int) -> int:
+def _saved_bytes(name: str, setup: Setup, layers: int, loss: bool, packed_examples: int,
+                 micro_batches: int = 1) -> int:
     import torch
 
     model, mode = _fake_model(name, setup, layers)
@@ -74,8 +77,10 @@ def _saved_bytes(name: str, setup: Setup, layers: int, loss: bool, packed_exampl
             if s % packed_examples:
                 raise ValueError(f"{packed_examples} examples do not pack evenly into rows of {s} tokens.")
             inputs["position_ids"] = torch.arange(s // packed_examples).repeat(packed_examples)[None].expand(b, -1)
+        held = []  # every forward's graph stays alive, so no saved storage is freed and its address reused
         with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model(**inputs)
+            for _ in range(micro_batches):
+                held.append(model(**inputs))
     return sum(seen.values())
 
 

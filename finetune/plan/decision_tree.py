@@ -428,6 +428,8 @@ def _axis_row(request: PlanRequest, shape, micro_batch_size: int, name: str, key
     for rank in range(ranks):
         setup = replace(_setup(request, {**options, "rank": rank}, micro_batch_size),
                         **({"gradient_accumulation_steps": micro_batches} if micro_batches else {}))
+        if setup.strategy == "pipeline":  # the loop pads every row to max_seq_length and refuses checkpointing
+            setup = replace(setup, sequence_length=request.sequence_length, gradient_checkpointing=False)
         results.append(estimate(shape, setup))
     result = max(results, key=lambda item: item.total_bytes)
     row = _row(request, name, config, result, result.setup.strategy, key)

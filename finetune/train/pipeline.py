@@ -320,9 +320,10 @@ class PipelineTrainer:
         self.device = self.args.device  # as Trainer places the model: this rank's GPU, or the CPU
         stage.module.to(self.device)
         self.step_tokens = 1
-        pipe_stage = PipelineStage(stage.module, stage.index, stage.count, self.device)
+        self.pipe_stage = PipelineStage(stage.module, stage.index, stage.count, self.device)
         engine = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.schedule = engine(pipe_stage, n_microbatches=self.micro_batches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = engine(self.pipe_stage, n_microbatches=self.micro_batches, loss_fn=self._loss,
+                               scale_grads=False)
         self.optimizer, self.lr_scheduler = self._optimizer_and_schedule()
         ends = sorted({0, stage.count - 1})
         self.tied_group = dist.new_group(ends) if stage.count > 1 else None  # every rank takes part in new_group
@@ -570,13 +571,23 @@ def stage_memory(trainer: PipelineTrainer) -> dict[str, int]:
               if torch.is_tensor(value) and value.dim() > 0]
     return {"params_bytes": sum(p.numel() * p.element_size() for p in parameters),
             "grads_bytes": sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None),
-            "optimizer_bytes": sum(value.numel() * value.element_size() for value in states)}
+            "optimizer_bytes": sum(value.numel() * value.element_size() for value in states),
+            "recv_buffers_bytes": recv_buffer_bytes(trainer.pipe_stage)}
+
+
+def recv_buffer_bytes(pipe_stage) -> int:
+    """What torch's stage holds to receive the hidden states and their gradients, every micro-batch's buffers."""
+    infos = [info for chunk in (*pipe_stage.args_recv_info.values(), *pipe_stage.grad_recv_info.values())
+             for info in (chunk if isinstance(chunk, tuple) else ())]
+    buffers = {id(info.buffer): info.buffer for info in infos if torch.is_tensor(getattr(info, "buffer", None))}
+    return sum(buffer.numel() * buffer.element_size() for buffer in buffers.values())
 
 
 def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
     """The estimator's terms for this rank's stage (finetune.memory.estimate: `pipeline_stage_elements`)."""
     from finetune.memory import Setup, estimate
     from finetune.memory.callback import optimizer_kind
+    from finetune.memory.estimate import pipeline_recv_buffer_bytes
 
     args = trainer.args
     setup = Setup(strategy="pipeline", num_gpus=trainer.world, pipeline_parallel_size=trainer.stage.count,
@@ -589,6 +600,7 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
     return {"params_bytes": predicted.params_bytes, "grads_bytes": predicted.grads_bytes,
             "optimizer_bytes": predicted.optimizer_bytes, "activations_bytes": predicted.activations_bytes,
             "host_load_bytes": predicted.host_load_bytes_of_rank(trainer.rank),
+            "recv_buffers_bytes": pipeline_recv_buffer_bytes(shape, setup),
             "estimate": {"setup": {key: getattr(setup, key) for key in
                                    ("strategy", "num_gpus", "pipeline_parallel_size", "pipeline_schedule", "rank")}}}
 
