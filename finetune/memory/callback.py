@@ -178,6 +178,7 @@ class MemoryReportCallback(TrainerCallback):
         self.generation_cache = None
         # Host RAM this rank took while the model loaded (`finetune.memory.ledger.HostLoadProbe`), when measured.
         self.host_load_bytes: int | None = None
+        self.reference_read_bytes: int | None = None  # a frozen reference's weights this rank read from its checkpoint
         self.probe: GradientProbe | None = None
         self.measured: dict | None = None
         self.pending_log: dict | None = None
@@ -241,6 +242,8 @@ class MemoryReportCallback(TrainerCallback):
         measured = None if self.measured is None else {**self.measured, **peak_memory(self.phases.by_phase)}
         if measured is not None and self.host_load_bytes is not None:
             measured["host_load_bytes"] = self.host_load_bytes
+        if measured is not None and self.reference_read_bytes is not None:
+            measured["reference_read_bytes"] = self.reference_read_bytes
         if measured is not None and self.generation_cache is not None and self.generation_cache.largest:
             measured["generation_cache"] = self.generation_cache.largest
         if measured is not None and self.phases.by_phase:

@@ -68,6 +68,8 @@ class MethodTerms:
     reward_model_parameters: int = 0   # frozen reward models beside the policy (scorers of the completions)
     gathers_for_generation: bool = True  # ZeRO-3: the whole policy gathered onto every GPU for a round (TRL's
                                          # `ds3_gather_for_generation`, on by default)
+    fused_head: bool = False           # TRL's fused LM head scores the tokens in tiles (trl/trainer/utils.py
+                                       # `add_fused_lm_head`): no logits, and no cast of the head's weight, is kept
 
     @property
     def generates(self) -> bool:
@@ -301,7 +303,7 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         temporary_bytes=int(temporary_bytes(shape, setup, trainable)),
         offloaded={key: int(value) for key, value in offloaded.items() if value},
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
-        loaded_model_bytes=int(loaded_model_bytes(trainable, frozen_bytes, setup)),
+        loaded_model_bytes=int(loaded_model_bytes(trainable, frozen_bytes, setup) + reference_load_bytes(shape, setup)),
         loaded_stage_bytes=pipeline_loaded_stage_bytes(shape, setup) if setup.strategy == "pipeline" else (),
         reference_bytes=int(reference_model_bytes(shape, setup)),
         generation_bytes=int(generation_bytes(shape, setup)),
@@ -437,6 +439,15 @@ def reference_model_bytes(shape: ModelShape, setup: Setup) -> float:
     return frozen_model_bytes(shape.num_parameters, setup)
 
 
+def reference_load_bytes(shape: ModelShape, setup: Setup) -> float:
+    """Host RAM a rank that loads the model also takes for a preference method's reference, loaded after the policy
+    and as it was (finetune.train.methods.trl_trainers `load_reference`): the whole model as loaded, frozen, so not
+    cast; under sharded loading on global rank 0 only (`host_load_bytes_of_rank`)."""
+    if not setup.method.reference_model or setup.lora_rank or setup.peft:
+        return 0
+    return shape.num_parameters * _half_or_fp32(setup)
+
+
 def frozen_model_bytes(parameters: int, setup: Setup) -> float:
     """A frozen model beside the policy (a reference, a reward model) on one GPU, as TRL prepares one: under
     DeepSpeed an inference engine in the half dtype, ZeRO-3 partitioned; under FSDP sharded like the policy; else
@@ -454,8 +465,12 @@ def generated_at_once(setup: Setup) -> int:
 
 
 def kv_cache_bytes_per_token(shape: ModelShape, setup: Setup) -> int:
-    """Key and value of every layer for one token of one sequence, in the dtype the model generates in."""
-    return 2 * shape.num_layers * shape.kv_width * _half_or_fp32(setup)
+    """Key and value of every layer for one token of one sequence. Values come out of the projection in the compute
+    dtype; keys are rotated by cos/sin, which are in the hidden states' dtype, so with fp32 masters under autocast
+    (one GPU, DDP: an fp32 embedding) the cache keeps fp32 keys beside bf16 values, 1.5× a bf16 cache (measured on
+    CPU under autocast, tests/train/test_grpo.py). DeepSpeed's and FSDP2's half-precision module keeps both bf16."""
+    precision = held_precisions(setup)
+    return shape.num_layers * shape.kv_width * (precision.residual + precision.compute)
 
 
 def generation_bytes(shape: ModelShape, setup: Setup) -> int:
@@ -775,7 +790,9 @@ def saved_outside_layers_bytes(shape: ModelShape, setup: Setup) -> float:
     h, vocab = shape.hidden_size, shape.vocab_size
     lora = bool(setup.lora_rank or setup.peft)
     norm = (4 + (0 if lora else r)) * tokens * h
-    if lora:  # a frozen head keeps no input, but a frozen fp32 head (QLoRA's upcast) keeps autocast's cast of it
+    if setup.method.fused_head:  # its autograd function keeps the hidden states as they come, and two fp32 vectors
+        head = r * tokens * h + 2 * 4 * tokens  # (trl/kernels/chunked_logprob.py: log_z, entropy); tiles are cast
+    elif lora:  # a frozen head keeps no input, but a frozen fp32 head (QLoRA's upcast) keeps autocast's cast of it
         head = c * vocab * h if r == 4 and c == 2 else 0
     else:
         head = c * tokens * h + (c * vocab * h if precision.weights != c else 0)
@@ -807,6 +824,8 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> float:
     saved = shape.num_layers * saved_per_layer_bytes(shape, setup) + saved_outside_layers_bytes(shape, setup)
     tokens = setup.micro_batch_size * setup.method.sequences_per_example * setup.sequence_length
     loss_backward = 8 * tokens * shape.vocab_size if setup.method.logits_held else 0
+    if setup.method.fused_head:  # one tile of logits at a time, in the compute dtype (4,096 tokens × 32,768 ids)
+        loss_backward = held_precisions(setup).compute * min(tokens, 4096) * min(shape.vocab_size, 32768)
     recompute = saved_per_layer_bytes(shape, replace(setup, gradient_checkpointing=False)) \
         if setup.gradient_checkpointing else 0
     return saved + max(loss_backward, recompute)

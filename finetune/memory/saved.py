@@ -73,6 +73,8 @@ def _saved_bytes(name: str, setup: Setup, layers: int, loss: bool, packed_exampl
     with mode, _gpu_dropout(), _positions_read(packed=bool(packed_examples)):
         ids = torch.zeros(b, s, dtype=torch.long)
         inputs = {"input_ids": ids, "labels": ids if loss else None}
+        if setup.method.fused_head and loss:
+            inputs["fused_lm_head"] = True
         if packed_examples:
             if s % packed_examples:
                 raise ValueError(f"{packed_examples} examples do not pack evenly into rows of {s} tokens.")
@@ -108,6 +110,10 @@ def _fake_model(name: str, setup: Setup, layers: int):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attention,
                                                  dtype=_dtype(precision.residual if not setup.lora_rank
                                                               else precision.compute))
+    if setup.method.fused_head:  # as TRL's GRPOTrainer patches the policy, before peft wraps it
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     if setup.lora_rank:
         from peft import LoraConfig, get_peft_model
 

@@ -22,7 +22,8 @@ def overflowing_term(result: MemoryEstimate) -> str:
     """The largest part of a GPU's prediction, as a user would name it."""
     terms = {
         "the generation round's KV cache and logits": result.generation_bytes,
-        "the training forward's activations and logits": result.activations_bytes + result.temporary_bytes,
+        ("the training forward's activations" + (" and logits" if result.setup.method.logits_held else "")):
+            result.activations_bytes + result.temporary_bytes,
         "the model states (weights, gradients, optimizer)": result.model_states_bytes,
         "the frozen reference model": result.reference_bytes,
         "the reward models": result.reward_models_bytes,

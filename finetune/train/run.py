@@ -109,8 +109,10 @@ def train(recipe: Recipe) -> dict:
                                                frozen_check, divergence, preemption) if callback is not None]
         trainer = method.build_trainer(recipe, model, tokenizer, data, callbacks)  # the data summary is now complete
         if memory_report is not None:
+            reference = getattr(trainer, "ref_model", None)  # TRL's name for a frozen reference
             memory_report.host_load_bytes = loading.bytes
-            memory_report.reference_model = getattr(trainer, "ref_model", None)  # TRL's name for a frozen reference
+            memory_report.reference_model = reference
+            memory_report.reference_read_bytes = reference_read_bytes(reference)
             memory_report.reward_models = [reward for reward in getattr(trainer, "reward_funcs", ())
                                            if isinstance(reward, torch.nn.Module)]  # TRL's GRPO: reward models
             memory_report.generation_cache = getattr(trainer, "generation_cache", None)
@@ -138,7 +140,7 @@ def train(recipe: Recipe) -> dict:
             summary["frozen_weights_unchanged"] = frozen_check.unchanged
         if trainer.is_world_process_zero():
             if memory_report is not None and memory_report.records:
-                summary.update(learn_from_memory(memory_report.records, args))
+                summary.update(learn_from_memory(memory_report.records, args, method.name))
             outputs.write_record(args.output_dir, outputs.EVAL_RESULTS, summary)
             print_before_after(summary)
             for warning in over_plan_warnings(summary.get("memory_against_plan")):
@@ -171,19 +173,30 @@ def quiet_known_library_warnings() -> None:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
-def learn_from_memory(records: list[dict], args) -> dict:
+def reference_read_bytes(reference) -> int | None:
+    """The bytes of a frozen reference's weights this rank read from the checkpoint (`load_reference` records them on
+    the model, which DeepSpeed's inference engine wraps as `module`); None without a reference."""
+    for holder in (reference, getattr(reference, "module", None)):
+        held = getattr(holder, "read_bytes", None) if holder is not None else None
+        if isinstance(held, int):
+            return held
+    return None
+
+
+def learn_from_memory(records: list[dict], args, method: str | None = None) -> dict:
     """What the memory report says against the plan (`memory_against_plan`, flagging a rank above it by more than
-    the plan's margin) and, on a GPU, the calibration this run stored for the next plans on that GPU."""
+    the plan's margin) and, on a GPU, the calibration this run (of `method`) stored for the next plans on that GPU."""
     from finetune.launch.devices import visible_gpu
     from finetune.plan.calibration import learn_from_run
 
     learned = {"memory_against_plan": memory_against_plan(records, launch_plan())}
     gpu = visible_gpu()
-    saved = learn_from_run(args.output_dir, gpu.name, records) if args.save_calibration and gpu is not None else None
+    saved = learn_from_run(args.output_dir, gpu.name, records, method) \
+        if args.save_calibration and gpu is not None else None
     if saved is not None:
         learned["calibration_saved"] = str(saved)
         print(f"calibration: this run's overhead beyond the prediction is stored for {gpu.name} in {saved}; "
-              "`finetune plan` on that GPU adds it.")
+              "`finetune plan` on that GPU adds it to plans of the same strategy, method and model size.")
     return learned
 
 

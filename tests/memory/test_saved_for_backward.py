@@ -77,3 +77,25 @@ def test_each_term_is_the_tensor_it_names():
     # The peak adds the loss's backward (two more fp32 vocabulary-wide gradients) to what is saved.
     saved = shape.num_layers * full.per_layer + full.outside_layers
     assert activation_bytes(shape, base) == pytest.approx(saved + 8 * tokens * shape.vocab_size, rel=0.01)
+
+
+@pytest.mark.parametrize("case", ["full, fp32 masters under autocast (DDP)", "full, bf16 weights (DeepSpeed)",
+                                  "LoRA, fp32 adapters, dropout"])
+def test_grpo_scores_through_trls_fused_head_keeping_no_logits_and_no_head_cast(case):
+    """GRPO's forward goes through TRL's fused LM head (`add_fused_lm_head`, as GRPOTrainer patches the policy): it
+    keeps the hidden states and two fp32 vectors, neither the (tokens × vocab) logits nor the bf16 cast of the fp32
+    head. Qwen2.5-7B (vocab 152,064) at 4 × 2,048 tokens under DDP: 13.9 GiB of logits and their gradients (and the
+    head's 1 GiB cast) no longer planned."""
+    from finetune.train.methods.grpo import GroupRelativePolicyOptimization
+
+    terms = GroupRelativePolicyOptimization.memory
+    assert terms.fused_head and not terms.logits_held
+    setup = Setup(**CASES[case], sequence_length=1024, method=terms)
+    measured = measure("qwen2.5-7b", setup)
+    shape = model_shape("qwen2.5-7b")
+    assert saved_per_layer_bytes(shape, setup) == pytest.approx(measured.per_layer, rel=0.01)
+    assert saved_outside_layers_bytes(shape, setup) == pytest.approx(measured.outside_layers, abs=0.5 * MiB)
+    planned = activation_bytes(shape, replace(Setup(**DDP, sequence_length=2048, micro_batch_size=4), method=terms))
+    before = activation_bytes(shape, replace(Setup(**DDP, sequence_length=2048, micro_batch_size=4),
+                                             method=replace(terms, fused_head=False, logits_held=True)))
+    assert (before - planned) / 1024**3 > 14.5  # 13.9 + 1.0, less one tile of logits (0.25) and the hidden states

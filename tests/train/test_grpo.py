@@ -145,6 +145,42 @@ def test_the_kv_cache_measured_is_the_estimators_per_token_bytes():
     assert estimate(shape, setup).generation_bytes == generation_bytes(shape, setup)
 
 
+@pytest.mark.parametrize("strategy", [dict(strategy="ddp", num_gpus=2), dict(strategy="deepspeed", num_gpus=2,
+                                                                                 zero_stage=2)])
+def test_under_autocast_with_fp32_masters_the_cache_keeps_fp32_keys_as_the_estimator_counts(strategy):
+    """TRL generates with the policy whose forward Accelerate wrapped in autocast: with fp32 masters (one GPU, DDP)
+    the rotary tables follow the fp32 embedding, so keys are cached in fp32 beside bf16 values (1.5× a bf16 cache);
+    with DeepSpeed's bf16 module both are bf16. Measured on CPU under bf16 autocast at a 4096-wide layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.memory.generation import cache_tensors
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=256, num_hidden_layers=1, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=64)
+    model = LlamaForCausalLM(config)
+    if strategy["strategy"] == "deepspeed":
+        model = model.to(torch.bfloat16)  # DeepSpeed casts the module to its half dtype
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # as Accelerate wraps it
+    meter, seen = CacheMeter(), {}
+
+    def dtypes(module, args, output):
+        tensors = cache_tensors(output.past_key_values)
+        seen["keys"], seen["values"] = tensors[0].dtype, tensors[1].dtype
+
+    hook = model.register_forward_hook(dtypes)
+    with meter.watching(model), torch.no_grad():
+        model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
+    hook.remove()
+    fp32_masters = strategy["strategy"] == "ddp"
+    assert (seen["keys"], seen["values"]) == ((torch.float32 if fp32_masters else torch.bfloat16), torch.bfloat16)
+    from finetune.memory.shapes import shape_of
+
+    shape = shape_of(model)
+    setup = Setup(**strategy, precision="bf16", method=MethodTerms(completion_length=4))
+    assert meter.largest["bytes"] == meter.largest["tokens"] * kv_cache_bytes_per_token(shape, setup)
+
+
 def test_the_plan_recommends_a_group_size_that_fits_and_refuses_one_that_does_not(capsys):
     base = ["plan", "--model", "Qwen/Qwen2.5-7B", "--gpus", "2", "--gpu-memory", "80", "--method", "grpo",
             "--seq-len", "4096", "--completion-length", "2048"]
@@ -152,13 +188,14 @@ def test_the_plan_recommends_a_group_size_that_fits_and_refuses_one_that_does_no
     groups = json.loads(capsys.readouterr().out)["group_sizes"]
     assert groups["asked"] == groups["recommended"] == 16
     rows = {row["num_generations"]: row for row in groups["rows"]}
-    # a round (1 × 2 GPUs × 16 accumulation) holds 32 completions: up to 32 a group costs nothing more
-    assert rows[16]["micro_batch_size"] == rows[32]["micro_batch_size"] == 1 and rows[16]["prompts_per_round"] == 2
+    # a round (2 × 2 GPUs × 8 accumulation) holds 32 completions: up to 32 a group costs nothing more (TRL's fused
+    # head keeps no logits, so a micro-batch of 2 fits; with the logits planned it was 1)
+    assert rows[16]["micro_batch_size"] == rows[32]["micro_batch_size"] == 2 and rows[16]["prompts_per_round"] == 2
     assert rows[16]["estimate"]["per_gpu"]["generation_bytes"] > 0
-    assert not rows[64]["fits"] and rows[64]["micro_batch_size"] == 2
+    assert not rows[64]["fits"] and rows[64]["micro_batch_size"] == 4
     assert main([*base, "--num-generations", "64"]) == 2
     error = capsys.readouterr().err
-    assert "`num_generations: 64` does not fit" in error and "activations" in error
+    assert "`num_generations: 64` does not fit" in error and "the training forward's activations (" in error
     assert "`num_generations: 32` fits" in error
 
 

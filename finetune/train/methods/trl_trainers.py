@@ -7,7 +7,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from finetune.errors import RecipeError
-from finetune.models.loading import load_model
+from finetune.models.loading import load_model, sharded_from_rank_zero
 from finetune.models.lora import lora_config
 
 
@@ -33,10 +33,50 @@ def reference_and_adapters(recipe, model, tokenizer):
     if recipe.lora.use_lora:
         peft_config = lora_config(model, recipe.lora)
     else:
-        reference = load_model(recipe.model, tokenizer, seed=args.seed, strategy=recipe.strategy)
-        frozen_reference(reference)
+        reference = load_reference(recipe, tokenizer)
     prepare_reference_for_zero3(args, model)
     return reference, peft_config
+
+
+def load_reference(recipe, tokenizer):
+    """The frozen reference, loaded as the policy was: under FSDP2's rank-0 loading only global rank 0 reads the
+    checkpoint and the other ranks build its shapes (`reference_filled_from_rank_zero` fills their shards while TRL
+    prepares it). `read_bytes` on it: the bytes of weights this rank read from the checkpoint (none where it holds
+    only shapes)."""
+    reference = load_model(recipe.model, tokenizer, seed=recipe.training.seed, strategy=recipe.strategy,
+                           shapes_only=sharded_from_rank_zero())
+    frozen_reference(reference)
+    reference.read_bytes = sum(parameter.numel() * parameter.element_size() for parameter in reference.parameters()
+                               if not parameter.is_meta)
+    return reference
+
+
+@contextmanager
+def reference_filled_from_rank_zero(*trl_modules):
+    """While a TRL trainer is built: TRL shards the reference under FSDP2 with one `fully_shard` of the whole model
+    and no broadcast (trl/models/utils.py `prepare_fsdp`), so a reference built empty on the ranks other than 0
+    would stay empty. With FSDP2's rank-0 loading it is prepared as Accelerate prepares the policy instead
+    (`fsdp2_prepare_model`: sharded layer by layer, rank 0's weights broadcast into every shard)."""
+    from finetune.launch.strategies import fsdp_fills_from_rank_zero
+
+    if not fsdp_fills_from_rank_zero():
+        yield
+        return
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    def prepare(model, accelerator):
+        model = fsdp2_prepare_model(accelerator, model)
+        model.eval()
+        return model
+
+    originals = [module.prepare_fsdp for module in trl_modules]
+    for module in trl_modules:
+        module.prepare_fsdp = prepare
+    try:
+        yield
+    finally:
+        for module, original in zip(trl_modules, originals):
+            module.prepare_fsdp = original
 
 
 def trainer_against_a_reference(trainer_class, trainer_name: str, recipe, model, tokenizer, data, callbacks):
@@ -45,12 +85,16 @@ def trainer_against_a_reference(trainer_class, trainer_name: str, recipe, model,
     length policies (the trainer's `data_args` and `summary`, completing the data summary), and the trainable weights
     held in fp32 under mixed precision whatever dtype the checkpoint was stored in (the adapters TRL added, or every
     weight of a full run; the frozen base and the reference keep the loaded dtype)."""
+    import sys
+
     from finetune.checkpoints.complete import recipe_values
     from finetune.models.loading import hold_trainable_parameters, trainable_dtype
 
     args = recipe.training
     reference, peft_config = reference_and_adapters(recipe, model, tokenizer)
-    with trl_refusals(trainer_name):
+    trl_module = sys.modules[next(base.__module__ for base in trainer_class.__mro__
+                                  if base.__module__.startswith("trl."))]
+    with trl_refusals(trainer_name), reference_filled_from_rank_zero(trl_module):
         trainer = trainer_class(model=model, ref_model=reference, args=args, train_dataset=data.train,
                                 eval_dataset=data.eval, processing_class=tokenizer, callbacks=callbacks,
                                 peft_config=peft_config, recipe_values=recipe_values(recipe),

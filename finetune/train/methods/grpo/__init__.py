@@ -181,7 +181,8 @@ class GroupRelativePolicyOptimization(Method):
                "`reward_funcs`, beside the other rewards"),
     )
     # planned by name (`finetune plan --method grpo`): TRL's default completion length, no reference (beta 0)
-    memory = MethodTerms(reference_model=False, sequences_per_example=1, completion_length=256)
+    memory = MethodTerms(reference_model=False, sequences_per_example=1, completion_length=256, logits_held=False,
+                         fused_head=True)  # TRL's fused LM head (trl/trainer/grpo_trainer.py `add_fused_lm_head`)
     preprocess_refusal = ("under `method: grpo` the data are prompts, which the policy completes while training: "
                           "there are no tokenized examples to cache")
 
@@ -191,7 +192,8 @@ class GroupRelativePolicyOptimization(Method):
                            completion_length=settings.max_completion_length,
                            steps_per_generation=settings.steps_per_generation,
                            reward_model_parameters=reward_model_parameters(settings.reward_funcs),
-                           gathers_for_generation=settings.ds3_gather_for_generation)
+                           gathers_for_generation=settings.ds3_gather_for_generation, logits_held=False,
+                           fused_head=True)
 
     def training_arguments(self, data_args):
         settings = self.settings

@@ -11,9 +11,13 @@ from trl import GRPOTrainer
 from finetune.checkpoints.complete import recipe_values
 from finetune.errors import launched_rank
 from finetune.memory.generation import CacheMeter
-from finetune.models.loading import load_model
 from finetune.train.methods.grpo.rewards import code_notice, resolve_rewards
-from finetune.train.methods.trl_trainers import frozen_reference, prepare_reference_for_zero3, trl_refusals
+from finetune.train.methods.trl_trainers import (
+    load_reference,
+    prepare_reference_for_zero3,
+    reference_filled_from_rank_zero,
+    trl_refusals,
+)
 from finetune.train.trainer import FinetuneTrainerMixin
 
 
@@ -21,14 +25,11 @@ from finetune.train.trainer import FinetuneTrainerMixin
 def reference_loaded_as_the_policy(recipe, tokenizer):
     """TRL builds GRPO's reference (`beta` > 0) by reloading the policy's checkpoint by name, which the embedded model
     has none of: while the trainer is built, it is loaded as `finetune train` loaded the policy, and frozen."""
-    def load_reference(*_, **__):
-        reference = load_model(recipe.model, tokenizer, seed=recipe.training.seed, strategy=recipe.strategy)
-        frozen_reference(reference)
-        return reference
-
-    original, trl_grpo.create_model_from_path = trl_grpo.create_model_from_path, load_reference
+    original, trl_grpo.create_model_from_path = trl_grpo.create_model_from_path, lambda *_, **__: load_reference(
+        recipe, tokenizer)
     try:
-        yield
+        with reference_filled_from_rank_zero(trl_grpo):
+            yield
     finally:
         trl_grpo.create_model_from_path = original
 
