@@ -207,12 +207,19 @@ def print_calibration(comparison: dict, gpu, saved) -> None:
     if overhead is None:
         console.print("Measured on CPU: the peak is the process's resident memory (Python, libraries, data), which the "
                       "estimator does not model; only a GPU run's peak calibrates plans.")
-    elif saved is not None:
-        console.print(f"Overhead beyond the prediction: {_mib(overhead)} MiB (peak allocated − predicted total); "
-                      f"stored for {gpu.name} in {saved}: later plans for it add {_mib(max(0, overhead))} MiB.")
     else:
-        console.print(f"Overhead beyond the prediction: {_mib(overhead)} MiB (peak allocated − predicted total). "
-                      "Add --save-calibration (and --gpu NAME) to fold it into later plans of that GPU.")
+        from finetune.plan.calibration import calibration_key
+
+        share = comparison["overhead_share"]
+        key = calibration_key(comparison["strategy"], comparison["method"], comparison["num_parameters"])
+        measured = (f"Overhead beyond the prediction: {_mib(overhead)} MiB (peak allocated − predicted total), "
+                    f"{share:+.1%} of the predicted peak")
+        if saved is not None:
+            console.print(f"{measured}; stored for {gpu.name} in {saved}, for {key}: later plans of that class on it "
+                          f"add {max(0.0, share):.1%} of their predicted peak (the largest its runs measured).")
+        else:
+            console.print(f"{measured}. Add --save-calibration (and --gpu NAME) to fold it into later plans of {key} "
+                          "on that GPU.")
 
 
 def _mib(value) -> str:
@@ -363,15 +370,19 @@ def calibration_lines(plan: dict) -> list[str]:
     calibrations = plan["calibrations"]
     if not calibrations:
         return []
-    lines = [f"Calibrated on {plan['gpu']} by {len(calibrations)} run(s) (finetune plan --calibrate; finished "
-             "`finetune train` runs add theirs); added to each total:"]
+    runs = sum(entry.get("runs", 1) for entry in calibrations.values())
+    lines = [f"Calibrated on {plan['gpu']} by {runs} run(s) in {len(calibrations)} class(es) of strategy, method and "
+             "model size (finetune plan --calibrate; finished `finetune train` runs add theirs); added to each total:"]
     for row in plan["strategies"]:
         if row["calibrated_by"] is None:
             continue
         entry = calibrations[row["calibrated_by"]]
-        whose = ("a run of it" if row["calibrated_by"] == row["strategy_label"]
-                 else f"none of it: the largest, a {row['calibrated_by']} run")
-        lines.append(f"  {row['name']}: +{_gib(row['overhead_bytes'])} GiB ({whose}, {entry.get('from')})")
+        share = f"{entry['overhead_share']:.1%} of its peak"
+        whose = (f"{entry['runs']} run(s) of it" if entry["strategy"] == row["strategy_label"]
+                 else f"none of it: the largest of {entry['method']} at {entry['model_class']}, "
+                      f"{entry['runs']} {entry['strategy']} run(s)")
+        lines.append(f"  {row['name']}: +{_gib(row['overhead_bytes'])} GiB, {share} ({whose}; latest "
+                     f"{entry['latest']['from']})")
     return lines
 
 

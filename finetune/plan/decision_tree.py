@@ -205,7 +205,8 @@ def fits(request: PlanRequest, result: MemoryEstimate, overhead_bytes: int = 0) 
 
 def _row(request: PlanRequest, name: str, config: str | None, result: MemoryEstimate, strategy_label: str,
          key: str | None = None) -> dict:
-    overhead, calibrated_by = overhead_of(request.calibrations, strategy_label)
+    overhead, calibrated_by = overhead_of(request.calibrations, strategy_label, request.method,
+                                          result.num_parameters, result.total_bytes)
     reason = shortfall(request, result, overhead)
     row = {"name": name, "key": key, "config": config, "fits": reason is None, "shortfall": reason,
            "estimate": result, "strategy_label": strategy_label, "overhead_bytes": overhead,

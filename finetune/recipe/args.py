@@ -535,8 +535,9 @@ class FinetuneTrainingArguments(TrainingArguments):
     )
     save_calibration: bool = field(
         default=True,
-        metadata={"help": "On GPUs, a finished run stores how far its peak exceeded the prediction in the calibration "
-                          "store (per GPU model and strategy), which later plans on that GPU add; CPU runs store "
+        metadata={"help": "On GPUs, a finished run stores how far its peak exceeded the prediction, as a share of "
+                          "it, in the calibration store (per GPU model, strategy, method and model size class), which "
+                          "later plans of that class on that GPU add; CPU runs and models under 1B parameters store "
                           "nothing (finetune.plan.calibration)."},
     )
     memory_report: bool = field(

@@ -77,21 +77,30 @@ def test_calibrate_compares_a_cpu_run_part_by_part_and_stores_nothing(deepspeed_
     assert "was measured without a GPU (peak cpu_max_rss); calibrate from a GPU run." in capsys.readouterr().err
 
 
-def gpu_report(directory, predicted_peak: int, measured_peak: int, strategy: str = "ddp"):
-    """The memory report a 2-rank GPU run writes (CUDA's peak allocated), for a run that is not there."""
+def gpu_report(directory, predicted_peak: int, measured_peak: int, strategy: str = "ddp",
+               num_parameters: int = 494_032_768, method: str | None = None):
+    """The memory report a 2-rank GPU run writes (CUDA's peak allocated), for a run that is not there: by default of
+    Qwen2.5-0.5B's size, supervised (no eval_results.json); `method` writes the run's eval_results.json."""
     ledger = {"params_bytes": 4 << 30, "grads_bytes": 2 << 30, "optimizer_bytes": 3 << 30}
     records = [{"rank": rank, "world_size": 2, "strategy": strategy,
                 "measured": {**ledger, "peak_bytes": measured_peak + rank, "peak_kind": "cuda_max_allocated"},
-                "predicted": {**ledger, "offloaded_bytes": 0, "peak_bytes": predicted_peak}} for rank in (0, 1)]
+                "predicted": {**ledger, "offloaded_bytes": 0, "peak_bytes": predicted_peak,
+                              "estimate": {"num_parameters": num_parameters}}} for rank in (0, 1)]
     write_memory_report(records, directory)
+    if method is not None:
+        (directory / "eval_results.json").write_text(json.dumps({"method": method}))
     return directory
 
 
 def a100_store(tmp_path) -> dict:
-    return json.loads((tmp_path / "cache" / "plan_calibration.json").read_text())[KNOWN_GPUS["a100"].name]
+    return json.loads((tmp_path / "cache" / "plan_calibration.json").read_text())[KNOWN_GPUS["a100"].name][
+        "calibrations"]
 
 
-def test_a_gpu_calibration_is_folded_into_later_plans_for_that_gpu_and_strategy(tmp_path, capsys):
+def test_a_gpu_calibration_is_a_share_of_the_peak_folded_into_later_plans_of_its_class(tmp_path, capsys):
+    """A run 20% over its predicted peak adds 20% of the predicted peak to later plans of the same strategy, method
+    and model size on that GPU, and lends it (named) to the other strategies of that method and size; a run of
+    another method or size lends nothing; the share is the largest its class's runs measured, with their count."""
     arguments = ["--model", "qwen2.5-0.5b", "--gpus", "2", "--seq-len", "512"]
     before = planned(capsys, *arguments, "--gpu", "a100")
     ddp_total = before["strategies"][0]["per_gpu"]["total_bytes"]
@@ -100,59 +109,71 @@ def test_a_gpu_calibration_is_folded_into_later_plans_for_that_gpu_and_strategy(
 
     run = gpu_report(tmp_path / "run", predicted_peak=10 * GiB, measured_peak=12 * GiB)
     assert main(["plan", "--calibrate", str(run)]) == 0
-    out = capsys.readouterr().out
-    assert "Overhead beyond the prediction: 2,048.0 MiB" in out and "--save-calibration" in out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Overhead beyond the prediction: 2,048.0 MiB" in out and "+20.0% of the predicted peak" in out
+    assert "--save-calibration" in out and "ddp · sft · under 1B" in out
     assert main(["plan", "--calibrate", str(run), "--gpu", "a100", "--save-calibration"]) == 0
-    assert "later plans for it add 2,048.0 MiB" in " ".join(capsys.readouterr().out.split())  # rich wraps long paths
-    stored = a100_store(tmp_path)["strategies"]["ddp"]
-    assert stored["overhead_bytes"] == 2 * GiB + 1 and stored["from"] == str(run)  # the larger of the two ranks
+    assert "add 20.0% of their predicted peak" in " ".join(capsys.readouterr().out.split())  # rich wraps long paths
+    stored = a100_store(tmp_path)["ddp · sft · under 1B"]
+    assert stored["overhead_share"] == pytest.approx(0.2, abs=1e-9) and stored["runs"] == 1
+    assert stored["latest"]["from"] == str(run)
 
     after = planned(capsys, *arguments, "--gpu", "a100", "--gpu-memory", memory)
     rows = {row["name"]: row for row in after["strategies"]}
-    assert rows["DDP"]["overhead_bytes"] == 2 * GiB + 1 and rows["DDP"]["calibrated_by"] == "ddp"
-    # A strategy never measured on this GPU takes the largest measured there, and says whose it is.
-    assert rows["ZeRO-3"]["overhead_bytes"] == 2 * GiB + 1 and rows["ZeRO-3"]["calibrated_by"] == "ddp"
-    assert rows["DDP"]["fits"] is False and after["recommended"] != "DDP"  # 2 GiB more than the spare
+    assert rows["DDP"]["overhead_bytes"] == pytest.approx(0.2 * rows["DDP"]["per_gpu"]["total_bytes"], rel=1e-6)
+    assert rows["DDP"]["calibrated_by"] == "ddp · sft · under 1B"
+    # A strategy never measured on this GPU takes the largest share of its method and size, and says whose it is.
+    assert rows["ZeRO-3"]["overhead_bytes"] == pytest.approx(0.2 * rows["ZeRO-3"]["per_gpu"]["total_bytes"], rel=1e-6)
+    assert rows["ZeRO-3"]["calibrated_by"] == "ddp · sft · under 1B"
+    assert rows["DDP"]["fits"] is False and after["recommended"] != "DDP"
     assert main(["plan", *arguments, "--gpu", "a100", "--gpu-memory", memory]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "Calibrated on NVIDIA A100-SXM4-80GB (compute capability 8.0) by 1 run(s)" in text
-    assert f"DDP: +2.0 GiB (a run of it, {run})" in text
-    assert "ZeRO-3: +2.0 GiB (none of it: the largest, a ddp run" in text
+    assert "Calibrated on NVIDIA A100-SXM4-80GB (compute capability 8.0) by 1 run(s) in 1 class(es)" in text
+    assert "20.0% of its peak (1 run(s) of it; latest" in text
+    assert "none of it: the largest of sft at under 1B, 1 ddp run(s)" in text
     assert all(row["overhead_bytes"] == 0 for row in
                planned(capsys, *arguments, "--gpu", "h100", "--gpu-memory", memory)["strategies"])
-    # A ZeRO-3 run's own calibration replaces the borrowed one for ZeRO-3 only; one that used less than predicted
-    # stores 0: it never loosens later plans.
-    cheap = gpu_report(tmp_path / "cheap", predicted_peak=10 * GiB, measured_peak=9 * GiB,
-                       strategy="deepspeed_zero3")
-    assert main(["plan", "--calibrate", str(cheap), "--gpu", "a100", "--save-calibration"]) == 0
+    # Another method, another size: nothing lent (a DPO plan, a 7B plan).
+    for other in (["--method", "dpo"], ["--model", "qwen2.5-7b"]):
+        rows = planned(capsys, *arguments, *other, "--gpu", "a100")["strategies"]
+        assert all(row["overhead_bytes"] == 0 and row["calibrated_by"] is None for row in rows), other
+    # A second DDP run 10% over: the class keeps the largest share and counts both runs; a ZeRO-3 run under its
+    # prediction stores 0 for ZeRO-3 only: never loosening, never lent over the DDP runs' 20%.
+    second = gpu_report(tmp_path / "second", predicted_peak=10 * GiB, measured_peak=11 * GiB)
+    cheap = gpu_report(tmp_path / "cheap", predicted_peak=10 * GiB, measured_peak=9 * GiB, strategy="deepspeed_zero3")
+    for folder in (second, cheap):
+        assert main(["plan", "--calibrate", str(folder), "--gpu", "a100", "--save-calibration"]) == 0
     capsys.readouterr()
-    stored = a100_store(tmp_path)["strategies"]
-    assert stored["deepspeed_zero3"]["overhead_bytes"] == 0
-    assert stored["deepspeed_zero3"]["measured_overhead_bytes"] == -GiB + 1
-    assert stored["ddp"]["overhead_bytes"] == 2 * GiB + 1
+    stored = a100_store(tmp_path)
+    assert stored["ddp · sft · under 1B"]["runs"] == 2
+    assert stored["ddp · sft · under 1B"]["overhead_share"] == pytest.approx(0.2, abs=1e-9)
+    assert stored["deepspeed_zero3 · sft · under 1B"]["overhead_share"] == 0
+    assert stored["deepspeed_zero3 · sft · under 1B"]["latest"]["overhead_bytes"] == -GiB + 1
     rows = {row["name"]: row for row in planned(capsys, *arguments, "--gpu", "a100", "--gpu-memory",
                                                 memory)["strategies"]}
-    assert rows["ZeRO-3"]["overhead_bytes"] == 0 and rows["ZeRO-3"]["calibrated_by"] == "deepspeed_zero3"
-    assert rows["ZeRO-2"]["overhead_bytes"] == 2 * GiB + 1
+    assert rows["ZeRO-3"]["overhead_bytes"] == 0
+    assert rows["ZeRO-3"]["calibrated_by"] == "deepspeed_zero3 · sft · under 1B"
+    assert rows["ZeRO-2"]["overhead_bytes"] == pytest.approx(0.2 * rows["ZeRO-2"]["per_gpu"]["total_bytes"], rel=1e-6)
 
 
-def test_a_store_written_before_strategies_were_told_apart_reads_as_its_runs_strategy(tmp_path, capsys):
+def test_a_store_of_absolute_bytes_from_before_classes_is_not_read(tmp_path, capsys):
+    """A byte count measured on one model says nothing of another: the old store's entries add nothing."""
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "plan_calibration.json").write_text(json.dumps({KNOWN_GPUS["a100"].name: {
-        "overhead_bytes": GiB, "measured_overhead_bytes": GiB, "from": "old", "strategy": "deepspeed_zero2",
-        "world_size": 2}}))
-    rows = {row["name"]: row for row in planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "2", "--gpu",
-                                                "a100")["strategies"]}
-    assert rows["ZeRO-2"]["overhead_bytes"] == GiB and rows["ZeRO-2"]["calibrated_by"] == "deepspeed_zero2"
+        "strategies": {"deepspeed_zero2": {"overhead_bytes": GiB, "from": "old"}}}}))
+    rows = planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "2", "--gpu", "a100")["strategies"]
+    assert all(row["overhead_bytes"] == 0 for row in rows)
     (tmp_path / "cache" / "plan_calibration.json").write_text("[1, 2]")
     assert main(["plan", "--model", "qwen2.5-0.5b", "--gpus", "2", "--gpu", "a100"]) == 2
     assert "is not a calibration store" in capsys.readouterr().err
 
 
-def test_a_finished_gpu_run_stores_its_calibration_and_a_cpu_run_nothing(tmp_path, monkeypatch, capsys):
+def test_a_finished_gpu_run_stores_its_calibration_and_a_cpu_run_or_a_small_model_nothing(tmp_path, monkeypatch,
+                                                                                           capsys):
     """What `finetune train` does with its memory report at the end (finetune.train.run.learn_from_memory): on a
-    (simulated) GPU it stores the run's overhead for that GPU and strategy, read by the next plan there; on CPU
-    processes it stores nothing, and it holds the measured memory against the run's prediction either way."""
+    (simulated) GPU it stores the run's overhead for that GPU and its class, read by the next plan there; on CPU
+    processes, and for a model under 1B parameters (a check or a toy run), it stores nothing; it holds the measured
+    memory against the run's prediction either way."""
     from types import SimpleNamespace
 
     from gpu_simulation import A100, simulate_gpus
@@ -172,19 +193,27 @@ def test_a_finished_gpu_run_stores_its_calibration_and_a_cpu_run_nothing(tmp_pat
     assert check["what"] == "model states" and check["ranks"][0]["ratio"] == 1.0 and check["over"] == []
 
     simulate_gpus(monkeypatch, A100, count=2, memory_gib=80)
+    small = gpu_report(tmp_path / "small_run", predicted_peak=10 * GiB, measured_peak=13 * GiB,
+                       strategy="deepspeed_zero2")
+    learned = learn_from_memory(load_memory_report(small), SimpleNamespace(output_dir=str(small),
+                                                                           save_calibration=True), "sft")
+    assert "calibration_saved" not in learned and not (tmp_path / "cache" / "plan_calibration.json").exists()
     run = gpu_report(tmp_path / "gpu_run", predicted_peak=10 * GiB, measured_peak=13 * GiB,
-                     strategy="deepspeed_zero2")
-    learned = learn_from_memory(load_memory_report(run), SimpleNamespace(output_dir=str(run), save_calibration=True))
+                     strategy="deepspeed_zero2", num_parameters=7_615_616_512)
+    learned = learn_from_memory(load_memory_report(run), SimpleNamespace(output_dir=str(run), save_calibration=True),
+                                "dpo")
     assert learned["calibration_saved"] == str(tmp_path / "cache" / "plan_calibration.json")
-    assert a100_store(tmp_path)["strategies"]["deepspeed_zero2"]["overhead_bytes"] == 3 * GiB + 1
+    assert a100_store(tmp_path)["deepspeed_zero2 · dpo · 1B-10B"]["overhead_share"] == pytest.approx(0.3, abs=1e-9)
     check = learned["memory_against_plan"]
     assert check["what"] == "peak allocated" and [rank["rank"] for rank in check["over"]] == [0, 1]
     assert "stored for NVIDIA A100-SXM4-80GB" in capsys.readouterr().out
-    rows = {row["name"]: row for row in planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "2")["strategies"]}
-    assert rows["ZeRO-2"]["overhead_bytes"] == 3 * GiB + 1  # the visible (simulated) A100's calibration
+    rows = {row["name"]: row for row in planned(capsys, "--model", "qwen2.5-7b", "--gpus", "2", "--method",
+                                                "dpo")["strategies"]}
+    # the visible (simulated) A100's calibration, for the 7B DPO plan
+    assert rows["ZeRO-2"]["overhead_bytes"] == pytest.approx(0.3 * rows["ZeRO-2"]["per_gpu"]["total_bytes"], rel=1e-6)
     # Off by the recipe key: nothing stored.
     (tmp_path / "cache" / "plan_calibration.json").unlink()
-    learn_from_memory(load_memory_report(run), SimpleNamespace(output_dir=str(run), save_calibration=False))
+    learn_from_memory(load_memory_report(run), SimpleNamespace(output_dir=str(run), save_calibration=False), "dpo")
     assert not (tmp_path / "cache" / "plan_calibration.json").exists()
 
 
