@@ -265,8 +265,8 @@ def print_plan(plan: dict) -> None:
                         f"{plan['gpu_memory_gib']:g} GiB{' ' + plan['gpu'] if plan['gpu'] else ''}, "
                         f"{plan['precision']} — {unit_name} per GPU")
     reference = rows[0]["estimate"].setup.method.reference_model
-    for column in ("strategy", "params", "grads", "optimizer", *(("reference",) if reference else ()), "activations",
-                   "buffers", "total / GPU", "offloaded / node", "host RAM at load / node", "fits"):
+    for column in ("strategy", "micro", "params", "grads", "optimizer", *(("reference",) if reference else ()),
+                   "activations", "buffers", "total / GPU", "offloaded / node", "host RAM at load / node", "fits"):
         table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
     yours = plan["your_strategy"]
     for row in rows:
@@ -274,7 +274,8 @@ def print_plan(plan: dict) -> None:
         style = "bold green" if row["name"] == plan["recommended"] else "bold" if row is yours else None
         table.add_row(
             # Gradients at their peak (between accumulation micro-steps under ZeRO-1), as the total counts them.
-            row["name"], size(result.params_bytes), size(result.grads_peak_bytes),
+            row["name"], str(row.get("micro_batch_size", result.setup.micro_batch_size)),
+            size(result.params_bytes), size(result.grads_peak_bytes),
             size(result.optimizer_bytes), *((size(result.reference_bytes),) if reference else ()),
             size(result.activations_bytes), size(result.temporary_bytes), size(result.total_bytes),
             size(result.host_bytes_per_node) if result.offloaded else "–", size(result.host_load_bytes_per_node),
@@ -294,7 +295,8 @@ def print_plan(plan: dict) -> None:
         console.print(line, soft_wrap=True, highlight=False)
     console.print(f"Fits: a total within {HEADROOM:.0%} of the GPU less {_gib(CUDA_CONTEXT_BYTES)} GiB for the CUDA "
                   "context, which no term predicts; the rest covers fragmentation and what the model leaves out "
-                  "(docs/memory.md).")
+                  "(docs/memory.md). Each row is at the micro-batch in its `micro` column: the smallest, to say "
+                  "whether the strategy fits at all; the recommended one at the batch plan's.")
     if yours:
         micro = yours["micro_batch_size"]
         console.print(f"Yours ({yours['config']}) at micro-batch {micro}: "

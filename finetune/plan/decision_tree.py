@@ -247,6 +247,8 @@ def make_plan(request: PlanRequest) -> dict:
                  estimate(shape, _setup(request, candidate.options, first_micro)), candidate.strategy_label,
                  candidate.key)
             for candidate in candidates_for(request.gpus, request.cpu_processes)]
+    for row in rows:  # whether a strategy fits at all: at the smallest micro-batch
+        row["micro_batch_size"] = first_micro
     recommended = next((row for row in rows if row["fits"]), None)
     yours = None
     if request.your_strategy is not None:
@@ -292,6 +294,11 @@ def make_plan(request: PlanRequest) -> dict:
     plan["batch_plan"] = batch_plan(request, micro)
     planned_micro = plan["batch_plan"]["micro_batch_size"]
     plan["recommended_estimate"] = estimate(shape, _setup(request, candidate.options, planned_micro))
+    # the recommended row as the run will hold it: at the batch plan's micro-batch, not the smallest
+    index = rows.index(recommended)
+    rows[index] = _row(request, recommended["name"], recommended["config"], plan["recommended_estimate"],
+                       recommended["strategy_label"], recommended["key"])
+    rows[index]["micro_batch_size"] = planned_micro
     plan["sequence_length"] = planned_sequence_length(request, planned_micro)
     plan["launch_command"] = launch_command(request, candidate, plan["batch_plan"])
     if request.recipe_sets_deepspeed and not candidate.deepspeed:

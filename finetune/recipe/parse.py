@@ -40,6 +40,7 @@ from finetune.recipe.preflight import (
     check_pipeline,
     check_pure_bf16,
     check_qlora,
+    check_sequence_parallel_loss,
     preflight_launch,
     warmup_warning,
 )
@@ -180,6 +181,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     strategy, deepspeed_config = preflight_launch(training_inputs)
     parallelism, strategy = check_parallelism(training_inputs, model, lora.use_lora or lora.use_qlora, strategy)
     check_context_parallel_rows(parallelism, data)
+    check_sequence_parallel_loss(training_inputs, sources, parallelism)
     if parallelism.named:  # the resolved sizes, whoever named them, are what TrainingArguments carries
         if sections.method.name != "sft":
             raise RecipeError(f"`method: {sections.method.name}` with {parallelism.describe()}: only supervised "

@@ -120,6 +120,28 @@ def check_both_sharding_engines(training_inputs: dict[str, Any]) -> None:
                           "(drop `fsdp` to train under DeepSpeed, or `deepspeed` to train under FSDP).")
 
 
+ULYSSES_LOSS = ("sequence parallelism: DeepSpeed's Ulysses loader takes the labels out of the batch Trainer sees, "
+                "so each micro-batch's loss is its own token mean")
+
+
+def check_sequence_parallel_loss(training_inputs: dict[str, Any], sources: dict[str, str],
+                                 parallelism: Parallelism) -> None:
+    """Under sequence parallelism (DeepSpeed Ulysses) Trainer never counts a step's answer tokens: DeepSpeed's
+    `UlyssesSPDataLoaderAdapter` pops the labels (Transformers' `deepspeed_sp_compute_loss` returns each micro-batch's
+    token mean), so `loss_normalization: tokens` cannot be run. Asked for by name it is refused; by default the run
+    takes `micro_batch_mean`, and effective_config.json says why."""
+    if parallelism.sequence_parallel_size <= 1:
+        return
+    if training_inputs.get("loss_normalization", "tokens") == "tokens" and "loss_normalization" in sources:
+        raise RecipeError(f"`loss_normalization: tokens` with `sequence_parallel_size: "
+                          f"{parallelism.sequence_parallel_size}`: DeepSpeed's Ulysses loader hides the labels from "
+                          "Trainer, which then cannot weigh every answer token of a step the same; each micro-batch's "
+                          "loss is its own token mean. Set `loss_normalization: micro_batch_mean`, or train without "
+                          "sequence parallelism.")
+    training_inputs["loss_normalization"] = "micro_batch_mean"
+    sources["loss_normalization"] = ULYSSES_LOSS
+
+
 def check_context_parallel_rows(parallelism: Parallelism, data_args) -> None:
     """Context parallelism runs full causal attention: PyTorch's ring attention drops the attention mask and the
     position ids that keep packed (or padding-free) documents apart, so each document would attend to the ones

@@ -104,6 +104,7 @@ def describe_effective_config(trainer, recipe) -> dict:
         add("router_aux_loss_coef", router_weight, sources.get("router_aux_loss_coef", "the checkpoint's config "
                                                                "(load balancing on, as in TRL)"))
     add("global_batch_size", BatchPlan.running(args).global_batch_size, "micro-batch × processes × accumulation")
+    add("loss_normalization", args.loss_normalization, sources.get("loss_normalization", "default"))
     if "max_steps" in sources:  # given, or a token budget's steps
         add("max_steps", args.max_steps, sources["max_steps"])
     if recipe.model.chat_template is not None:  # the template conversations were rendered with, and where it came from

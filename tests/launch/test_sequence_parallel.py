@@ -18,6 +18,7 @@ from finetune.errors import RecipeError
 from finetune.launch.parallelism import Parallelism
 from finetune.launch.strategies import SHIPPED_BY_NAME
 from finetune.memory import Setup, estimate, model_shape
+from finetune.recipe.preflight import ULYSSES_LOSS, check_sequence_parallel_loss
 
 SP_ON_CPU = SHIPPED_BY_NAME["sequence_parallel"].launch(cpu=True)  # ZeRO-3 × SP 2: the GPU config runs on CPU
 ZERO2_ON_CPU = SHIPPED_BY_NAME["zero2"].launch(cpu=True)
@@ -67,6 +68,8 @@ def test_sequence_parallel_records_its_axis_and_one_batch_per_step_and_its_ledge
     output_dir = runs[name]
     effective = json.loads((output_dir / outputs.EFFECTIVE_CONFIG).read_text())
     assert effective["strategy"]["running"]["sequence_parallel_size"] == 2
+    # what Ulysses runs, said with why: each micro-batch's own token mean (the default `tokens` cannot run)
+    assert effective["values"]["loss_normalization"] == {"value": "micro_batch_mean", "source": ULYSSES_LOSS}
     assert effective["strategy"]["running"]["zero_stage"] == (2 if name == "sgd" else 3)
     plan = json.loads((output_dir / outputs.BATCH_PLAN).read_text())
     assert (plan["world_size"], plan["global_batch_size"]) == (1, 8)  # both ranks work on one batch
@@ -112,3 +115,17 @@ def test_the_estimator_gives_each_rank_the_activations_of_its_share_of_the_seque
                                   sequence_parallel_size=8))
     assert split.activations_bytes == pytest.approx(whole.activations_bytes / 8, rel=1e-6)
     assert (split.params_bytes, split.optimizer_bytes) == (whole.params_bytes, whole.optimizer_bytes)
+
+
+def test_tokens_normalisation_asked_by_name_under_sequence_parallelism_is_refused():
+    """DeepSpeed's Ulysses loader hides the labels from Trainer, which then counts no step's tokens: asked for by
+    name, `tokens` stops with the fix; by default the run takes `micro_batch_mean` and says why."""
+    ulysses = Parallelism(sequence_parallel_size=2)
+    with pytest.raises(RecipeError, match="Set `loss_normalization: micro_batch_mean`"):
+        check_sequence_parallel_loss({"loss_normalization": "tokens"}, {"loss_normalization": "recipe"}, ulysses)
+    inputs, sources = {}, {}
+    check_sequence_parallel_loss(inputs, sources, ulysses)
+    assert inputs["loss_normalization"] == "micro_batch_mean" and sources["loss_normalization"] == ULYSSES_LOSS
+    inputs, sources = {}, {}
+    check_sequence_parallel_loss(inputs, sources, Parallelism())  # no sequence parallelism: nothing changes
+    assert inputs == sources == {}

@@ -221,3 +221,17 @@ def test_a_short_sequence_keeps_the_data_parallel_recommendation_beside_the_axes
     plan = planned(capsys, "--model", "llama-3-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--json")
     assert plan["recommended"] in [row["name"] for row in plan["strategies"]] and plan["axis_choice"] is None
     assert [row["name"] for row in plan["axes"]] == ["SP 8 × ZeRO-3", "TP 8", "PP 8 (1F1B)"]
+
+
+def test_the_recommended_row_is_estimated_at_the_batch_plans_micro_batch(capsys):
+    """The table's other rows say whether a strategy fits at all (the smallest micro-batch); the recommended one is
+    what the run will hold, at the micro-batch the batch plan picks, and the `micro` column says which is which."""
+    plan = planned(capsys, "--model", "qwen2.5-0.5b", "--gpus", "2", "--gpu", "a100", "--seq-len", "512", "--json")
+    rows = {row["name"]: row for row in plan["strategies"]}
+    recommended, micro = rows[plan["recommended"]], plan["batch_plan"]["micro_batch_size"]
+    assert micro > 1 and recommended["micro_batch_size"] == micro
+    assert recommended["per_gpu"] == plan["recommended_estimate"]["per_gpu"]
+    assert all(row["micro_batch_size"] == 1 for name, row in rows.items() if name != plan["recommended"])
+    assert main(["plan", "--model", "qwen2.5-0.5b", "--gpus", "2", "--gpu", "a100", "--seq-len", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "micro" in out and "the recommended one at the batch plan's" in " ".join(out.split())

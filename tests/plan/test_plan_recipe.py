@@ -101,7 +101,7 @@ def test_a_gpu_calibration_is_a_share_of_the_peak_folded_into_later_plans_of_its
     """A run 20% over its predicted peak adds 20% of the predicted peak to later plans of the same strategy, method
     and model size on that GPU, and lends it (named) to the other strategies of that method and size; a run of
     another method or size lends nothing; the share is the largest its class's runs measured, with their count."""
-    arguments = ["--model", "qwen2.5-0.5b", "--gpus", "2", "--seq-len", "512"]
+    arguments = ["--model", "qwen2.5-0.5b", "--gpus", "2", "--seq-len", "512", "--max-micro-batch-size", "1"]
     before = planned(capsys, *arguments, "--gpu", "a100")
     ddp_total = before["strategies"][0]["per_gpu"]["total_bytes"]
     memory = f"{(ddp_total + CUDA_CONTEXT_BYTES + GiB) / 0.9 / GiB:.3f}"  # DDP fits with 1 GiB to spare
