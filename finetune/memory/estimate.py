@@ -747,6 +747,7 @@ def saved_per_layer_bytes(shape: ModelShape, setup: Setup) -> float:
 
     targets = lora_target_names(shape, setup.lora_target_modules) if lora else ()
     inputs, shared_read = 0.0, set()
+    split = 0.0  # what a tensor-parallel rank holds 1/t of: the casts of its weight slices, the sharded MLP input
     for name, linear in _block_linears(shape):
         reads_attention = name in ATTENTION_OUTPUT_PROJECTIONS
         reads_norm = not reads_attention and linear.in_features == h
@@ -759,9 +760,12 @@ def saved_per_layer_bytes(shape: ModelShape, setup: Setup) -> float:
                 inputs += c * tokens * width  # autocast's copy for this matmul
             elif not reads_attention and read not in shared_read:
                 shared_read.add(read)
-                inputs += c * tokens * width
+                if reads_norm:
+                    inputs += c * tokens * width
+                else:  # the down projection's input: the MLP's activation, split with the MLP's width
+                    split += c * tokens * width
             if precision.weights != c:
-                inputs += c * width * linear.out_features
+                split += c * width * linear.out_features
         elif targets is None or name in targets:
             copies = precision.adapters != c or source != c or setup.lora_dropout > 0
             if copies:
@@ -775,8 +779,9 @@ def saved_per_layer_bytes(shape: ModelShape, setup: Setup) -> float:
             if precision.adapters != c:  # autocast's casts of the fp32 adapters
                 inputs += c * setup.lora_rank * (width + linear.out_features)
     if setup.strategy == "tensor_parallel":  # each rank computes its share of the heads and of the MLP's width
-        attention, mlp = attention / setup.tensor_parallel_size, mlp / setup.tensor_parallel_size
-    return norms + attention + mlp + inputs
+        t = setup.tensor_parallel_size
+        attention, mlp, split = attention / t, mlp / t, split / t
+    return norms + attention + mlp + inputs + split
 
 
 def saved_outside_layers_bytes(shape: ModelShape, setup: Setup) -> float:
@@ -844,6 +849,11 @@ def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:
         if setup.fsdp_sharding == "shard_grad_op":
             gathered += shape.num_parameters * w
         return gathered if setup.shard_degree > 1 else 0
+    if setup.strategy == "tensor_parallel" and setup.dp_shard_size > 1:
+        # FSDP2 over the TP slices: two gathered blocks and one block's gradients before the reduce-scatter, all in
+        # fp32 (Transformers' `fully_shard` gets no mixed-precision policy from its DistributedConfig, and the
+        # masters are fp32), each block 1/t of a layer
+        return (2 * 4 + 4) * shape.layer_parameters / setup.tensor_parallel_size
     if setup.strategy != "deepspeed":
         return 0
     if setup.zero_stage == 0:

@@ -99,3 +99,23 @@ def test_grpo_scores_through_trls_fused_head_keeping_no_logits_and_no_head_cast(
     before = activation_bytes(shape, replace(Setup(**DDP, sequence_length=2048, micro_batch_size=4),
                                              method=replace(terms, fused_head=False, logits_held=True)))
     assert (before - planned) / 1024**3 > 14.5  # 13.9 + 1.0, less one tile of logits (0.25) and the hidden states
+
+
+@pytest.mark.parametrize("model, t", [("llama-3-8b", 2), ("llama-3-8b", 4), ("qwen2.5-7b", 2)])
+def test_a_tensor_parallel_rank_saves_its_share_of_the_casts_and_of_the_mlp_input(model, t, tmp_path):
+    """What one TP rank's layer computes is the layer with 1/t of the heads and of the MLP's width (q, k, v, gate and
+    up split by rows, o and down by columns; the norms and the residual whole): measured so on fake tensors, fp32
+    masters under bf16 autocast, it keeps 1/t of the weights' bf16 casts and of the down projection's input, as the
+    TP row now counts (Llama-3-8B, TP 2: 548 MiB a layer at 2,048 tokens, where 784 were planned)."""
+    import json
+
+    from finetune.memory.shapes import resolve_config
+
+    config = resolve_config(model).to_dict()
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    config.update(num_attention_heads=heads // t, num_key_value_heads=kv // t,
+                  intermediate_size=config["intermediate_size"] // t, head_dim=config["hidden_size"] // heads)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    local = measure(str(tmp_path), Setup(**DDP, sequence_length=1024), loss=False).per_layer
+    tensor_parallel = Setup(strategy="tensor_parallel", num_gpus=t, tensor_parallel_size=t, sequence_length=1024)
+    assert saved_per_layer_bytes(model_shape(model), tensor_parallel) == pytest.approx(local, rel=0.01)
