@@ -1,12 +1,15 @@
 """`finetune serve OUTPUT_DIR|CHECKPOINT`: an OpenAI-compatible API for a trained model, by delegation (what
 `llamafactory-cli api` and `swift deploy` give): `transformers serve`, or `vllm serve` where vLLM and CUDA are there.
 
-The model is written once as a plain model folder that either server reads as it is: loaded as `finetune chat` loads
-it (any run folder, checkpoint-N, ZeRO or FSDP shards, a LoRA adapter merged into its base), its tokenizer saved with
-the chat template training used, and its generation config stopping at every token that ended an answer in training
-(`finetune.train.evaluation.stop_token_ids`), so a client's answers end where `finetune chat`'s do. The server is a
-child process: Ctrl-C or SIGTERM stops it (killed after `SHUTDOWN_GRACE_SECONDS` if a request keeps it busy) and
-removes a folder written for this serve alone.
+Either server reads a plain model folder: safetensors weights, its tokenizer with the chat template training used,
+and a generation config stopping at every token that ended an answer in training
+(`finetune.train.evaluation.stop_token_ids`), so a client's answers end where `finetune chat`'s do. A full
+fine-tune's output folder is one already, and is served in place (`in_place_refusal`): nothing is loaded or copied
+first, which at 70B would be 141 GB through host RAM and a disk. Anything else (checkpoint shards, a LoRA adapter,
+stops the folder lacks) is loaded as `finetune chat` loads it and written once, in a folder beside the run (on the
+run's disk, not in TMPDIR, often small or held in RAM), or in `--export-dir`. The server is a child process: Ctrl-C
+or SIGTERM stops it (killed after `SHUTDOWN_GRACE_SECONDS` if a request keeps it busy) and removes a folder written
+for this serve alone.
 
 `transformers serve` answers one request at a time on one inference thread and gives `generate` the client's
 `max_tokens` as `max_new_tokens`, which overrides any `max_length` (transformers' `_prepare_generated_length`):
@@ -122,6 +125,56 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
     return plain_text
 
 
+def in_place_refusal(source: Path) -> str | None:
+    """Why `source` cannot be served as it is (None: it can): it must be a finished plain model folder, its weights in
+    safetensors, its tokenizer (with the chat template, unless the run learned plain text) beside them, and its
+    generation config stopping at every token `write_served_model` would record. Checked as `finetune chat` checks
+    what it loads: a run still training, or a file that could run code, stops here."""
+    import json
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from finetune.checkpoints.complete import check_checkpoint_files
+    from finetune.checkpoints.export import check_finished
+    from finetune.train.evaluation import stop_token_ids
+    from finetune.train.trained_model import plain_text_format
+
+    if not source.is_dir():
+        return "it is not a folder"
+    if (source / "adapter_config.json").is_file():
+        return "it holds a LoRA adapter, merged into its base for the server"
+    if not ((source / "model.safetensors").is_file() or (source / "model.safetensors.index.json").is_file()):
+        return "its weights are not one plain safetensors model (checkpoint shards are consolidated first)"
+    if not (source / "tokenizer_config.json").is_file():
+        return "its tokenizer is not beside the weights"
+    if not (source / "generation_config.json").is_file():
+        return "it has no generation config to stop the answers"
+    check_finished(source)
+    check_checkpoint_files(source, skip_checkpoints=True)
+    plain_text = plain_text_format(str(source)) is not None
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if not plain_text and tokenizer.chat_template is None:
+        return "its tokenizer has no chat template"
+    generation_config = GenerationConfig.from_pretrained(source)
+    saved = generation_config.eos_token_id
+    saved = set(saved if isinstance(saved, list) else [saved])
+    if saved != set(stop_token_ids(tokenizer, generation_config, chat_template=not plain_text)):
+        return "its generation config does not stop at every token that ended an answer in training"
+    if not json.loads((source / "config.json").read_text()).get("model_type"):
+        return "its config.json names no model type"
+    return None
+
+
+def workspace_beside(source: Path) -> Path:
+    """A new folder for a served copy, beside the run on its disk (the run's disk holds a model; TMPDIR is often
+    small or in RAM), else in TMPDIR where the run's parent cannot be written."""
+    parent = source.resolve().parent
+    try:
+        return Path(tempfile.mkdtemp(prefix=".finetune-serve-", dir=parent))
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="finetune-serve-"))
+
+
 def tensor_parallel_size(config: dict, gpus: int) -> int:
     """The GPUs vLLM shards the model over: the most of the `gpus` visible that divide its attention heads, and
     that its key-value heads divide or are divided by (vLLM's own rule for splitting them, replicating KV heads
@@ -190,10 +243,20 @@ def serve_command(args) -> int:
     # `finally` that removes the workspace
     previous = {signum: signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))
                 for signum in (signal.SIGTERM, signal.SIGHUP)}
-    workspace = Path(tempfile.mkdtemp(prefix="finetune-serve-"))
+    refusal = "--export-dir asks for a copy" if args.export_dir else in_place_refusal(source)
+    # in place, the workspace holds only the name the server loads; a copy is written beside the run
+    workspace = Path(tempfile.mkdtemp(prefix="finetune-serve-")) if refusal is None else workspace_beside(source)
     try:
-        folder = Path(args.export_dir).resolve() if args.export_dir else workspace / "model"
-        plain_text = write_served_model(str(source), folder, args.base_model, args.seed)
+        if refusal is None:
+            from finetune.train.trained_model import plain_text_format
+
+            folder, plain_text = source.resolve(), plain_text_format(str(source)) is not None
+            print(f"serving {source} in place: a plain model folder with its stops (nothing copied)", file=sys.stderr)
+        else:
+            folder = Path(args.export_dir).resolve() if args.export_dir else workspace / "model"
+            print(f"writing the served model to {folder}: {source} is not served in place ({refusal})",
+                  file=sys.stderr)
+            plain_text = write_served_model(str(source), folder, args.base_model, args.seed)
         link = workspace / name  # the name clients give, as the path the server loads
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(folder, target_is_directory=True)

@@ -148,6 +148,46 @@ def untrained_tiny(tmp_path_factory):
     return folder
 
 
+def test_a_plain_run_folder_is_served_in_place_and_one_lacking_its_stops_is_copied_beside_it(trained_demo, tmp_path,
+                                                                                              monkeypatch, capsys):
+    """The demo's output folder already is what a server reads (safetensors, the tokenizer with the training
+    template, the stops in its generation config): it is served as it is, nothing loaded or copied (at 70B, 141 GB
+    through host RAM and a disk). A folder whose generation config lost a stop is loaded and written once, beside
+    it on its disk (not in TMPDIR), with the stops training recorded, and removed when the server stops."""
+    import shutil
+
+    from finetune.commands import serve
+
+    seen = []
+
+    def server(command, folder):  # the server not started: what it would load, while the workspace exists
+        link = folder / command[command.index("-m") + 2]
+        seen.append({"folder": folder, "target": link.resolve(), "workspace": sorted(p.name for p in folder.iterdir()),
+                     "stops": json.loads((link / "generation_config.json").read_text())["eos_token_id"]})
+        return 0
+
+    monkeypatch.setattr(serve, "run_server", server)
+    monkeypatch.setattr(serve, "pick_engine", lambda engine: "transformers")
+    assert main(["serve", str(trained_demo), "--port", str(free_port()), "--model-name", "demo"]) == 0
+    assert seen[0]["target"] == trained_demo.resolve() and seen[0]["workspace"] == ["demo"]
+    assert f"serving {trained_demo} in place: a plain model folder with its stops (nothing copied)" in \
+        capsys.readouterr().err
+    trained = seen[0]["stops"]
+
+    lost = tmp_path / "run"
+    shutil.copytree(trained_demo, lost, ignore=shutil.ignore_patterns("checkpoint-*"))
+    config = json.loads((lost / "generation_config.json").read_text())
+    del config["eos_token_id"]  # saved without its stops
+    (lost / "generation_config.json").write_text(json.dumps(config))
+    assert main(["serve", str(lost), "--port", str(free_port()), "--model-name", "demo"]) == 0
+    err = capsys.readouterr().err
+    assert "is not served in place (its generation config does not stop at every token" in err
+    copy = seen[1]
+    assert copy["folder"].parent == tmp_path and copy["folder"].name.startswith(".finetune-serve-")  # beside the run
+    assert copy["target"] == copy["folder"] / "model" and copy["stops"] == trained  # the stops training recorded
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]  # the copy went with the server
+
+
 def test_vllm_on_a_node_of_eight_gpus_is_started_over_the_gpus_the_model_splits_across(untrained_tiny, monkeypatch,
                                                                                          capsys):
     """`finetune serve` as it runs where vLLM and 8 GPUs are (simulated: the engine chosen, the GPU count, the server
@@ -233,7 +273,7 @@ def test_serve_disk_full_is_one_line_and_leaves_nothing(untrained_tiny, tmp_path
 
 
 def test_a_stop_while_the_model_is_written_removes_the_copy(tmp_path, monkeypatch):
-    """SIGHUP (the terminal closing) as SIGTERM: the serve ends, and the temporary folder goes with it."""
+    """SIGHUP (the terminal closing) as SIGTERM: the serve ends, and the folder written beside the run goes with it."""
     from finetune.commands import serve
 
     def stopped_while_writing(source, folder, base_model, seed):
@@ -243,8 +283,9 @@ def test_a_stop_while_the_model_is_written_removes_the_copy(tmp_path, monkeypatc
         time.sleep(5)
 
     monkeypatch.setattr(serve, "write_served_model", stopped_while_writing)
-    monkeypatch.setattr(serve.tempfile, "tempdir", str(tmp_path))
+    run = tmp_path / "run"
+    run.mkdir()
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", str(tmp_path), "--port", str(free_port())])
+        main(["serve", str(run), "--port", str(free_port())])
     assert exit_info.value.code == 128 + signal.SIGHUP
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [run]  # the copy was beside the run, and went
