@@ -250,11 +250,12 @@ def _empty_model(model_args):
         config = AutoConfig.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
         dtype = DTYPES[model_args.torch_dtype]
         if dtype == "auto":  # what from_pretrained gives rank 0: the checkpoint's own dtype
-            dtype = stored_dtype(name) or torch.float32
+            dtype = stored_dtype(name) or weights_dtype(name) or torch.float32
         with _on_meta_device(True):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                      attn_implementation=model_args.attn_implementation,
                                                      trust_remote_code=model_args.trust_remote_code)
+    keep_in_fp32(model, dtype)  # from_config leaves them in `dtype`; from_pretrained does not
     # Accelerate's init_empty_weights gives every Parameter registered inside a new meta Parameter, so a head tied to
     # the embedding comes out untied; Accelerate maps optimizer parameters to shards by address and would miss it.
     model.tie_weights()
@@ -264,6 +265,71 @@ def _empty_model(model_args):
         pass
     model.checkpoint_dtype = stored_dtype(name) or model.dtype
     return model
+
+
+def weights_dtype(name: str) -> torch.dtype | None:
+    """The dtype of a local checkpoint's first floating-point weight, read from its safetensors header: what
+    `from_pretrained(dtype="auto")` loads when config.json records none; None where it cannot be read here."""
+    from safetensors import safe_open
+
+    folder = Path(name).expanduser()
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                dtype = handle.get_slice(key).get_dtype()
+                torch_dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype)
+                if torch_dtype is not None:
+                    return torch_dtype
+    return None
+
+
+def keep_in_fp32(model, dtype) -> int:
+    """Casts to fp32 the parameters Transformers keeps in fp32 when it loads the model in `dtype` (the model's
+    `_keep_in_fp32_modules` under fp16, `_keep_in_fp32_modules_strict` under fp16 and bf16: `_get_dtype_plan`),
+    matched as it matches them; returns how many. A model built from its config skips that step, and under rank-0
+    loading its dtypes must be rank 0's tensor by tensor."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan = model._get_dtype_plan(dtype) if isinstance(dtype, torch.dtype) else {}
+    if not plan:
+        return 0
+    alternation, groups, _ = build_glob_alternation(list(plan))
+    kept = 0
+    for name, parameter in model.named_parameters():
+        match = alternation.search(name)
+        if match is not None and parameter.dtype != plan[groups[match.lastgroup]]:
+            parameter.data = parameter.data.to(plan[groups[match.lastgroup]])
+            kept += 1
+    return kept
+
+
+def check_same_parameters_on_every_rank(model) -> None:
+    """Under FSDP2's rank-0 loading Accelerate broadcasts rank 0's weights into shards every other rank allocated
+    from its own empty model, tensor by tensor in that rank's dtype and shape: a mismatch hangs or corrupts the
+    broadcast on NCCL. Every rank's `(name, dtype, shape)` list is compared first, and a difference stops every rank
+    naming the first tensor that differs."""
+    import hashlib
+
+    import torch.distributed as dist
+    from accelerate.utils import gather_object
+
+    if not (fsdp_fills_from_rank_zero() and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1):
+        return
+    digest = [(name, str(parameter.dtype).removeprefix("torch."), tuple(parameter.shape))
+              for name, parameter in model.named_parameters()]
+    hashes = gather_object([hashlib.sha256(repr(digest).encode()).hexdigest()])
+    if len(set(hashes)) == 1:
+        return
+    digests = gather_object([digest])
+    other = next(rank for rank, value in enumerate(hashes) if value != hashes[0])
+    first = next((mine, theirs) for mine, theirs in zip(digests[0], digests[other]) if mine != theirs) \
+        if len(digests[0]) == len(digests[other]) else (f"{len(digests[0])} parameters", f"{len(digests[other])}")
+    raise RecipeError(f"under FSDP2's rank-0 loading rank {other} built the model unlike rank 0 (rank 0: {first[0]}; "
+                      f"rank {other}: {first[1]}), so rank 0's weights cannot be broadcast into its shards: give "
+                      "`torch_dtype` by name (e.g. bfloat16) in the recipe, or set `fsdp_cpu_ram_efficient_loading: "
+                      "false` in the Accelerate config.")
 
 
 def stored_dtype(name: str) -> torch.dtype | None:

@@ -37,6 +37,7 @@ from finetune.memory import MemoryReportCallback
 from finetune.memory.ledger import HostLoadProbe
 from finetune.models.experts import turn_on_load_balancing
 from finetune.models.loading import (
+    check_same_parameters_on_every_rank,
     load_model,
     load_tokenizer,
     materialize_empty_parameters,
@@ -82,6 +83,7 @@ def train(recipe: Recipe) -> dict:
             stage = cut_stage(recipe, model)
         else:
             materialize_empty_parameters(model)  # shapes only (FSDP2, ranks ≠ 0): Accelerate fills them from rank 0
+            check_same_parameters_on_every_rank(model)  # rank 0's weights go into every rank's shards as they are
         loading.stop()
         data = method.prepare_data(recipe, tokenizer, model)
         # saved with the model: generate() elsewhere stops there too

@@ -237,18 +237,54 @@ if os.environ.get("RANK") == "0" and os.environ.get("FAULT_SLOW_LOAD_SECONDS"):
 """
 
 
-def test_the_other_ranks_wait_for_rank_0_to_read_the_checkpoint_past_ddp_timeout(hub_model_dir, tmp_path):
+def test_the_other_ranks_wait_for_rank_0_to_read_the_checkpoint_past_ddp_timeout(tmp_path):
     """FSDP2 with rank-0 loading, as shipped: rank 0 reads a hub checkpoint 45 s late, past `ddp_timeout: 20`. The
     other rank, which built the model empty at once, waits for it within `model_load_timeout`, not `ddp_timeout`
-    (which would end the run in the data's first collective), and the run trains."""
+    (which would end the run in the data's first collective), and the run trains. The checkpoint's config.json
+    records no dtype and the run trains LoRA: the other rank builds its frozen base in the dtype rank 0 loads (the
+    weights' own, bf16, read from the safetensors header; before, fp32 from the missing config entry), so rank 0's
+    weights fit its shards."""
+    from hub_fixtures import save_hub_model
+
+    hub = save_hub_model(tmp_path / "hub")
+    config = json.loads((hub / "config.json").read_text())
+    assert config.pop("dtype", None) or config.pop("torch_dtype", None)
+    (hub / "config.json").write_text(json.dumps(config))
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_RANK_ZERO_LOAD)
     env = {"PYTHONPATH": str(site), "FAULT_SLOW_LOAD_SECONDS": "45"}
     output_dir = tmp_path / "run"
-    result = launch_demo(FSDP_ON_CPU, output_dir, "--model_name_or_path", str(hub_model_dir), "--ddp_timeout", "20",
-                         "--max_steps", "2", "--logging_steps", "1", "--eval_on_start", "false",
+    result = launch_demo(FSDP_ON_CPU, output_dir, "--model_name_or_path", str(hub), "--ddp_timeout", "20",
+                         "--max_steps", "2", "--logging_steps", "1", "--eval_on_start", "false", "--use_lora", "true",
                          "--generation_eval_samples", "0", "--max_eval_samples", "2", env=env)
     assert "rank 0: reading the checkpoint 45 s late" in result.output  # the delay happened
     assert_succeeded(result)
     assert len(losses(output_dir)) == 2
+
+
+def test_a_model_built_empty_takes_the_dtypes_rank_0_loads(tmp_path):
+    """What a rank other than 0 builds on the meta device has rank 0's dtype tensor by tensor: the weights' own dtype
+    where config.json records none, and the modules Transformers keeps in fp32 in fp32; a difference left anyway is
+    named by `check_same_parameters_on_every_rank` before any broadcast."""
+    from types import SimpleNamespace
+
+    from hub_fixtures import save_hub_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.models.loading import keep_in_fp32, load_model, weights_dtype
+
+    hub = save_hub_model(tmp_path)
+    config = json.loads((hub / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (hub / "config.json").write_text(json.dumps(config))
+    assert weights_dtype(str(hub)) == torch.bfloat16
+    model_args = SimpleNamespace(model_name_or_path=str(hub), torch_dtype="auto", attn_implementation=None,
+                                 trust_remote_code=False)
+    empty = load_model(model_args, None, shapes_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(hub, dtype="auto")
+    assert {name: p.dtype for name, p in empty.named_parameters()} == \
+        {name: p.dtype for name, p in loaded.named_parameters()}
+    empty._keep_in_fp32_modules_strict = {"norm"}  # as a model that declares fp32 norms does
+    assert keep_in_fp32(empty, torch.bfloat16) == 2 * config["num_hidden_layers"] + 1
+    assert all(p.dtype == (torch.float32 if "norm" in name else torch.bfloat16) for name, p in empty.named_parameters())
