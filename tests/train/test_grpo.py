@@ -460,3 +460,15 @@ def test_prompts_without_answers_stop_an_exact_match_run(tmp_path):
     with pytest.raises(RecipeError, match=f"`reward_funcs: exact_match` checks each completion against the row's "
                                           f"answer, but {rows} has rows without one"):
         check_answers(summary, ["exact_match"])
+
+
+def test_an_eval_batch_the_final_evaluation_cannot_group_is_refused_before_training(tmp_path, capsys):
+    """The run's final evaluation generates whole groups whatever `eval_strategy` says (TRL checks the eval batch
+    only when it evaluates during training): the demo's eval batch of 100 with groups of 8 stops before the first
+    step, not after the last one."""
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
+                 "--method", "grpo", "--dataset_config", "add", "--reward_funcs", "exact_match", "--num_generations",
+                 "8", "--max_completion_length", "8", "--warmup_steps", "0", "--eval_on_start", "false",
+                 "--generation_eval_samples", "0"]) == 2
+    assert "does not divide an eval batch of 100 completions" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "trainer_state.json").exists()

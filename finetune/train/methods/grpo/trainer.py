@@ -36,6 +36,16 @@ def reference_loaded_as_the_policy(recipe, tokenizer):
 
 def grpo_trainer(recipe, model, tokenizer, data, callbacks):
     args, settings = recipe.training, recipe.method.settings
+    evaluation = args.per_device_eval_batch_size * args.world_size
+    if data.eval is not None and evaluation % settings.num_generations:
+        # the run's final evaluation generates whole groups too, whatever `eval_strategy` says (TRL checks this
+        # only when evaluating during training): said now, not after the training
+        from finetune.errors import RecipeError
+
+        raise RecipeError(f"`num_generations: {settings.num_generations}` does not divide an eval batch of "
+                          f"{evaluation} completions (`per_device_eval_batch_size: "
+                          f"{args.per_device_eval_batch_size}` × {args.world_size} process(es)), which the run's "
+                          "final evaluation generates: make the eval batch a multiple of it.")
     prepare_reference_for_zero3(args, model)
     notice = code_notice(settings.reward_funcs)
     if notice and launched_rank() == 0:
