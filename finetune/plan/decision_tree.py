@@ -414,18 +414,23 @@ def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
     if full and request.nodes == 1 and request.gpus <= shape.num_layers:
         stages = request.gpus
         micro_batches = max(stages, math.ceil(request.global_batch_size / micro_batch_size))
-        options = {"strategy": "pipeline", "pipeline_parallel_size": stages}
-        bubble = pipeline_bubble_fraction(stages, micro_batches)
-        row = _axis_row(request, shape, micro_batch_size, f"PP {stages} (1F1B)", "pipeline", options,
-                        {"--pipeline_parallel_size": stages, "--gradient_accumulation_steps": micro_batches},
-                        "accelerate_configs/ddp.yaml", 1,
-                        f"idle {bubble:.0%} of each step (bubble, {micro_batches} micro-batches)",
-                        f"PP {stages} holds 1/{stages} of the layers a GPU", micro_batches=micro_batches,
-                        ranks=stages)
-        # each rank reads only its stage from the checkpoint (finetune.train.pipeline: stage-only loading)
-        row["cost"] += f"; loads {_size(row['estimate'].host_load_bytes_per_node)}/node (a stage a rank)"
-        rows.append(row)
+        rows.append(pipeline_row(request, shape, micro_batch_size, stages, "1f1b", micro_batches))
     return rows
+
+
+def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int, schedule: str,
+                 micro_batches: int) -> dict:
+    """The pipeline's row: every stage estimated as the loop runs it (finetune.train.pipeline), the fullest shown, and
+    what it costs: the bubble, and the host RAM a node takes to load its stages (each rank reads only its own)."""
+    options = {"strategy": "pipeline", "pipeline_parallel_size": stages, "pipeline_schedule": schedule}
+    bubble = pipeline_bubble_fraction(stages, micro_batches)
+    row = _axis_row(request, shape, micro_batch_size, f"PP {stages} ({schedule.upper()})", "pipeline", options,
+                    {"--pipeline_parallel_size": stages, "--gradient_accumulation_steps": micro_batches},
+                    "accelerate_configs/ddp.yaml", 1,
+                    f"idle {bubble:.0%} of each step (bubble, {micro_batches} micro-batches)",
+                    f"PP {stages} holds 1/{stages} of the layers a GPU", micro_batches=micro_batches, ranks=stages)
+    row["cost"] += f"; loads {_size(row['estimate'].host_load_bytes_per_node)}/node (a stage a rank)"
+    return row
 
 
 def _axis_row(request: PlanRequest, shape, micro_batch_size: int, name: str, key: str, options: dict,

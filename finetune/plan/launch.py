@@ -133,6 +133,10 @@ def _plan_launch(recipe: str, overrides: list[str], machine: Machine, sections) 
 
         check_tensor_parallel_model(process_count("tensor_parallel_size", training["tensor_parallel_size"],
                                                   "the recipe"), resolve_config(sections.model.model_name_or_path))
+    if axis == "pipeline":  # planned as the loop runs it: each stage's memory, and what a node loads
+        planned = _pipeline_plan(recipe, overrides, machine, sections)
+        if planned is not None:
+            return _axis_launch(axis, machine), planned, without_option(overrides, "--strategy")
     if axis is not None and not (axis == "sequence_parallel" and (named or training.get("deepspeed"))):
         # the recipe names an axis: its launch follows from it (SP under a named DeepSpeed strategy keeps that one)
         return _axis_launch(axis, machine), {
@@ -209,6 +213,42 @@ def _plan_launch(recipe: str, overrides: list[str], machine: Machine, sections) 
         "predicted": predicted_per_rank(chosen, machine),
     }
     return launch, record, overrides
+
+
+def _pipeline_plan(recipe: str, overrides: list[str], machine: Machine, sections) -> dict | None:
+    """The plan record of a recipe naming `pipeline_parallel_size`: every stage estimated as the loop runs it (one
+    pipeline, the recipe's micro-batches, rows at `max_seq_length`), the fullest rank's memory against this machine's
+    GPUs and the node's host RAM at load (each rank reads its stage alone) against its RAM; None where the model's
+    shape cannot be read (launched unplanned, as before)."""
+    from finetune.launch.parallelism import process_count
+    from finetune.memory.shapes import model_shape
+    from finetune.plan.calibration import calibration_for
+    from finetune.plan.decision_tree import context_bytes, pipeline_row
+    from finetune.plan.from_recipe import request_from_recipe
+    from finetune.recipe.batch_plan import plan_from_recipe
+
+    training = sections.training_inputs
+    stages = process_count("pipeline_parallel_size", training["pipeline_parallel_size"], "the recipe")
+    batch = plan_from_recipe(training, sections.data.max_seq_length, 1)  # one pipeline: no data parallelism
+    request, _ = request_from_recipe(recipe, machine.processes, machine.memory_gib, machine.gpu, overrides=overrides,
+                                     sections=sections, host_memory_gib=machine.host_memory_gib, nodes=machine.nodes,
+                                     cpu_processes=machine.cpu,
+                                     calibrations=calibration_for(machine.gpu and machine.gpu.name))
+    try:
+        shape = model_shape(request.model)
+    except RecipeError:
+        return None
+    schedule = str(training.get("pipeline_schedule") or "1f1b").lower()
+    row = pipeline_row(request, shape, batch.micro_batch_size, stages, schedule, batch.gradient_accumulation_steps)
+    return {
+        "strategy": "pipeline", "label": row["name"], "chosen_by": "the recipe's pipeline_parallel_size",
+        "device": machine.describe(), "processes": machine.processes, "nodes": machine.nodes,
+        "memory_per_gpu_gib": machine.memory_gib, "memory_source": machine.memory_source,
+        "usable_bytes": int(usable_bytes(machine.memory_gib, context_bytes(request))), "margin": MARGIN,
+        "micro_batch_size": batch.micro_batch_size, "fits": row["fits"], "shortfall": row["shortfall"],
+        "rejected": [], "candidates": [], "predicted": predicted_per_rank(row, machine),
+        "host_load_bytes_per_node": row["estimate"].host_load_bytes_per_node,
+    }
 
 
 def without_option(tokens: list[str], option: str) -> list[str]:

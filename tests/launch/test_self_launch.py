@@ -400,3 +400,28 @@ def test_a_recipe_naming_a_parallelism_axis_launches_as_that_axis_runs(capsys, a
     out, command = dry_run(capsys, "--gpus", "2", *axis)
     assert option(command, "--config_file").endswith(config) and option(command, "-m") == program
     assert command[-len(axis):] == axis
+    if "--pipeline_parallel_size" in axis:  # planned as the loop runs it, its fullest stage against the machine
+        assert "plan: PP 2 (1F1B) (the recipe's pipeline_parallel_size) on 2 CPU process(es)" in out
+        assert "fits" in out.split("plan: PP 2", 1)[1].splitlines()[0]
+
+
+def test_a_pipeline_self_launch_plans_each_stage_and_the_nodes_host_ram_at_load(monkeypatch):
+    """The self-launch of a recipe naming `pipeline_parallel_size` plans it (before: launched "not planned"): the
+    fullest stage's memory on this machine's GPUs, and the host RAM a node takes to load its stages, each rank reading
+    its own, which `--host-memory` can then refuse."""
+    from finetune.launch.devices import KNOWN_GPUS
+    from finetune.launch.self_launch import Machine
+    from finetune.plan.launch import plan_launch
+
+    simulate_gpus(monkeypatch, A100, count=2, memory_gib=80)
+    a100 = KNOWN_GPUS["a100"]
+    machine = Machine(processes_per_node=2, gpu=a100, memory_gib=80, memory_source="the GPU", host_memory_gib=64)
+    launch, record, _ = plan_launch("recipes/demo.yaml", ["--pipeline_parallel_size", "2",
+                                                          "--gradient_accumulation_steps", "2"], machine)
+    assert record["label"] == "PP 2 (1F1B)" and record["fits"] and record["strategy"] == "pipeline"
+    # two stages on one node: the node loads both, each rank its own (rank 0 the embedding, rank 1 the head)
+    assert record["host_load_bytes_per_node"] == sum(record["predicted"]["host_load_bytes"].values())
+    low = Machine(processes_per_node=2, gpu=a100, memory_gib=80, memory_source="the GPU", host_memory_gib=1e-4)
+    _, starved, _ = plan_launch("recipes/demo.yaml", ["--pipeline_parallel_size", "2",
+                                                      "--gradient_accumulation_steps", "2"], low)
+    assert not starved["fits"] and starved["shortfall"] == "host load"
