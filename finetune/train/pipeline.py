@@ -25,8 +25,8 @@ What it does at scale:
   disks on several nodes are refused by name, before any hour is spent).
 
 Not supported here (refused before training starts): LoRA/QLoRA, DeepSpeed or FSDP configs, data parallelism beside
-the pipeline, packing and padding-free batches, methods other than SFT. Evaluation runs after training on the
-consolidated model, not during it.
+the pipeline, packing and padding-free batches, methods other than SFT. Evaluation runs after training on the model
+it writes, not during it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME as FINAL_INDEX
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 from finetune import outputs, presets
 from finetune.checkpoints.pipeline_stages import STAGE_STATE, STAGE_WEIGHTS
@@ -49,8 +51,8 @@ from finetune.memory.estimate import pipeline_stage_layers
 from finetune.recipe.preflight import PIPELINE_SCHEDULES
 
 SCHEDULES = PIPELINE_SCHEDULES
-FINAL_SHARD = "model-{stage:05d}-of-{stages:05d}.safetensors"  # the final model: one shard a stage
-FINAL_INDEX = "model.safetensors.index.json"  # from_pretrained's name for the map of a sharded checkpoint
+FINAL_SHARD = "model-{stage:05d}-of-{stages:05d}.safetensors"  # the final model: one shard a stage, as Transformers
+# names the shards of a sharded save; its index and single-file names are Transformers' own
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -210,7 +212,7 @@ def checkpoint_files(source: str) -> tuple[Path, dict[str, str]]:
     index = folder / FINAL_INDEX
     if index.is_file():
         return folder, json.loads(index.read_text())["weight_map"]
-    single = folder / "model.safetensors"
+    single = folder / SAFE_WEIGHTS_NAME
     if single.is_file():
         from safetensors import safe_open
 
@@ -553,7 +555,11 @@ class PipelineTrainer:
         weight_map = {name: file for part in every for name, (file, _) in sorted(part.items())}
         total = sum(size for part in every for _, size in part.values())
         outputs.write_record(output_dir, FINAL_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        (output_dir / "model.safetensors").unlink(missing_ok=True)  # an older single-file save would be read first
+        # an earlier final save in this output_dir (another stage count, or one file), as save_pretrained clears it
+        ours = set(weight_map.values())
+        for stale in (*output_dir.glob("model-*-of-*.safetensors"), output_dir / SAFE_WEIGHTS_NAME):
+            if stale.name not in ours:
+                stale.unlink(missing_ok=True)
         self.model.config.save_pretrained(output_dir)
         written = dtype or self.stage.named[0][1].dtype
         record_config_dtype(output_dir, written)  # the dtype of the shards, not the one the model was built in
