@@ -26,6 +26,7 @@ from support import (
 from finetune import outputs, presets
 from finetune.checkpoints.complete import COMPLETE_MARKER
 from finetune.checkpoints.export import export
+from finetune.memory import model_shape
 from finetune.plan.decision_tree import PlanRequest, make_plan
 
 pytestmark = pytest.mark.distributed
@@ -288,3 +289,21 @@ def test_a_model_built_empty_takes_the_dtypes_rank_0_loads(tmp_path):
     empty._keep_in_fp32_modules_strict = {"norm"}  # as a model that declares fp32 norms does
     assert keep_in_fp32(empty, torch.bfloat16) == 2 * config["num_hidden_layers"] + 1
     assert all(p.dtype == (torch.float32 if "norm" in name else torch.bfloat16) for name, p in empty.named_parameters())
+
+
+def test_under_fsdp2_the_frozen_reference_is_read_by_rank_0_alone_and_broadcast(tmp_path):
+    """Full DPO under FSDP2's rank-0 loading: the reference goes the policy's way. Rank 0 builds (or reads) it, the
+    other ranks build its shapes, and Accelerate's FSDP2 preparation broadcasts rank 0's weights into every rank's
+    shards (TRL's own preparation shards it with no broadcast, so a rank built empty would keep garbage). Rank 1
+    reads none of it (before: its whole copy; 8 × 141 GB a node at 70B), and the first step's loss is DPO's ln 2
+    only if every rank's reference holds the policy's weights."""
+    output_dir = tmp_path / "dpo"
+    assert_succeeded(launch_demo(FSDP_ON_CPU, output_dir, "--method", "dpo", "--max_steps", "1", "--logging_steps",
+                                 "1", "--eval_on_start", "false", "--generation_eval_samples", "0",
+                                 "--max_eval_samples", "8", "--per_device_eval_batch_size", "8"))
+    ranks = {record["rank"]: record for record in outputs.read_record(output_dir, outputs.MEMORY_REPORT)["ranks"]}
+    read = {rank: record["measured"]["reference_read_bytes"] for rank, record in ranks.items()}
+    whole = 4 * model_shape("tiny").num_parameters  # the tiny model, built in fp32 from its seed on rank 0
+    assert read == {0: whole, 1: 0}, read
+    assert ranks[1]["predicted"]["host_load_bytes"] == 0 < ranks[0]["predicted"]["host_load_bytes"]
+    assert losses(output_dir)[1] == pytest.approx(0.6931, abs=1e-3)  # -log sigmoid(0) on every rank

@@ -139,28 +139,3 @@ def test_the_pipelines_final_model_is_one_shard_a_stage_in_the_checkpoints_dtype
     assert model.dtype == torch.bfloat16
     loaded = model.state_dict()
     assert max((loaded[name].float() - start[name].float()).abs().max().item() for name in start) < 1e-20
-
-
-@pytest.fixture(scope="module")
-def dpo_fsdp_run(wide_model, tmp_path_factory):
-    """Full DPO under FSDP2 (rank-0 loading): the policy and its frozen reference, both from the wide checkpoint."""
-    return launched(FSDP_ON_CPU, wide_model, tmp_path_factory.mktemp("dpo_fsdp"), "--method", "dpo",
-                    "--logging_steps", "1")
-
-
-def test_under_fsdp2_the_frozen_reference_is_read_by_rank_0_alone_and_broadcast(dpo_fsdp_run, wide_model):
-    """The reference goes the policy's way: rank 0 reads it, the other ranks build its shapes, and Accelerate's
-    FSDP2 preparation broadcasts rank 0's weights into every rank's shards (TRL's own preparation shards it with no
-    broadcast). Rank 1 reads none of it (before: its whole bf16 copy, 263 MB here; 8 × 141 GB a node at 70B), and
-    the plan counts it on rank 0 beside the policy. The first step's loss is DPO's ln 2 only if every rank's reference
-    holds the policy's weights."""
-    ranks = {record["rank"]: record for record in outputs.read_record(dpo_fsdp_run, outputs.MEMORY_REPORT)["ranks"]}
-    read = {rank: record["measured"]["reference_read_bytes"] for rank, record in ranks.items()}
-    whole = checkpoint_bytes(wide_model)
-    assert read[1] == 0 and abs(read[0] - whole) <= 1024 * 1024, read  # the reference as stored, bf16
-    predicted = {rank: record["predicted"]["host_load_bytes"] for rank, record in ranks.items()}
-    assert predicted[1] == 0
-    assert predicted[0] == pytest.approx(4 * whole, rel=0.01)  # bf16 policy + its fp32 cast + the bf16 reference
-    losses = [entry["loss"] for entry in json.loads((dpo_fsdp_run / "trainer_state.json").read_text())["log_history"]
-              if "loss" in entry]
-    assert losses[0] == pytest.approx(0.6931, abs=1e-3)  # -log sigmoid(0): policy and reference agree on every rank
