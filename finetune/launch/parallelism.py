@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.errors import RecipeError
@@ -52,6 +52,7 @@ class Parallelism:
     dp_replicate_size: int = 1
     sequence_parallel_size: int = 1
     context_parallel_size: int = 1
+    bf16: bool = field(default=False, compare=False)  # the run's mixed precision: FSDP2 gathers the slices in bf16
 
     @property
     def total(self) -> int:
@@ -83,11 +84,15 @@ class Parallelism:
 
     def distributed_config(self):
         """Transformers' `DistributedConfig` that loads the model sharded: its own TP plan over `tensor_parallel_size`
-        ranks, FSDP2 over `dp_shard_size`, replicas over `dp_replicate_size`."""
+        ranks, FSDP2 over `dp_shard_size`, replicas over `dp_replicate_size`. Under bf16 FSDP2 gathers the slices in
+        bf16 and reduces their gradients in fp32 (Transformers' `fsdp_mixed_precision` policy), as Accelerate's FSDP2
+        does: without it the fp32 masters would be gathered and reduce-scattered in fp32, twice the bytes. (fp16
+        runs keep fp32 gathers: that policy is bf16 only.)"""
         from transformers.distributed import DistributedConfig
 
         return DistributedConfig(tp_size=self.tensor_parallel_size, fsdp_size=self.dp_shard_size,
-                                 dp_replicate_size=self.dp_replicate_size)
+                                 dp_replicate_size=self.dp_replicate_size,
+                                 fsdp_mixed_precision=self.bf16 and self.dp_shard_size > 1)
 
 
     def sequence_parallel_config(self, attention: str | None):

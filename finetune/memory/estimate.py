@@ -850,10 +850,11 @@ def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:
             gathered += shape.num_parameters * w
         return gathered if setup.shard_degree > 1 else 0
     if setup.strategy == "tensor_parallel" and setup.dp_shard_size > 1:
-        # FSDP2 over the TP slices: two gathered blocks and one block's gradients before the reduce-scatter, all in
-        # fp32 (Transformers' `fully_shard` gets no mixed-precision policy from its DistributedConfig, and the
-        # masters are fp32), each block 1/t of a layer
-        return (2 * 4 + 4) * shape.layer_parameters / setup.tensor_parallel_size
+        # FSDP2 over the TP slices: two gathered blocks, in bf16 under bf16 (finetune.launch.parallelism gives
+        # Transformers' `fully_shard` its bf16 policy; fp32 otherwise, the masters' dtype), and one block's fp32
+        # gradients before the reduce-scatter, each block 1/t of a layer
+        gathered = 2 if setup.precision == "bf16" else 4
+        return (2 * gathered + 4) * shape.layer_parameters / setup.tensor_parallel_size
     if setup.strategy != "deepspeed":
         return 0
     if setup.zero_stage == 0:

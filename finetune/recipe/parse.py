@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +209,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
         print(f"warning: {warning}")
     training_type, method_inputs = sections.method.training_arguments(data)  # TRL's config, where the method has one
     training = _build(training_type, {**training_inputs, **method_inputs}, sections.values, sections.overrides)
+    parallelism = replace(parallelism, bf16=bool(training.bf16))  # the precision FSDP2 gathers TP slices in
     return Recipe(model=model, data=data, lora=lora, training=training, method=sections.method,
                   sources=sources, batch_plan=batch_plan, strategy=strategy, parallelism=parallelism,
                   deepspeed_config=deepspeed_config,

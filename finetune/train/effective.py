@@ -195,8 +195,24 @@ def split_parameters(model) -> dict | None:
         return None
     example = next((name for name in names if ".layers.0." in name), names[0])
     parameter = model.get_parameter(example)
-    return {"count": len(names), "of": sum(1 for _ in model.parameters()),
-            "example": {"name": example, "local": list(parameter.to_local().shape), "global": list(parameter.shape)}}
+    split = {"count": len(names), "of": sum(1 for _ in model.parameters()),
+             "example": {"name": example, "local": list(parameter.to_local().shape), "global": list(parameter.shape)}}
+    gathered = fsdp_gather_dtype(model)
+    if gathered is not None:
+        split["fsdp_gathers_in"] = gathered
+    return split
+
+
+def fsdp_gather_dtype(model) -> str | None:
+    """The dtype FSDP2 all-gathers this model's shards in (its mixed-precision policy's, else the parameters' own);
+    None where no module is FSDP2's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    module = next((module for module in model.modules() if isinstance(module, FSDPModule)), None)
+    if module is None:
+        return None
+    dtype = module._get_fsdp_state()._mp_policy.param_dtype or next(module.parameters()).dtype
+    return str(dtype).removeprefix("torch.")
 
 
 def comm_hooks(trainer) -> list[str]:

@@ -209,3 +209,23 @@ def test_tensor_parallel_on_an_architecture_without_a_tp_plan_is_refused_before_
     assert len(err) == 1 and "the model's architecture (gpt2) has no tensor-parallel plan in Transformers" in err[0]
     with pytest.raises(RecipeError, match="base_model_tp_plan is None"):  # on every rank too, before loading
         check(Parallelism(tensor_parallel_size=2), resolve_config(str(model)), strategy_kind="ddp", use_lora=False)
+
+
+@pytest.mark.distributed
+def test_tp_with_fsdp2_under_bf16_gathers_the_slices_in_bf16_and_trains_as_one_process(hub_model, runs, tmp_path):
+    """Under bf16, FSDP2 over the TP slices all-gathers them in bf16 and reduces their gradients in fp32 (Transformers'
+    bf16 policy, as Accelerate's FSDP2 runs): half the bytes of gathering the fp32 masters, which an fp32 run still
+    gathers. The run trains as one process under bf16 autocast does, within bf16's rounding; the masters stay fp32."""
+    extra = ["--model_name_or_path", str(hub_model), "--generation_eval_samples", "0", "--bf16", "true",
+             "--max_steps", "3", "--save_strategy", "no"]
+    output_dir, one = tmp_path / "tp_fsdp_bf16", tmp_path / "one_bf16"
+    assert_succeeded(launch_demo(TP_FSDP_ON_CPU, output_dir, *RUN, *extra))
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN, *extra]) == 0
+    gathered = {name: {rank["split_parameters"]["fsdp_gathers_in"]
+                       for rank in outputs.read_record(folder, outputs.EFFECTIVE_CONFIG)["ranks"]}
+                for name, folder in (("bf16", output_dir), ("fp32", runs["tp_fsdp"]))}
+    assert gathered == {"bf16": {"bfloat16"}, "fp32": {"float32"}}
+    effective = outputs.read_record(output_dir, outputs.EFFECTIVE_CONFIG)
+    assert effective["values"]["trainable_weights"]["value"] == "float32"
+    for a, b in zip(history(output_dir), history(one), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
