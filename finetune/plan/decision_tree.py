@@ -430,6 +430,10 @@ def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int
                     f"idle {bubble:.0%} of each step (bubble, {micro_batches} micro-batches)",
                     f"PP {stages} holds 1/{stages} of the layers a GPU", micro_batches=micro_batches, ranks=stages)
     row["cost"] += f"; loads {_size(row['estimate'].host_load_bytes_per_node)}/node (a stage a rank)"
+    if request.token_lengths:  # the loop pads every row to max_seq_length: FLOPs the data's own lengths do not need
+        padding = request.sequence_length / (sum(request.token_lengths) / len(request.token_lengths))
+        row["padding_factor"] = padding
+        row["cost"] += f"; rows padded to {request.sequence_length} tokens: {padding:.1f}× the data's mean"
     return row
 
 

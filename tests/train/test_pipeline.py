@@ -207,6 +207,9 @@ def test_the_plans_pipeline_row_pads_to_max_seq_length_without_checkpointing(cap
     assert rows[0]["estimate"].activations_bytes == rows[1]["estimate"].activations_bytes
     setup = rows[1]["estimate"].setup
     assert setup.sequence_length == 4096 and not setup.gradient_checkpointing
+    # what the padding costs, said beside the bubble: rows of 1,024 tokens padded to 4,096
+    assert rows[1]["padding_factor"] == 4.0 and "rows padded to 4096 tokens: 4.0× the data's mean" in rows[1]["cost"]
+    assert "padding_factor" not in rows[0]  # no data: nothing to say
 
 
 def test_a_decoder_the_stages_cannot_rerun_is_refused_by_name():
