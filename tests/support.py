@@ -110,6 +110,24 @@ def launch_demo(launch: Launch | str, output_dir, *extra: str, deepspeed_json: s
     return run(command, timeout=timeout, env=env, real=real)
 
 
+def measuring_gathers(launch: Launch, record_dir: Path) -> tuple[Launch, dict]:
+    """`launch` under finetune.testing.fsdp_gathers (its own CPU shim run inside it), and the environment that makes
+    each rank record what FSDP2 gathered into `record_dir`."""
+    from finetune.testing.fsdp_gathers import RECORD_DIR, UNDER
+
+    record_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, RECORD_DIR: str(record_dir), **({UNDER: launch.program[-1]} if launch.program else {})}
+    return launch._replace(program=("-m", "finetune.testing.fsdp_gathers")), env
+
+
+def gathered_weights_peaks(record_dir: Path) -> list[int]:
+    """Each rank's peak of the weights FSDP2 held gathered, by rank (finetune.testing.fsdp_gathers)."""
+    import json
+
+    records = sorted(record_dir.glob("rank*.json"), key=lambda path: int(path.stem.removeprefix("rank")))
+    return [json.loads(path.read_text())["gathered_weights_peak_bytes"] for path in records]
+
+
 # What DeepSpeed's measured memory may exceed the estimator by, per state and run (the ledger's documented slack).
 ALIGNMENT = 1024  # bytes: DeepSpeed pads each flat partition to an alignment boundary
 # Trainer's second parameter group (no weight decay: the tiny model's 2·3 + 1 RMSNorm weights of 128) is stepped after

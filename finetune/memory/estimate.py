@@ -842,19 +842,10 @@ def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:
     if setup.strategy == "ddp" and setup.num_gpus > 1:
         return _trainable_bytes(setup) * trainable  # DDP's reducer buckets: a flat copy of the gradients
     if setup.strategy == "fsdp":
-        # Two gathered blocks (the running one and the prefetched one) in the compute dtype plus one block's
-        # fp32 gradients before the reduce-scatter; SHARD_GRAD_OP keeps the whole gathered model
-        # between forward and backward.
-        gathered = 2 * shape.layer_parameters * w + 4 * shape.layer_parameters
-        if setup.fsdp_sharding == "shard_grad_op":
-            gathered += shape.num_parameters * w
-        return gathered if setup.shard_degree > 1 else 0
+        return fsdp_gathered_weights_bytes(shape, setup) + fsdp_gradient_buffer_bytes(shape, setup, trainable) \
+            if setup.shard_degree > 1 else 0
     if setup.strategy == "tensor_parallel" and setup.dp_shard_size > 1:
-        # FSDP2 over the TP slices: two gathered blocks, in bf16 under bf16 (finetune.launch.parallelism gives
-        # Transformers' `fully_shard` its bf16 policy; fp32 otherwise, the masters' dtype), and one block's fp32
-        # gradients before the reduce-scatter, each block 1/t of a layer
-        gathered = 2 if setup.precision == "bf16" else 4
-        return (2 * gathered + 4) * shape.layer_parameters / setup.tensor_parallel_size
+        return fsdp_gathered_weights_bytes(shape, setup) + fsdp_gradient_buffer_bytes(shape, setup, trainable)
     if setup.strategy != "deepspeed":
         return 0
     if setup.zero_stage == 0:
@@ -867,6 +858,54 @@ def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:
     # ZeRO-3: one reduce bucket, plus the largest module gathered with its gradient (DeepSpeed's
     # `4 * largest_layer_params` in bf16) and the next block prefetched.
     return bucket * w + 2 * shape.largest_layer_parameters * w + shape.layer_parameters * w
+
+
+def _fsdp_groups(shape: ModelShape, setup: Setup) -> tuple[int, int, int]:
+    """The parameters of FSDP2's groups on one rank before sharding: a decoder block, the input embedding, and the
+    output head with the final norm (with the embedding too when tied). Under tensor parallelism each is the rank's
+    TP slice (the vocabulary matrices cut by rows, the block's linear layers t ways)."""
+    t = setup.tensor_parallel_size if setup.strategy == "tensor_parallel" else 1
+    norms = shape.layer_parameters - shape.block_linear_parameters // shape.num_layers
+    block = shape.block_linear_parameters // (shape.num_layers * t) + norms
+    vocabulary = math.ceil(shape.vocab_size / t) * shape.hidden_size
+    return block, vocabulary, vocabulary + shape.hidden_size
+
+
+def fsdp_gathered_weights_bytes(shape: ModelShape, setup: Setup) -> int:
+    """The weights FSDP2 holds gathered at once, in the dtype it gathers in (the compute dtype under bf16, the fp32
+    masters otherwise). Accelerate's FSDP2 and Transformers' `_fsdp_plan` (tensor parallelism) group the model alike:
+    each decoder block, the input embedding, and a tail of the final norm and the head that stays gathered from its
+    forward to its backward (the tail takes the embedding when tied, so it stays gathered the whole step). A group is
+    all-gathered into one buffer and copied out of it into its parameters; the buffer lives until that copy-out (in
+    the forward, until the next group's), so a group briefly holds twice its weights, and the next block is gathered
+    while one runs:
+    - untied: twice the largest group (the head's and a block's, or two blocks', are no more);
+    - tied: the tail twice at its gather, or the tail and two blocks;
+    - SHARD_GRAD_OP (every group kept from its forward to its backward): the whole model, and the last group of the
+      forward (the head, or a block when tied) in its buffer.
+    FSDP2 pads each tensor's rows to a multiple of the shards (a row a tensor at most). Measured exactly on CPU
+    processes (finetune.testing.fsdp_gathers; tests/launch/test_fsdp.py and test_tensor_parallel.py)."""
+    w = _half_or_fp32(setup)
+    block, embedding, head = _fsdp_groups(shape, setup)
+    if setup.fsdp_sharding == "shard_grad_op" and setup.strategy == "fsdp":
+        return w * (shape.num_parameters + (block if shape.tied_embeddings else head))
+    if shape.tied_embeddings:
+        return w * (head + max(head, 2 * block))
+    return 2 * w * max(block, embedding, head)
+
+
+def fsdp_gradient_buffer_bytes(shape: ModelShape, setup: Setup, trainable: int) -> int:
+    """A group's gradients as autograd leaves them on the gathered weights (in the dtype gathered) and the fp32 copy
+    FSDP2 reduce-scatters them from, for the largest group with gradients; a tied tail's gradients are held from the
+    first block's backward to the last, where it is reduced. With adapters, no more than the adapters' own. Counted
+    from FSDP2's code (`foreach_reduce`), not measured."""
+    w = _half_or_fp32(setup)
+    block, embedding, head = _fsdp_groups(shape, setup)
+    if shape.tied_embeddings:
+        whole = max(w * head + (w + 4) * block, (w + 4) * head)
+    else:
+        whole = (w + 4) * max(block, embedding, head)
+    return min(whole, (w + 4) * trainable)
 
 
 def pipeline_bubble_fraction(pipeline_parallel: int, micro_batches: int) -> float:

@@ -20,13 +20,16 @@ from support import (
     assert_succeeded,
     error_lines,
     free_port,
+    gathered_weights_peaks,
     launch_demo,
+    measuring_gathers,
 )
 
 from finetune import outputs, presets
 from finetune.checkpoints.complete import COMPLETE_MARKER
 from finetune.checkpoints.export import export
 from finetune.memory import model_shape
+from finetune.memory.estimate import Setup, fsdp_gathered_weights_bytes
 from finetune.plan.decision_tree import PlanRequest, make_plan
 
 pytestmark = pytest.mark.distributed
@@ -46,14 +49,16 @@ def losses(output_dir) -> dict[int, float]:
 def fsdp_run(tmp_path_factory):
     """Full shard, fp32."""
     output_dir = tmp_path_factory.mktemp("fsdp") / "whole"
-    assert_succeeded(launch_demo(FSDP_ON_CPU, output_dir, *RUN))
+    launch, env = measuring_gathers(FSDP_ON_CPU, output_dir.parent / "gathers")
+    assert_succeeded(launch_demo(launch, output_dir, *RUN, env=env))
     return output_dir
 
 
 @pytest.fixture(scope="module")
 def shard_grad_op_bf16_run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("fsdp") / "shard_grad_op_bf16"
-    assert_succeeded(launch_demo(FSDP_SHARD_GRAD_OP_ON_CPU, output_dir, *RUN, "--bf16", "true"))
+    launch, env = measuring_gathers(FSDP_SHARD_GRAD_OP_ON_CPU, output_dir.parent / "gathers")
+    assert_succeeded(launch_demo(launch, output_dir, *RUN, "--bf16", "true", env=env))
     return output_dir
 
 
@@ -89,6 +94,25 @@ def test_fsdp_ledger_equals_the_prediction_and_the_plan_per_rank(fsdp_run, shard
         for record in ranks:  # `finetune plan`'s numbers for the same model, GPUs and precision
             for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
                 assert abs(record["measured"][key] - getattr(planned, key)) <= PADDING, (name, record["rank"], key)
+
+
+def test_fsdp2_gathers_the_weights_the_plan_counts(fsdp_run, shard_grad_op_bf16_run):
+    """The weights FSDP2 held gathered at once on each rank over a step (unsharded parameters and all-gather buffers,
+    finetune.testing.fsdp_gathers) are what the plan counts, up to FSDP2's row padding: on the tied tiny model, full
+    shard keeps the tail (norm, embedding and head) the whole step beside two blocks, in the fp32 masters' dtype;
+    SHARD_GRAD_OP keeps the whole model and a block's buffer, in bf16. The plan's temporary term holds them."""
+    shape = model_shape("tiny")
+    block, tail = shape.layer_parameters, shape.num_parameters - shape.num_layers * shape.layer_parameters
+    for output_dir, sharding, precision, by_hand in (
+            (fsdp_run, "full_shard", "fp32", 4 * (tail + 2 * block)),
+            (shard_grad_op_bf16_run, "shard_grad_op", "bf16", 2 * (shape.num_parameters + block))):
+        planned = fsdp_gathered_weights_bytes(shape, Setup(strategy="fsdp", num_gpus=2, fsdp_sharding=sharding,
+                                                           precision=precision))
+        measured = gathered_weights_peaks(output_dir.parent / "gathers")
+        assert planned == by_hand
+        assert len(measured) == 2 and all(0 <= bytes_ - planned <= PADDING for bytes_ in measured), (measured, planned)
+        for record in outputs.read_record(output_dir, outputs.MEMORY_REPORT)["ranks"]:
+            assert record["predicted"]["estimate"]["per_gpu"]["temporary_bytes"] >= planned
 
 
 def test_bf16_under_fsdp2_computes_in_bf16_and_keeps_fp32_states_and_loss(fsdp_run, shard_grad_op_bf16_run):

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 from hub_fixtures import save_hub_model
-from support import assert_succeeded, launch_demo
+from support import assert_succeeded, gathered_weights_peaks, launch_demo, measuring_gathers
 
 from finetune import outputs
 from finetune.checkpoints.complete import COMPLETE_MARKER
@@ -21,6 +21,8 @@ from finetune.cli import main
 from finetune.errors import RecipeError
 from finetune.launch.parallelism import CONTEXT_PARALLEL_ON_CPU, CPU_MESH_ALLOWED, Parallelism, check
 from finetune.launch.strategies import SHIPPED_BY_NAME
+from finetune.memory import model_shape
+from finetune.memory.estimate import Setup, fsdp_gathered_weights_bytes
 from finetune.memory.shapes import resolve_config
 from finetune.recipe.parse import parse_recipe
 
@@ -219,7 +221,8 @@ def test_tp_with_fsdp2_under_bf16_gathers_the_slices_in_bf16_and_trains_as_one_p
     extra = ["--model_name_or_path", str(hub_model), "--generation_eval_samples", "0", "--bf16", "true",
              "--max_steps", "3", "--save_strategy", "no"]
     output_dir, one = tmp_path / "tp_fsdp_bf16", tmp_path / "one_bf16"
-    assert_succeeded(launch_demo(TP_FSDP_ON_CPU, output_dir, *RUN, *extra))
+    launch, env = measuring_gathers(TP_FSDP_ON_CPU, tmp_path / "gathers")
+    assert_succeeded(launch_demo(launch, output_dir, *RUN, *extra, env=env))
     assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN, *extra]) == 0
     gathered = {name: {rank["split_parameters"]["fsdp_gathers_in"]
                        for rank in outputs.read_record(folder, outputs.EFFECTIVE_CONFIG)["ranks"]}
@@ -227,5 +230,14 @@ def test_tp_with_fsdp2_under_bf16_gathers_the_slices_in_bf16_and_trains_as_one_p
     assert gathered == {"bf16": {"bfloat16"}, "fp32": {"float32"}}
     effective = outputs.read_record(output_dir, outputs.EFFECTIVE_CONFIG)
     assert effective["values"]["trainable_weights"]["value"] == "float32"
+    # What FSDP2 held gathered at once on each rank (finetune.testing.fsdp_gathers) is what the plan counts: twice
+    # the largest group's TP slice in bf16, here the tail (final norm and head, kept from the forward's end to its
+    # backward) at its copy-out; the untied hub model's vocabulary of 600 rows is cut 300 a TP rank.
+    shape = model_shape(str(hub_model))
+    planned = fsdp_gathered_weights_bytes(shape, Setup(strategy="tensor_parallel", num_gpus=4, tensor_parallel_size=2,
+                                                       dp_shard_size=2, precision="bf16"))
+    assert planned == 2 * 2 * (300 * shape.hidden_size + shape.hidden_size)
+    measured = gathered_weights_peaks(tmp_path / "gathers")
+    assert len(measured) == 4 and all(0 <= bytes_ - planned <= PADDING for bytes_ in measured), (measured, planned)
     for a, b in zip(history(output_dir), history(one), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
