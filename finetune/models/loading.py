@@ -267,21 +267,29 @@ def _empty_model(model_args):
     return model
 
 
-def weights_dtype(name: str) -> torch.dtype | None:
-    """The dtype of a local checkpoint's first floating-point weight, read from its safetensors header: what
-    `from_pretrained(dtype="auto")` loads when config.json records none; None where it cannot be read here."""
+def safetensors_entries(files: list[Path]):
+    """`(file, tensor name, safetensors dtype, shape)` of every tensor in `files`, read from their headers alone."""
     from safetensors import safe_open
 
-    folder = Path(name).expanduser()
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
-                dtype = handle.get_slice(key).get_dtype()
-                torch_dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype)
-                if torch_dtype is not None:
-                    return torch_dtype
-    return None
+                tensor = handle.get_slice(key)
+                yield path, key, tensor.get_dtype(), tensor.get_shape()
+
+
+def local_safetensors(name: str) -> list[Path]:
+    """A local folder's safetensors files, in order; none for anything else (a hub id)."""
+    folder = Path(name).expanduser()
+    return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+
+
+def weights_dtype(name: str) -> torch.dtype | None:
+    """The dtype of a local checkpoint's first floating-point weight, read from its safetensors header: what
+    `from_pretrained(dtype="auto")` loads when config.json records none; None where it cannot be read here."""
+    floating = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    return next((floating[dtype] for _, _, dtype, _ in safetensors_entries(local_safetensors(name))
+                 if dtype in floating), None)
 
 
 def keep_in_fp32(model, dtype) -> int:

@@ -214,10 +214,9 @@ def checkpoint_files(source: str) -> tuple[Path, dict[str, str]]:
         return folder, json.loads(index.read_text())["weight_map"]
     single = folder / SAFE_WEIGHTS_NAME
     if single.is_file():
-        from safetensors import safe_open
+        from finetune.models.loading import safetensors_entries
 
-        with safe_open(str(single), framework="pt") as handle:
-            return folder, dict.fromkeys(handle.keys(), single.name)
+        return folder, {key: single.name for _, key, _, _ in safetensors_entries([single])}
     raise RecipeError(f"pipeline parallelism reads each stage's weights from safetensors, and `{source}` has none "
                       "(model.safetensors or model.safetensors.index.json): convert its weights to safetensors "
                       "where you trust the files, or train without pipeline parallelism.")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -138,21 +139,11 @@ finetune_grpo_config, __getattr__ = trl_config("trl.trainer.grpo_config:GRPOConf
 
 def reward_model_parameters(names: list[str]) -> int:
     """Parameters of the reward models among `names` (directories), read from their safetensors headers."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
+    from finetune.models.loading import local_safetensors, safetensors_entries
     from finetune.train.methods.grpo.rewards import is_reward_model
 
-    total = 0
-    for name in names:
-        if not is_reward_model(name):
-            continue
-        for path in sorted(Path(name).glob("*.safetensors")):
-            with safe_open(str(path), framework="numpy") as tensors:
-                for key in tensors.keys():
-                    total += int(functools.reduce(lambda a, b: a * b, tensors.get_slice(key).get_shape(), 1))
-    return total
+    return sum(math.prod(shape) for name in names if is_reward_model(name)
+               for _, _, _, shape in safetensors_entries(local_safetensors(name)))
 
 
 class GroupRelativePolicyOptimization(Method):
