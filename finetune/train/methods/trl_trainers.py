@@ -52,7 +52,7 @@ def load_reference(recipe, tokenizer):
 
 
 @contextmanager
-def reference_filled_from_rank_zero(*trl_modules):
+def reference_filled_from_rank_zero(trl_module):  # the TRL trainer module that calls `prepare_fsdp`
     """While a TRL trainer is built: TRL shards the reference under FSDP2 with one `fully_shard` of the whole model
     and no broadcast (trl/models/utils.py `prepare_fsdp`), so a reference built empty on the ranks other than 0
     would stay empty. With FSDP2's rank-0 loading it is prepared as Accelerate prepares the policy instead
@@ -69,14 +69,12 @@ def reference_filled_from_rank_zero(*trl_modules):
         model.eval()
         return model
 
-    originals = [module.prepare_fsdp for module in trl_modules]
-    for module in trl_modules:
-        module.prepare_fsdp = prepare
+    original = trl_module.prepare_fsdp  # the name as the trainer's module imported it
+    trl_module.prepare_fsdp = prepare
     try:
         yield
     finally:
-        for module, original in zip(trl_modules, originals):
-            module.prepare_fsdp = original
+        trl_module.prepare_fsdp = original
 
 
 def trainer_against_a_reference(trainer_class, trainer_name: str, recipe, model, tokenizer, data, callbacks):
