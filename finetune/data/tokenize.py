@@ -6,7 +6,9 @@ stops agreeing with the prompt rendered with `add_generation_prompt`: not at the
 is wrong for templates whose generation prompt is not a prefix of the rendered turn (reasoning templates open the
 answer with `<think>`; tokens the prompt supplies at inference are not the model's to learn). They end at the last
 special token of the turn (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, EOS), so the model learns to stop
-(`turn_end_ids`: what generation stops at). Each span is verified (it holds the answer, or the tool calls, and ends
+(`turn_end_ids`: what generation stops at). A conversation is rendered and tokenized once and each turn found in
+that text (`_spans_from_one_render`, linear in the turns), which gives those same spans; a template whose turns it
+cannot find that way is rendered turn by turn. Each span is verified (it holds the answer, or the tool calls, and ends
 with that token) and a template it cannot align is refused by name instead of trained on shifted labels. Tool
 results, the tool list and user turns are not learned. Prompt/completion pairs learn the completion and EOS; plain
 text learns every token. `finetune labels` shows what is learned.
@@ -78,21 +80,89 @@ def encode_conversation(messages: list[dict], tokenizer, tools: list[dict] | Non
     if missing:
         raise RecipeError(f"{template_name(tokenizer)} does not render the `tools` list (`{missing[0]}` is missing "
                           f"from the rendered conversation): it has no tool support; {TOOLS_FIX}.")
-    input_ids = _token_ids(tokenizer, text)
-    labels = [IGNORE_INDEX] * len(input_ids)
     special_ids = _special_ids(tokenizer)
-    spans = []
-    for index, message in enumerate(messages):
-        if message["role"] == "assistant":
-            spans.append(_assistant_span(messages, index, tokenizer, tools, input_ids, special_ids))
-    if None in spans:  # an earlier turn renders differently once the conversation goes on (Qwen3's <think>)
-        found = _spans_in_whole_render(messages, text, tokenizer)
-        spans = [span if span is not None else found[turn] for turn, span in enumerate(spans)]
+    input_ids, spans = _spans_from_one_render(messages, text, tokenizer, tools, special_ids)
+    if spans is None:  # turn by turn: each assistant turn rendered as the last, and its generation prompt
+        input_ids, spans = _token_ids(tokenizer, text), []
+        for index, message in enumerate(messages):
+            if message["role"] == "assistant":
+                spans.append(_assistant_span(messages, index, tokenizer, tools, input_ids, special_ids))
+        if None in spans:  # an earlier turn renders differently once the conversation goes on (Qwen3's <think>)
+            found = _spans_in_whole_render(messages, text, tokenizer)
+            spans = [span if span is not None else found[turn] for turn, span in enumerate(spans)]
+    labels = [IGNORE_INDEX] * len(input_ids)
     answers = [message for message in messages if message["role"] == "assistant"]
     for (start, end), message in zip(spans, answers):
         if message["content"].strip() or message.get("tool_calls"):  # an empty answer teaches only to stop: not learned
             labels[start:end] = input_ids[start:end]
     return input_ids, labels
+
+
+# The generation prompt each chat template appends (`<|im_start|>assistant\n`), as last read off a conversation.
+_GENERATION_PROMPTS: dict[str, str] = {}
+
+
+def _spans_from_one_render(messages, text: str, tokenizer, tools, special_ids
+                           ) -> tuple[list[int] | None, list[tuple[int, int]] | None]:
+    """`(input_ids, spans)` of a conversation from its one rendering, tokenized once: linear in its turns, where
+    rendering and tokenizing each assistant turn as the last costs the square of them. The template's generation
+    prompt and the text closing an assistant turn are read off the last assistant turn (the conversation rendered up
+    to it with the generation prompt, a prefix of the whole, which ends with the generation prompt the template
+    appended to an earlier conversation or, read afresh, to this one without it); every assistant turn is then found
+    in the text after the previous one: the generation prompt, the answer right after it, the closing text right after
+    the answer (or after the tool calls, which must all be there), mapped to tokens through the tokenizer's character
+    offsets. Each turn's learned tokens are then those the turn-by-turn rendering learns: from where the generation
+    prompt ends to the special token that closes the turn. `(None, None)` wherever any of it does not hold (a slow
+    tokenizer, no generation prompt, a turn rendered otherwise): the caller renders turn by turn."""
+    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if not turns or not tokenizer.is_fast:
+        return None, None
+    last = turns[-1]
+    prompt = _render(tokenizer, messages[:last], tools, add_generation_prompt=True)
+    header = _GENERATION_PROMPTS.get(tokenizer.chat_template)
+    if header is None or not prompt.endswith(header):
+        before = _render(tokenizer, messages[:last], tools)
+        header = prompt[len(before):]
+        if not (header.strip() and prompt.startswith(before)):
+            return None, None
+        _GENERATION_PROMPTS[tokenizer.chat_template] = header
+    upto = text if last + 1 == len(messages) else _render(tokenizer, messages[: last + 1], tools)
+    if not (text.startswith(prompt) and text.startswith(upto)):
+        return None, None
+    encoded = tokenizer(text, add_special_tokens=False)
+    input_ids, token_at = encoded["input_ids"], encoded.char_to_token  # the token holding a character, or None
+    first, closing = token_at(len(prompt)), token_at(len(upto) - 1)
+    if first is None or closing is None:
+        return None, None
+    closing = next((i for i in range(closing, first - 1, -1) if input_ids[i] in special_ids), None)
+    if closing is None:
+        return None, None
+    span = encoded.token_to_chars(closing)
+    closer = text[span.start:span.end]  # `<|im_end|>`, `<|eot_id|>`, ...
+    spans, cursor = [], 0
+    for index in turns:
+        message = messages[index]
+        found = text.find(header, cursor)
+        if found < 0:
+            return None, None
+        start_char = found + len(header)
+        content = message["content"].strip()
+        if content and not text.startswith(content, start_char):
+            return None, None
+        after = start_char + len(content)
+        closed = text.find(closer, after)
+        between = text[after:closed]
+        calls = [call["function"]["name"] for call in message.get("tool_calls") or []]
+        if closed < 0 or (between.strip() if not calls else header in between or
+                          not all(name in between for name in calls)):
+            return None, None
+        cursor = closed + len(closer)
+        start, end = token_at(start_char), token_at(cursor - 1)  # from the token reaching past the prompt...
+        if start is None or end is None or index == last and start_char != len(prompt) \
+                or input_ids[end] not in special_ids:
+            return None, None
+        spans.append((start, end + 1))  # ...to the closing token, kept
+    return input_ids, spans
 
 
 # A two-turn conversation whose assistant turns show the tokens a template closes them with.

@@ -224,3 +224,36 @@ def test_labels_colours_learned_tokens_on_a_terminal():
     styled = console.file.getvalue()
     assert "train example 1 (alpaca, x): 6 tokens, 2 learned" in styled and "[[" not in styled
     assert "\x1b[2m<|user|>hi<|assistant|>\x1b[0m\x1b[1;32myo<|end|>\x1b[0m" in styled  # dim, then bold green
+
+
+def multi_turn(family: str, turns: int, seed: int, then_user: bool) -> list[dict]:
+    """`turns` exchanges of varied words (some answers empty), after a system prompt where the family has one."""
+    import random
+
+    rng = random.Random(seed)
+    words = "reverse sort the answer is abc cba ok count letters in word".split()
+    say = lambda most: " ".join(rng.choice(words) for _ in range(rng.randint(0, most))).strip()  # noqa: E731
+    messages = [] if family == "gemma" else [SYSTEM]
+    for _ in range(turns):
+        messages += [{"role": "user", "content": say(6) or "hi"}, {"role": "assistant", "content": say(9)}]
+    return messages + ([{"role": "user", "content": "and then?"}] if then_user else [])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_one_rendering_finds_the_spans_rendering_turn_by_turn_finds(tokenizers, family, monkeypatch):
+    """Labels from the conversation rendered and tokenized once (linear in its turns) equal those of each assistant
+    turn rendered as the last with its generation prompt (the square of them), on every family, 1 to 12 turns, with
+    empty answers and a trailing user turn; the templates whose turns render otherwise (a generation prompt that
+    opens a `<think>` block, Mistral's, which has none) keep the turn-by-turn path."""
+    import finetune.data.tokenize as tokenize
+
+    tokenizer = tokenizers[family]
+    conversations = [multi_turn(family, turns, seed, then_user) for turns in (1, 2, 5, 12) for seed in range(3)
+                     for then_user in (False, True)]
+    one_pass = [encode_conversation(messages, tokenizer) for messages in conversations]
+    taken = {tokenize._spans_from_one_render(messages, tokenize._render(tokenizer, messages), tokenizer, None,
+                                             tokenize._special_ids(tokenizer))[1] is not None
+             for messages in conversations}
+    monkeypatch.setattr(tokenize, "_spans_from_one_render", lambda *args: (None, None))
+    assert one_pass == [encode_conversation(messages, tokenizer) for messages in conversations]
+    assert taken == ({False} if family in ("chatml_think", "chatml_think_latest", "mistral") else {True})

@@ -202,3 +202,20 @@ def test_labels_view_shows_the_call_learned_and_the_result_masked(tmp_path, hub_
     assert f"[[{CALL}]]\n<|im_start|>user\n<tool_response>\nsunny, 21\n</tool_response><|im_end|>\n" in out
     assert f"[[{ANSWER}]]\n" in out and "[[" not in out.split("<|im_start|>assistant")[0]
     assert "── train example 1 (sharegpt, " in out and "1 example(s): " in out
+
+
+@pytest.mark.parametrize("row", [sharegpt_row(), openai_row(), sharegpt_row(tools=(WEATHER, TIME))])
+def test_tool_calls_are_found_in_one_rendering_as_turn_by_turn(chatml, row, monkeypatch):
+    """A conversation with tool calls and results is labelled from its one rendering (linear in its turns) exactly
+    as rendering each assistant turn as the last labels it."""
+    import finetune.data.tokenize as tokenize
+
+    dataset_format = "sharegpt" if "conversations" in row else "messages"
+    messages = to_messages(row, dataset_format)
+    tools = tokenize.to_tools(row)
+    text = tokenize._render(chatml, messages, tools)
+    assert tokenize._spans_from_one_render(messages, text, chatml, tools, tokenize._special_ids(chatml))[1]
+    one_pass = encode_example(row, dataset_format, chatml)
+    monkeypatch.setattr(tokenize, "_spans_from_one_render", lambda *args: (None, None))
+    assert one_pass == encode_example(row, dataset_format, chatml)
+    assert learned_runs(chatml, *one_pass)[-1] == ANSWER
