@@ -6,10 +6,11 @@
 A byte-level BPE tokenizer with learned merges and a ChatML template (the test suite's hub-shaped one, built here
 offline) is saved with a model; `--turns` user/assistant exchanges of varied words are written to three JSONL files
 (1, 8 and 32 exchanges a conversation, the same exchanges in the same order), and each is preprocessed with packing
-(rows of 8,192 tokens, which hold the longest conversation whole) by `finetune preprocess` in this process (start-up and imports excluded: a first run warms them)
-and by the plain path: `datasets.map` of the template into tokens, then `pack_dataset(..., 2048, "bfd")`. Prints,
-the median of `--repeats`, the milliseconds per assistant turn of each and their ratio. finetune also finds and
-verifies each learned span, which the plain path does not (it learns every token).
+into rows of 8,192 tokens (which hold the longest conversation whole: nothing is truncated on either side) by
+`finetune preprocess` in this process (start-up and imports excluded: a first run warms them) and by the plain path:
+`datasets.map` of the template into tokens, then `pack_dataset(..., 8192, "bfd")`. Prints, the median of
+`--repeats`, the milliseconds per assistant turn of each and their ratio. finetune also finds and verifies each
+learned span, which the plain path does not (it learns every token).
 """
 
 from __future__ import annotations
