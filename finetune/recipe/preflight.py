@@ -61,6 +61,7 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
     check_per_node_sizes(deepspeed)
     check_one_process_per_gpu(training_inputs)
     check_precision_on_gpu(training_inputs)
+    check_fused_kernels(training_inputs)
     return strategy, deepspeed
 
 
@@ -95,6 +96,24 @@ def check_optimizer_library(optim: Any) -> None:
             "bitsandbytes") is None:
         raise RecipeError(f"`optim: {name}` keeps its states with bitsandbytes, which is not installed here: install "
                           "it (it needs a CUDA GPU), or give `optim: adamw_torch` (32-bit states).")
+
+
+def check_fused_kernels(training_inputs: dict[str, Any]) -> None:
+    """`use_liger_kernel` patches the model with Liger's Triton kernels (Trainer's `apply_liger_kernel`), which need
+    a CUDA GPU and the `liger-kernel` package; without either Trainer stops only once the model is loaded, in a
+    traceback. Off by default: its effect is still to be measured on a GPU (docs/strategies.md, "What runs where")."""
+    import importlib.util
+
+    if not is_true(training_inputs.get("use_liger_kernel")):
+        return
+    gpu = None if is_true(training_inputs.get("use_cpu")) else visible_gpu()
+    if gpu is None:
+        raise RecipeError("`use_liger_kernel: true` runs Liger's Triton kernels, which need a CUDA GPU, and this "
+                          "process trains on the CPU: drop `use_liger_kernel` to train with PyTorch's own kernels.")
+    if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None:
+        raise RecipeError(f"`use_liger_kernel: true` on {gpu.describe()} needs the `liger-kernel` package (and Triton, "
+                          "which it brings), not installed here: `pip install liger-kernel`, or drop "
+                          "`use_liger_kernel`.")
 
 
 def check_hub_push(training_inputs: dict[str, Any]) -> None:

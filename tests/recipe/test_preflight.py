@@ -166,3 +166,25 @@ def test_packed_rows_under_context_parallelism_stop_naming_the_mask_it_drops(mon
     with pytest.raises(RecipeError, match=rf"^`{rows}: true` with `context_parallel_size: 2`: context parallelism "
                                           r"drops the attention mask .* attend across their boundaries; set "):
         reaches_training_arguments("--context_parallel_size", "2", f"--{rows}", "true")
+
+
+def test_liger_kernels_stop_in_one_line_without_cuda_or_without_the_package(monkeypatch, reaches_training_arguments,
+                                                                             capsys):
+    """Liger's kernels are Triton: on the CPU the recipe stops before anything loads, with the fix; on a GPU without
+    the `liger-kernel` package (this machine has none), with the install line. With both it reaches Trainer."""
+    import importlib.util
+
+    from finetune.cli import main
+
+    assert main(["train", "recipes/demo.yaml", "--use_liger_kernel", "true", "--output_dir", "unused"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["finetune: error: `use_liger_kernel: true` runs Liger's Triton kernels, which need a CUDA GPU, and "
+                   "this process trains on the CPU: drop `use_liger_kernel` to train with PyTorch's own kernels."]
+    simulate_gpus(monkeypatch, A100)
+    with pytest.raises(RecipeError, match=r"on NVIDIA A100.* needs the `liger-kernel` package .* `pip install "
+                                          r"liger-kernel`, or drop `use_liger_kernel`\.$"):
+        reaches_training_arguments("--use_liger_kernel", "true")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object() if name in ("liger_kernel", "triton")
+                        else find_spec(name, *args))
+    assert reaches_training_arguments("--use_liger_kernel", "true").use_liger_kernel
