@@ -105,6 +105,10 @@ def describe_effective_config(trainer, recipe) -> dict:
                                                                "(load balancing on, as in TRL)"))
     add("global_batch_size", BatchPlan.running(args).global_batch_size, "micro-batch × processes × accumulation")
     add("loss_normalization", args.loss_normalization, sources.get("loss_normalization", "default"))
+    if hasattr(trainer, "full_logits_reason"):  # the toolkit's SFT trainer (TRL's trainers fuse their own heads)
+        reason = trainer.full_logits_reason
+        add("loss_head", "full logits" if reason else "fused (TRL's add_fused_lm_head: no full logits)",
+            reason or "default")
     if "max_steps" in sources:  # given, or a token budget's steps
         add("max_steps", args.max_steps, sources["max_steps"])
     if recipe.model.chat_template is not None:  # the template conversations were rendered with, and where it came from

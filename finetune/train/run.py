@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -111,6 +112,8 @@ def train(recipe: Recipe) -> dict:
                                                frozen_check, divergence, preemption) if callback is not None]
         trainer = method.build_trainer(recipe, model, tokenizer, data, callbacks)  # the data summary is now complete
         if memory_report is not None:
+            if getattr(trainer, "full_logits_reason", None):  # the method's fused head given up for a feature
+                memory_report.method = replace(memory_report.method, fused_head=False, logits_held=True)
             reference = getattr(trainer, "ref_model", None)  # TRL's name for a frozen reference
             memory_report.host_load_bytes = loading.bytes
             memory_report.reference_model = reference

@@ -315,6 +315,12 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.full_logits_reason = full_logits_reason(self)
+        if self.full_logits_reason is None:  # the loss from TRL's fused LM head: no (batch, sequence, vocab) logits
+            from trl.trainer.utils import add_fused_lm_head
+
+            model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            add_fused_lm_head(model)  # generation and any other call without `fused_lm_head` keep the model's forward
         if self.args.loss_normalization == "micro_batch_mean":
             # compute_loss returns each micro-batch's own mean and training_step divides it by the accumulation steps;
             # Trainer then need not count (and all-reduce) the step's answer tokens before every step.
@@ -340,9 +346,15 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
         `micro_batch_mean`: the classic mean over this micro-batch's answer tokens, divided by the accumulation steps
         (`loss_is_scaled_for_ga` False); a micro-batch with few answer tokens then weighs as much as a full one, and
         the update changes with the GPU count. Kept for comparison.
+
+        Either way the token losses come from TRL's fused LM head (`add_fused_lm_head`): the head projects only the
+        positions with a label, in tiles, and the (batch, sequence, vocab) logits and their fp32 copies are never
+        built; where a feature needs the full logits (`full_logits_reason`), the model's own loss computes them.
         """
         if self.args.loss_normalization == "micro_batch_mean":
             num_items_in_batch = None
+        if self.full_logits_reason is None:
+            inputs = {**inputs, "fused_lm_head": True}
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
         excess = self._sequence_parallel_gradient_excess if model.training else 1
@@ -372,6 +384,22 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
         if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and optimizer.reduce_scatter:
             return 1
         return ranks
+
+
+def full_logits_reason(trainer) -> str | None:
+    """Why this trainer computes the loss from the full logits rather than TRL's fused LM head (None: fused), as the
+    effective config records it."""
+    args = trainer.args
+    if args.label_smoothing_factor:
+        return "label smoothing (`label_smoothing_factor`) weighs every logit"
+    if trainer.compute_loss_func is not None or trainer.compute_metrics is not None \
+            or trainer.preprocess_logits_for_metrics is not None:
+        return "a loss function or metrics given to the trainer read the logits"
+    if trainer.get_sp_size() > 1 or trainer.get_cp_size() > 1:
+        return "sequence or context parallelism computes the loss on its own (Transformers' sharded loss)"
+    if type(trainer).compute_loss is not FinetuneTrainer.compute_loss:
+        return f"{type(trainer).__name__} computes its own loss"
+    return None
 
 
 def cast_state_dict(state_dict: dict, dtype) -> dict:

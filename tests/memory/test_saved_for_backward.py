@@ -119,3 +119,23 @@ def test_a_tensor_parallel_rank_saves_its_share_of_the_casts_and_of_the_mlp_inpu
     local = measure(str(tmp_path), Setup(**DDP, sequence_length=1024), loss=False).per_layer
     tensor_parallel = Setup(strategy="tensor_parallel", num_gpus=t, tensor_parallel_size=t, sequence_length=1024)
     assert saved_per_layer_bytes(model_shape(model), tensor_parallel) == pytest.approx(local, rel=0.01)
+
+
+@pytest.mark.parametrize("tokens", [2048, 8192])
+def test_sft_through_the_fused_head_keeps_no_logits_and_drops_what_the_plan_drops(tokens):
+    """SFT's loss comes from TRL's fused LM head (finetune.train.trainer.FinetuneTrainer): at Llama-3-8B width
+    (vocabulary 128,256) what the forward saves outside the layers is less than one bf16 (tokens × vocab) tensor, and
+    the bytes it no longer saves, measured against the full-logits loss, are those the plan no longer counts."""
+    from finetune.train.methods.sft import SupervisedFineTuning
+
+    terms = SupervisedFineTuning.memory
+    assert terms.fused_head and not terms.logits_held
+    shape = model_shape("llama-3-8b")
+    fused = Setup(**DDP, sequence_length=tokens, method=terms)
+    full = replace(fused, method=MethodTerms())
+    measured_fused, measured_full = measure("llama-3-8b", fused), measure("llama-3-8b", full)
+    assert measured_fused.outside_layers < 2 * tokens * shape.vocab_size
+    assert measured_fused.per_layer == measured_full.per_layer
+    dropped = measured_full.outside_layers - measured_fused.outside_layers
+    planned = saved_outside_layers_bytes(shape, full) - saved_outside_layers_bytes(shape, fused)
+    assert planned == pytest.approx(dropped, rel=0.05), (planned / MiB, dropped / MiB)

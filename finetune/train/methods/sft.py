@@ -7,12 +7,16 @@ on held-out prompts that the before/after summary reports.
 
 from __future__ import annotations
 
+from finetune.memory.estimate import MethodTerms
 from finetune.recipe.methods import Method
 
 
 class SupervisedFineTuning(Method):
     name = "sft"
     description = "learn the answers of the data (cross-entropy on the answer tokens)"
+    # The loss from TRL's fused LM head (finetune.train.trainer.FinetuneTrainer): no full logits are held; a run
+    # that needs them (label smoothing, sequence parallelism) counts them again (finetune.train.run)
+    memory = MethodTerms(logits_held=False, fused_head=True)
 
     def plan_data(self, sections):
         from finetune.data.pipeline import example_lengths
