@@ -98,8 +98,9 @@ def encode_conversation(messages: list[dict], tokenizer, tools: list[dict] | Non
     return input_ids, labels
 
 
-# The generation prompt each chat template appends (`<|im_start|>assistant\n`), as last read off a conversation.
-_GENERATION_PROMPTS: dict[str, str] = {}
+# The generation prompt each chat template appends (`<|im_start|>assistant\n`), as last read off a conversation
+# (with tools or without: a tokenizer may keep a template for each).
+_GENERATION_PROMPTS: dict[tuple[str, bool], str] = {}
 
 
 def _spans_from_one_render(messages, text: str, tokenizer, tools, special_ids
@@ -119,13 +120,14 @@ def _spans_from_one_render(messages, text: str, tokenizer, tools, special_ids
         return None, None
     last = turns[-1]
     prompt = _render(tokenizer, messages[:last], tools, add_generation_prompt=True)
-    header = _GENERATION_PROMPTS.get(tokenizer.chat_template)
+    template = (str(tokenizer.chat_template), bool(tools))
+    header = _GENERATION_PROMPTS.get(template)
     if header is None or not prompt.endswith(header):
         before = _render(tokenizer, messages[:last], tools)
         header = prompt[len(before):]
         if not (header.strip() and prompt.startswith(before)):
             return None, None
-        _GENERATION_PROMPTS[tokenizer.chat_template] = header
+        _GENERATION_PROMPTS[template] = header
     upto = text if last + 1 == len(messages) else _render(tokenizer, messages[: last + 1], tools)
     if not (text.startswith(prompt) and text.startswith(upto)):
         return None, None
