@@ -34,19 +34,22 @@ class Variant:
     launch: str | None = None  # a shipped strategy (finetune.launch.strategies.SHIPPED)
     extra: list[str] = field(default_factory=list)
     plain: bool = False
+    peer: bool = False  # TRL's SFTTrainer (finetune.bench.trl_sft), run with `finetune bench --peers`
     needs_cuda: str | None = None  # why it cannot run without CUDA
     repeats: int = 1  # the median run is kept: the baseline and the callback-overhead pair are compared closely
 
 
 def variants(processes: int) -> list[Variant]:
-    """The plain baseline, the toolkit's defaults (with and without its callbacks), packing, fused kernels, then
-    every strategy on `processes` processes."""
+    """The plain baseline, the toolkit's defaults (with and without its callbacks), packing, the peer (TRL's
+    SFTTrainer, padded and packed), fused kernels, then every strategy on `processes` processes."""
     single = [
         Variant("plain_trainer", "plain Hugging Face Trainer, padded batches (the baseline)", plain=True, repeats=3),
         Variant("finetune", "finetune train defaults", repeats=3),
         Variant("finetune_no_callbacks", "same, memory and throughput reports off (callback overhead)",
                 extra=["--memory_report", "false", "--throughput_report", "false"], repeats=3),
         Variant("packing", "finetune train, packed rows", extra=["--packing", "true"]),
+        Variant("trl_sft", "TRL SFTTrainer, padded batches (its fused LM head)", peer=True, repeats=3),
+        Variant("trl_sft_packed", "TRL SFTTrainer, packed rows", peer=True, extra=["--packing"]),
         Variant("liger", "finetune train, packed rows, Liger fused kernels",
                 extra=["--packing", "true", "--use_liger_kernel", "true"],
                 needs_cuda="Liger kernels are Triton (CUDA)"),
@@ -97,11 +100,13 @@ class Settings:
 
 
 def command(variant: Variant, settings: Settings, output_dir: Path) -> list[str]:
-    if variant.plain:
-        return [sys.executable, "-m", "finetune.bench.plain_trainer", "--model_dir", settings.model,
+    if variant.plain or variant.peer:
+        program = "finetune.bench.plain_trainer" if variant.plain else "finetune.bench.trl_sft"
+        return [sys.executable, "-m", program, "--model_dir", settings.model,
                 "--train_file", str(settings.train_file), "--output_dir", str(output_dir),
                 "--max_seq_length", str(settings.max_seq_length), "--per_device_train_batch_size",
-                str(settings.micro_batch), "--max_steps", str(settings.steps), *(["--bf16"] if settings.bf16 else [])]
+                str(settings.micro_batch), "--max_steps", str(settings.steps), *(["--bf16"] if settings.bf16 else []),
+                *variant.extra]
     args = ["train", "recipes/demo.yaml", "--model_name_or_path", settings.model, "--train_file",
             str(settings.train_file), "--output_dir", str(output_dir), "--max_seq_length", str(settings.max_seq_length),
             "--per_device_train_batch_size", str(settings.micro_batch), "--gradient_accumulation_steps", "1",

@@ -1,7 +1,7 @@
 """`finetune bench`: the plain Trainer baseline and the toolkit's variants (defaults, packing, fused kernels,
-DDP, every ZeRO stage and FSDP) side by side on one model, data and sequence length; prints useful tokens/s with
-ratios to the baseline, 1 → N process scaling and the callbacks' overhead, and writes
-benchmarks/results/<device>.json."""
+DDP, every ZeRO stage and FSDP) side by side on one model, data and sequence length, and with `--peers` TRL's
+SFTTrainer (padded and packed) on the same settings; prints useful tokens/s with ratios to the baseline and to TRL,
+1 → N process scaling and the callbacks' overhead, and writes benchmarks/results/<device>.json."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def bench_command_parser(subparsers) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--cpu", action="store_true", help="CPU mode (the default without CUDA)")
     mode.add_argument("--gpu", action="store_true", help="GPU mode (the default with CUDA)")
-    parser.add_argument("--variants", nargs="+", help="run only these (default: all)")
+    parser.add_argument("--variants", nargs="+", help="run only these (default: all but the peers)")
+    parser.add_argument("--peers", action="store_true", help="also run TRL's SFTTrainer (padded and packed) on the "
+                        "same model, data and settings, beside finetune and plain Trainer")
     parser.add_argument("--processes", type=int, default=2, help="processes for the strategy variants")
     parser.add_argument("--model", help="tiny, or a known shape built with random weights (e.g. llama-3.2-1b)")
     parser.add_argument("--steps", type=int, help="optimizer steps per variant")
@@ -54,13 +56,7 @@ def bench_command(args) -> int:
     if args.gpu and not torch.cuda.is_available():
         raise RecipeError("--gpu needs CUDA and none is visible; run with --cpu.")
     defaults = MODES["gpu" if cuda else "cpu"]
-    chosen = variants(args.processes)
-    known = [variant.name for variant in chosen]
-    unknown = sorted(set(args.variants or []) - set(known))
-    if unknown:
-        raise RecipeError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(known)}.")
-    if args.variants:
-        chosen = [variant for variant in chosen if variant.name in args.variants]
+    chosen = chosen_variants(variants(args.processes), args.variants, args.peers)
     for variant in chosen if args.repeats else []:
         variant.repeats = args.repeats
     with tempfile.TemporaryDirectory(prefix="finetune-bench-") as scratch:
@@ -85,6 +81,19 @@ def bench_command(args) -> int:
     return 0
 
 
+def chosen_variants(every: list, names: list[str] | None, peers: bool) -> list:
+    """The variants named (in the bench's order), else every one, TRL's SFTTrainer rows only with `--peers`."""
+    from finetune.errors import RecipeError
+
+    known = [variant.name for variant in every]
+    unknown = sorted(set(names or []) - set(known))
+    if unknown:
+        raise RecipeError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(known)}.")
+    if names:
+        return [variant for variant in every if variant.name in names]
+    return [variant for variant in every if peers or not variant.peer]
+
+
 def rate(rows: dict, name: str) -> float | None:
     return rows.get(name, {}).get("tokens_per_second")
 
@@ -101,6 +110,11 @@ def comparisons(rows: dict, processes: int) -> dict:
     with_callbacks, without = rate(rows, "finetune"), rate(rows, "finetune_no_callbacks")
     if with_callbacks and without:
         result["callback_overhead"] = without / with_callbacks - 1  # extra time per token the callbacks cost
+    peers = {ours: (theirs, rate(rows, ours), rate(rows, theirs))
+             for ours, theirs in (("finetune", "trl_sft"), ("packing", "trl_sft_packed"))}
+    versus = {f"{ours}_vs_{theirs}": mine / peer for ours, (theirs, mine, peer) in peers.items() if mine and peer}
+    if versus:
+        result["vs_trl"] = versus  # finetune's tokens/s over TRL's SFTTrainer's, padded and packed
     return result
 
 
@@ -126,6 +140,10 @@ def print_table(record: dict) -> None:
         scaling = record["scaling"]
         console.print(f"scaling 1 → {scaling['processes']} processes (DDP, same micro-batch each): "
                       f"{scaling['speedup']:.2f}× speedup, {scaling['efficiency']:.0%} efficiency")
+    for pair, ratio in record.get("vs_trl", {}).items():
+        ours, theirs = pair.split("_vs_")
+        console.print(f"{ours} against TRL's SFTTrainer ({theirs}), same model, data and settings: {ratio:.2f}× "
+                      "the tokens/s")
     if "callback_overhead" in record:
         runs = record["variants"]["finetune"]["repeats"] + record["variants"]["finetune_no_callbacks"]["repeats"]
         console.print(f"toolkit callbacks: {record['callback_overhead']:+.1%} time per token (finetune vs "

@@ -5,12 +5,13 @@ import json
 
 from support import finetune_command, run
 
-from finetune.commands.bench import comparisons
+from finetune.bench.harness import variants
+from finetune.commands.bench import chosen_variants, comparisons
 
 
 def test_bench_runs_the_baseline_and_a_variant_and_writes_the_results(tmp_path):
-    result = run(finetune_command("bench", "--cpu", "--variants", "plain_trainer", "packing", "liger", "--steps", "3",
-                                  "--repeats", "1", "--results-dir", str(tmp_path)), timeout=300)
+    result = run(finetune_command("bench", "--cpu", "--variants", "plain_trainer", "packing", "trl_sft_packed", "liger",
+                                  "--steps", "3", "--repeats", "1", "--results-dir", str(tmp_path)), timeout=300)
     assert result.returncode == 0, result.output[-3000:]
     record = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())
     assert record["settings"] == {"model": "tiny", "max_seq_length": 256, "micro_batch": 16, "steps": 3, "bf16": False}
@@ -19,6 +20,11 @@ def test_bench_runs_the_baseline_and_a_variant_and_writes_the_results(tmp_path):
     assert packing["vs_baseline"] == packing["tokens_per_second"] / plain["tokens_per_second"]
     assert packing["tokens"] > 2 * plain["tokens"]  # 3 steps of 16 packed rows of 256 hold more than 48 examples
     assert record["variants"]["liger"]["skipped"].startswith("Liger kernels are Triton (CUDA)")
+    # TRL's SFTTrainer on the same packed rows, read the same way, and the ratio to it printed
+    trl = record["variants"]["trl_sft_packed"]
+    assert trl["tokens"] > 2 * plain["tokens"] and trl["train_loss"] > 0
+    assert record["vs_trl"] == {"packing_vs_trl_sft_packed": packing["tokens_per_second"] / trl["tokens_per_second"]}
+    assert "packing against TRL's SFTTrainer (trl_sft_packed)" in result.output
     assert "useful tokens/s" in result.output and "× baseline" in result.output
 
 
@@ -30,3 +36,15 @@ def test_comparisons_give_scaling_efficiency_and_callback_overhead():
     assert result["scaling"] == {"processes": 2, "speedup": 1.9, "efficiency": 0.95}
     assert abs(result["callback_overhead"] - 0.025) < 1e-12
     assert rows["ddp"]["vs_baseline"] == 2.28 and rows["liger"]["vs_baseline"] is None
+    assert "vs_trl" not in result  # no peer ran
+    rows["trl_sft"] = {"tokens_per_second": 96.0}
+    assert comparisons(rows, processes=2)["vs_trl"] == {"finetune_vs_trl_sft": 1.25}
+
+
+def test_the_peers_run_with_peers_or_by_name():
+    every = variants(processes=2)
+    names = lambda chosen: [variant.name for variant in chosen]  # noqa: E731
+    assert not {"trl_sft", "trl_sft_packed"} & set(names(chosen_variants(every, None, peers=False)))
+    assert names(chosen_variants(every, None, peers=True))[:6] == [
+        "plain_trainer", "finetune", "finetune_no_callbacks", "packing", "trl_sft", "trl_sft_packed"]
+    assert names(chosen_variants(every, ["trl_sft", "plain_trainer"], peers=False)) == ["plain_trainer", "trl_sft"]
