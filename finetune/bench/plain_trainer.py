@@ -21,8 +21,9 @@ from transformers import (
 from finetune import outputs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every baseline the bench runs takes (finetune.bench.harness.command passes them)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model_dir", required=True, help="a save_pretrained directory, or tiny")
     parser.add_argument("--train_file", required=True)
     parser.add_argument("--output_dir", required=True)
@@ -31,16 +32,33 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=30)
     parser.add_argument("--learning_rate", type=float, default=2e-4)
     parser.add_argument("--bf16", action="store_true")
-    args = parser.parse_args()
+    return parser
 
-    if args.model_dir == "tiny":  # the embedded default has no directory: it is built in code
+
+def model_and_tokenizer(model_dir: str):
+    if model_dir == "tiny":  # the embedded default has no directory: it is built in code
         from finetune import presets
 
         tokenizer = presets.build_tokenizer()
-        model = presets.build_model(tokenizer)
+        return presets.build_model(tokenizer), tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto"), tokenizer  # as saved, like finetune train
+
+
+def write_peak_memory(output_dir: str) -> None:
+    """The process's peak: allocated on the GPU, else resident on the host (the bench reads it as a toolkit run's)."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated()
     else:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto")  # as saved, like finetune train
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    outputs.write_record(output_dir, outputs.PEAK_MEMORY, {"peak_bytes": peak})
+
+
+def main() -> None:
+    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+    model, tokenizer = model_and_tokenizer(args.model_dir)
 
     def tokenize(batch):
         texts = [f"{instruction}\n{text}\n{output}{tokenizer.eos_token}"
@@ -59,13 +77,7 @@ def main() -> None:
                       data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
     trainer.train()
     trainer.save_state()
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    outputs.write_record(args.output_dir, outputs.PEAK_MEMORY, {"peak_bytes": peak})
+    write_peak_memory(args.output_dir)
 
 
 if __name__ == "__main__":

@@ -8,37 +8,18 @@ packs rows with its best-fit packer.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from datasets import load_dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
-from finetune import outputs
+from finetune.bench.plain_trainer import bench_parser, model_and_tokenizer, write_peak_memory
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model_dir", required=True, help="a save_pretrained directory, or tiny")
-    parser.add_argument("--train_file", required=True)
-    parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--max_seq_length", type=int, default=256)
-    parser.add_argument("--per_device_train_batch_size", type=int, default=16)
-    parser.add_argument("--max_steps", type=int, default=30)
-    parser.add_argument("--learning_rate", type=float, default=2e-4)
-    parser.add_argument("--bf16", action="store_true")
+    parser = bench_parser(__doc__.splitlines()[0])
     parser.add_argument("--packing", action="store_true")
     args = parser.parse_args()
-
-    if args.model_dir == "tiny":  # the embedded default has no directory: it is built in code
-        from finetune import presets
-
-        tokenizer = presets.build_tokenizer()
-        model = presets.build_model(tokenizer)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto")
+    model, tokenizer = model_and_tokenizer(args.model_dir)
 
     raw = load_dataset("json", data_files=args.train_file, split="train")
     train = raw.map(lambda row: {"prompt": f"{row['instruction']}\n{row['input']}\n", "completion": row["output"]},
@@ -53,13 +34,7 @@ def main() -> None:
     trainer = SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer)
     trainer.train()
     trainer.save_state()
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    outputs.write_record(args.output_dir, outputs.PEAK_MEMORY, {"peak_bytes": peak})
+    write_peak_memory(args.output_dir)
 
 
 if __name__ == "__main__":
