@@ -485,6 +485,13 @@ class FinetuneTrainingArguments(TrainingArguments):
                           "(Trainer's num_items_in_batch). micro_batch_mean: the classic per-micro-batch mean, "
                           "which changes the gradient when the GPU count changes; kept for comparison."},
     )
+    fused_lm_head: bool = field(
+        default=True,
+        metadata={"help": "Score the tokens through TRL's fused LM head (`add_fused_lm_head`): only the positions "
+                          "with a label are projected, in tiles, and the (batch, sequence, vocabulary) logits are "
+                          "never built. false: the loss from the full logits (SFT, CPO and ORPO; for comparison). "
+                          "DPO, KTO and GRPO always score through TRL's fused head; a reward model has no LM head."},
+    )
     strategy: str | None = field(
         default=None,
         metadata={"help": "How `finetune train` launches itself when no launcher started it: a shipped strategy (ddp, "

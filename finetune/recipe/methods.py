@@ -46,6 +46,8 @@ class Method:
     finetune.recipe.aliases while this method is the recipe's, and are refused, naming it, under another."""
     memory: ClassVar[MethodTerms] = MethodTerms()
     """What it adds to the memory estimate and ledger (a reference model, sequences per example)."""
+    full_logits_on_request: ClassVar[bool] = False
+    """Whether `fused_lm_head: false` gives this method's loss from the full logits (its trainer has both paths)."""
     preprocess_refusal: ClassVar[str | None] = None
     """Why `finetune preprocess` cannot cache this method's data, or None when it can."""
 

@@ -35,6 +35,7 @@ from finetune.recipe.preflight import (
     check_context_parallel_rows,
     check_launcher_precision,
     check_lora_adapters,
+    check_loss_head,
     check_named_strategy,
     check_parallelism,
     check_pipeline,
@@ -202,6 +203,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     _apply_batch_plan(batch_plan, training_inputs, sources)
     _steps_of_the_data(data, batch_plan, training_inputs, sources)
     sections.method.check_training_keys(training_inputs, sources)
+    check_loss_head(sections.method, training_inputs)
     max_steps = int(training_inputs.get("max_steps") or -1)  # -1 (epochs): said once Trainer knows the steps
     warning = warmup_warning(float(training_inputs.get("warmup_steps") or 0), float(training_inputs["learning_rate"]),
                              max_steps)

@@ -386,10 +386,15 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
         return ranks
 
 
+FULL_LOGITS_ASKED = "`fused_lm_head: false`"
+
+
 def full_logits_reason(trainer) -> str | None:
     """Why this trainer computes the loss from the full logits rather than TRL's fused LM head (None: fused), as the
     effective config records it."""
     args = trainer.args
+    if not args.fused_lm_head:
+        return FULL_LOGITS_ASKED
     if args.label_smoothing_factor:
         return "label smoothing (`label_smoothing_factor`) weighs every logit"
     if trainer.compute_loss_func is not None or trainer.compute_metrics is not None \

@@ -198,7 +198,7 @@ def test_plan_for_dpo_shows_the_reference_and_launches_with_the_method(tmp_path)
     assert all(row["setup"]["method"] == {"reference_model": True, "sequences_per_example": 2, "logits_held": False,
                                           "completion_length": 0, "steps_per_generation": None,
                                           "reward_model_parameters": 0, "gathers_for_generation": True,
-                                          "fused_head": False}
+                                          "fused_head": True}  # TRL's DPO scores through its fused head
                for row in plan["strategies"])
     assert plan["data"]["method"] == "dpo"
 

@@ -144,10 +144,11 @@ def test_what_cpo_and_orpo_cannot_train_with_is_refused_by_name(overrides, messa
         parse_recipe(DEMO, [*overrides, "--output_dir", str(tmp_path)])
 
 
-def test_no_reference_model_two_sequences_a_pair_and_the_logits_held():
+def test_no_reference_model_two_sequences_a_pair_through_the_fused_head():
     for method in (ContrastivePreferenceOptimization, OddsRatioPreferenceOptimization):
         memory = method.memory
-        assert (memory.reference_model, memory.sequences_per_example, memory.logits_held) == (False, 2, True)
+        assert (memory.reference_model, memory.sequences_per_example, memory.logits_held, memory.fused_head) == \
+            (False, 2, False, True)
 
 
 def test_what_is_used_of_trl_experimental_is_there_and_imported_without_its_notice():

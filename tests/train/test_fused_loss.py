@@ -1,16 +1,18 @@
-"""SFT's loss from TRL's fused LM head (`add_fused_lm_head`, finetune.train.trainer.FinetuneTrainer): the same
-losses as the model's own loss over the full logits, on the embedded tiny model and on a hub-shaped bf16 checkpoint
-(untied head, grouped-query attention); the effective config names the head and, where a feature needs the full
-logits, why."""
+"""The losses from TRL's fused LM head (`add_fused_lm_head`): SFT's (finetune.train.trainer.FinetuneTrainer) and the
+reference-free pair methods' (CPO and ORPO: finetune.train.methods.reference_free_trainer) equal the full logits'
+(`fused_lm_head: false`), on the embedded tiny model and on a hub-shaped bf16 checkpoint (untied head, grouped-query
+attention); the effective config names the head and, where a feature needs the full logits, why; the methods whose
+trainers have no full-logits path refuse the key."""
 
 import json
 
 import pytest
 from hub_fixtures import save_hub_model
 
-import finetune.train.trainer as trainer_module
 from finetune import outputs
 from finetune.cli import main
+from finetune.errors import RecipeError
+from finetune.recipe.parse import parse_recipe
 
 RUN = ["--max_steps", "3", "--logging_steps", "1", "--eval_on_start", "false", "--generation_eval_samples", "0",
        "--report_to", "none", "--save_strategy", "no", "--max_eval_samples", "8"]
@@ -33,17 +35,53 @@ def hub_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("model", ["tiny", "hub"])
-def test_the_fused_head_trains_with_the_losses_of_the_full_logits(model, hub_model, tmp_path, monkeypatch):
+def test_the_fused_head_trains_with_the_losses_of_the_full_logits(model, hub_model, tmp_path):
     extra = [] if model == "tiny" else ["--model_name_or_path", str(hub_model)]
     fused, full = tmp_path / "fused", tmp_path / "full"
     assert main(["train", "recipes/demo.yaml", "--output_dir", str(fused), *RUN, *extra]) == 0
-    with monkeypatch.context() as patched:
-        patched.setattr(trainer_module, "full_logits_reason", lambda trainer: "the test's reference run")
-        assert main(["train", "recipes/demo.yaml", "--output_dir", str(full), *RUN, *extra]) == 0
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(full), *RUN, *extra, "--fused_lm_head", "false"]) == 0
     assert loss_head(fused) == {"value": "fused (TRL's add_fused_lm_head: no full logits)", "source": "default"}
-    assert loss_head(full) == {"value": "full logits", "source": "the test's reference run"}
+    assert loss_head(full) == {"value": "full logits", "source": "`fused_lm_head: false`"}
     assert len(losses(fused)) == 4  # 3 steps and the final evaluation
     assert losses(fused) == pytest.approx(losses(full), rel=1e-5)
+    report = outputs.read_record(full, outputs.MEMORY_REPORT)["ranks"][0]["predicted"]["estimate"]["setup"]
+    assert report["method"]["logits_held"] and not report["method"]["fused_head"]  # the plan counts them again
+
+
+# CPO's default loss (sigmoid) with its NLL term over the answers and summed log-probabilities; ORPO with its NLL over
+# the whole chosen sequence and per-token mean log-probabilities. Each logs its preference terms every step.
+PAIRS = {"cpo": ["--method", "cpo", "--cpo_alpha", "1"], "orpo": ["--method", "orpo", "--beta", "0.2"]}
+PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "nll_loss")
+
+
+def logged(output_dir, keys) -> list[float]:
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    return [entry[key] for entry in history for key in keys if key in entry]
+
+
+@pytest.mark.parametrize(("method", "model"), [("cpo", "tiny"), ("cpo", "hub"), ("orpo", "tiny")])
+def test_cpo_and_orpo_through_the_fused_head_train_with_the_full_logits_losses(method, model, hub_model, tmp_path):
+    extra = [*PAIRS[method], "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--warmup_steps", "0",
+             *([] if model == "tiny" else ["--model_name_or_path", str(hub_model)])]
+    fused, full = tmp_path / "fused", tmp_path / "full"
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(fused), *RUN, *extra]) == 0
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(full), *RUN, *extra, "--fused_lm_head", "false"]) == 0
+    assert loss_head(fused) == {"value": "fused (TRL's add_fused_lm_head: no full logits)", "source": "default"}
+    assert loss_head(full) == {"value": "full logits", "source": "`fused_lm_head: false`"}
+    assert len(losses(fused)) == 4  # 3 steps and the final evaluation
+    assert losses(fused) == pytest.approx(losses(full), rel=1e-5)
+    metrics = logged(fused, PAIR_METRICS)
+    assert len(metrics) == 3 * len(PAIR_METRICS) and metrics == pytest.approx(logged(full, PAIR_METRICS), rel=1e-5)
+    setup = outputs.read_record(fused, outputs.MEMORY_REPORT)["ranks"][0]["predicted"]["estimate"]["setup"]
+    assert setup["method"]["fused_head"] and not setup["method"]["logits_held"]
+
+
+@pytest.mark.parametrize("method", ["dpo", "kto", "grpo", "reward"])
+def test_methods_without_a_full_logits_path_refuse_fused_lm_head_false(method, tmp_path):
+    with pytest.raises(RecipeError, match=rf"`fused_lm_head: false` with `method: {method}`: its trainer has no "
+                                          "full-logits path"):
+        parse_recipe("recipes/demo.yaml", ["--method", method, "--fused_lm_head", "false", "--output_dir",
+                                           str(tmp_path)])
 
 
 def test_label_smoothing_keeps_the_full_logits_and_says_why(tmp_path):

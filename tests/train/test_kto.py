@@ -193,4 +193,5 @@ def test_what_kto_cannot_train_with_is_refused_by_name_before_any_process_starts
 
 def test_kto_holds_a_reference_and_one_sequence_an_example_for_the_backward():
     memory = KahnemanTverskyOptimization.memory
-    assert (memory.reference_model, memory.sequences_per_example, memory.logits_held) == (True, 1, False)
+    assert (memory.reference_model, memory.sequences_per_example, memory.logits_held, memory.fused_head) == \
+        (True, 1, False, True)

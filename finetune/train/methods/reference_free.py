@@ -4,8 +4,10 @@ and ORPO, through TRL's experimental CPOTrainer and ORPOTrainer, which are built
 - the data are the preference pairs every pair method reads (finetune.data.pairs);
 - no reference model: the preference term compares the policy's own log-probabilities of the chosen and rejected
   answers (their per-token means for SimPO and ORPO), so a run holds one model;
-- chosen and rejected run as one forward of two sequences a pair, and these trainers keep its logits over the whole
-  vocabulary (`concatenated_forward`: `outputs.logits`, then a log-softmax), which the memory estimate counts;
+- chosen and rejected run as one forward of two sequences a pair, scored through TRL's fused LM head: TRL's trainers
+  keep the logits over the whole vocabulary (`concatenated_forward`: `outputs.logits`, then a log-softmax), which the
+  toolkit's never builds (finetune.train.methods.reference_free_trainer); `fused_lm_head: false` keeps TRL's path,
+  and the memory estimate then counts the logits again;
 - TRL tokenizes the pairs when the trainer is built and cuts only the answers; here they are cut as the other pair
   methods' are, keeping each sequence's start, under the same length policies (finetune.train.methods.
   reference_free_trainer);
@@ -29,8 +31,9 @@ class ReferenceFreePairMethod(PairMethod):
     """The toolkit's subclass of TRL's trainer, "module:class", imported when a run builds it."""
     training_config: ClassVar[Callable[[], type]]
     """TRL's config joined with ours, built when first asked for (finetune.recipe.args.trl_config)."""
-    # Chosen and rejected in one forward; the logits over the vocabulary are kept for the loss
-    memory = MethodTerms(reference_model=False, sequences_per_example=2, logits_held=True)
+    # Chosen and rejected in one forward, scored through TRL's fused head: no logits over the vocabulary are held
+    memory = MethodTerms(reference_model=False, sequences_per_example=2, logits_held=False, fused_head=True)
+    full_logits_on_request = True  # `fused_lm_head: false`: TRL's own forward over the full logits
 
     def trl_values(self) -> dict[str, Any]:
         """The method's keys as TRL's config names them."""

@@ -16,7 +16,7 @@ from finetune.data.pairs import SOURCE_COLUMN, apply_pair_length_policies
 from finetune.models.loading import hold_trainable_parameters, trainable_dtype
 from finetune.models.lora import lora_config
 from finetune.train.methods.trl_trainers import trl_refusals
-from finetune.train.trainer import FinetuneTrainerMixin
+from finetune.train.trainer import FULL_LOGITS_ASKED, FinetuneTrainerMixin
 
 # A tokenized pair's sequences, as TRL's tokenize_row writes them: prompt + answer, whole
 SEQUENCES = ("chosen", "rejected")
@@ -48,11 +48,70 @@ class ReferenceFreePairTrainer(FinetuneTrainerMixin):
         self.data_args, self.data_summary = data_args, summary
         train, evaluation = kwargs.get("train_dataset"), kwargs.get("eval_dataset")
         super().__init__(*args, **kwargs)
+        self.full_logits_reason = self._full_logits_reason()
+        if self.full_logits_reason is None:  # after TRL applied any adapters: the head is looked up on each call
+            from trl.trainer.utils import add_fused_lm_head
+
+            add_fused_lm_head(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
+                              outputs=("log_probs", "mean_logits"))
         if data_args is None:
             return
         self.train_dataset = cut_to_max_length(train, self.train_dataset, data_args, "train", summary)
         if evaluation is not None:
             self.eval_dataset = cut_to_max_length(evaluation, self.eval_dataset, data_args, "eval", summary)
+
+    def _full_logits_reason(self) -> str | None:
+        """Why the pairs are scored from the full logits (TRL's `concatenated_forward`) rather than the fused head."""
+        if not self.args.fused_lm_head:
+            return FULL_LOGITS_ASKED
+        if self.is_encoder_decoder:
+            return "an encoder-decoder model (the fused head scores a decoder-only model's shifted labels)"
+        if self.aux_loss_enabled:
+            return "the router's auxiliary loss, which TRL reads from the model's own forward"
+        return None
+
+    def concatenated_forward(self, model, batch):
+        """TRL's chosen and rejected log-probabilities, NLL term and mean logits from one forward, the tokens scored
+        through TRL's fused LM head: the (pairs × 2, sequence, vocabulary) logits and their log-softmax are never
+        built. The same values as TRL's path over the full logits, but for the logged `logits/chosen` and
+        `logits/rejected`, here the mean over the scored positions (TRL's: over every position, prompt and padding
+        included)."""
+        if self.full_logits_reason is not None:
+            return super().concatenated_forward(model, batch)
+        concatenated = self.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=self.padding(),
+                                                device=self.accelerator.device)
+        chosen = batch["chosen_labels"].shape[0]
+        answers = concatenated["concatenated_labels"]
+        scored = self.nll_labels(concatenated)  # the answers, or more (ORPO's NLL reads the prompt too)
+        outputs = model(concatenated["concatenated_input_ids"], attention_mask=concatenated[
+            "concatenated_attention_mask"], use_cache=False, labels=scored, fused_lm_head=True)
+        log_probs = outputs.log_probs
+        in_answer = (answers[:, 1:] != -100).to(log_probs.dtype)
+        logps = (log_probs * in_answer).sum(-1)
+        if self.average_log_prob:
+            logps = logps / in_answer.sum(-1)
+        in_nll = outputs.label_mask[:chosen]
+        nll = -(log_probs[:chosen] * in_nll).sum() / in_nll.sum()
+        mean_logits = [outputs.mean_logits[part][outputs.label_mask[part]] for part in (slice(None, chosen),
+                                                                                       slice(chosen, None))]
+        return logps[:chosen], logps[chosen:], *mean_logits, self.nll_term(nll)
+
+    def padding(self) -> int:
+        """The id TRL's `concatenated_forward` pads the concatenated sequences with."""
+        return self.pad_token_id
+
+    def nll_labels(self, concatenated: dict):
+        """The labels the NLL term is taken over: the answers (CPO); ORPO's override takes every attended token."""
+        return concatenated["concatenated_labels"]
+
+    @property
+    def average_log_prob(self) -> bool:
+        """Whether an answer's log-probability is its per-token mean (TRL's `get_batch_logps(average_log_prob=...)`)."""
+        raise NotImplementedError
+
+    def nll_term(self, nll):
+        """The NLL term as the trainer's loss adds it."""
+        return nll
 
     def tokenize_row(self, feature, model=None):
         """TRL's tokenized pair, its answers not cut to `max_length` where the length policies cut it afterwards."""

@@ -17,6 +17,7 @@ class SupervisedFineTuning(Method):
     # The loss from TRL's fused LM head (finetune.train.trainer.FinetuneTrainer): no full logits are held; a run
     # that needs them (label smoothing, sequence parallelism) counts them again (finetune.train.run)
     memory = MethodTerms(logits_held=False, fused_head=True)
+    full_logits_on_request = True  # `fused_lm_head: false`: the model's own loss over the full logits
 
     def plan_data(self, sections):
         from finetune.data.pipeline import example_lengths

@@ -99,7 +99,8 @@ class DirectPreferenceOptimization(PairMethod):
                    "dropped, both counted (`overlong_policy`, `unlabeled_policy`)"),
     )
     # TRL concatenates chosen and rejected in one forward and projects only the answer positions (its fused head)
-    memory = MethodTerms(reference_model=True, sequences_per_example=2, logits_held=False)
+    memory = MethodTerms(reference_model=True, sequences_per_example=2, logits_held=False,
+                         fused_head=True)
     preprocess_refusal = ("under `method: dpo`, TRL's DPOTrainer tokenizes the preference pairs itself when training "
                           "starts and would never read a cache")
 

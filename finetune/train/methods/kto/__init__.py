@@ -104,7 +104,8 @@ class KahnemanTverskyOptimization(PairMethod):
     # KL term's mismatched completions, and the reference, without gradients (kto_trainer.py `_compute_kl_logps`), so
     # their activations come and go before the example's own forward. Log-probabilities come from TRL's fused head,
     # which projects only the completion positions in tiles: no vocabulary logits are held.
-    memory = MethodTerms(reference_model=True, sequences_per_example=1, logits_held=False)
+    memory = MethodTerms(reference_model=True, sequences_per_example=1, logits_held=False,
+                         fused_head=True)
     preprocess_refusal = ("under `method: kto`, TRL's KTOTrainer tokenizes the examples itself when training starts "
                           "and would never read a cache")
 

@@ -12,3 +12,16 @@ with quiet_trl_experimental():
 
 class FinetuneORPOTrainer(ReferenceFreePairTrainer, ORPOTrainer):
     """TRL's ORPOTrainer with the toolkit's checkpoints, resume, rotation, saving and length policies."""
+
+    average_log_prob = True  # the odds ratio compares per-token mean log-probabilities
+
+    def padding(self) -> int:
+        return self.padding_value  # TRL's ORPOTrainer pads with its own key's value
+
+    def nll_labels(self, concatenated: dict):
+        """ORPO's NLL term is over the whole chosen sequence, prompt included (TRL's ORPOTrainer): every attended
+        token."""
+        import torch
+
+        return torch.where(concatenated["concatenated_attention_mask"] == 1, concatenated["concatenated_input_ids"],
+                           -100)
