@@ -1,5 +1,7 @@
 """The baseline: a causal-LM fine-tune written the way the Transformers docs show it, with no toolkit feature.
-Tokenize prompt and answer as one text, pad each batch with DataCollatorForLanguageModeling, train with Trainer.
+Tokenize prompt and answer as one text, pad each batch with DataCollatorForLanguageModeling, train with Trainer. It
+is measured as every row of the bench is: the toolkit's throughput callback times its steps (tokens/s and MFU of each
+logged window, `throughput.json`) and its peak memory is recorded; neither changes a step.
 
     python -m finetune.bench.plain_trainer --model_dir DIR|tiny --train_file F --output_dir OUT [...]
 """
@@ -45,15 +47,20 @@ def model_and_tokenizer(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto"), tokenizer  # as saved, like finetune train
 
 
-def write_peak_memory(output_dir: str) -> None:
-    """The process's peak: allocated on the GPU, else resident on the host (the bench reads it as a toolkit run's)."""
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        import resource
+def measuring_callbacks() -> list:
+    """What times a baseline's steps as `finetune train` times its own: tokens/s, model TFLOP/s and MFU of each logged
+    window after the first step (finetune.train.throughput)."""
+    from finetune.train.throughput import ThroughputCallback
 
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    outputs.write_record(output_dir, outputs.PEAK_MEMORY, {"peak_bytes": peak})
+    return [ThroughputCallback()]
+
+
+def write_peak_memory(output_dir: str) -> None:
+    """The process's peak as a toolkit run's memory report records it (finetune.memory.ledger.peak_memory): allocated
+    and reserved on the GPU, else resident on the host."""
+    from finetune.memory.ledger import peak_memory
+
+    outputs.write_record(output_dir, outputs.PEAK_MEMORY, peak_memory())
 
 
 def main() -> None:
@@ -74,7 +81,8 @@ def main() -> None:
         include_num_input_tokens_seen="non_padding",  # measurement only: the bench reads tokens/s from it
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=train,
-                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+                      callbacks=measuring_callbacks())
     trainer.train()
     trainer.save_state()
     write_peak_memory(args.output_dir)

@@ -12,7 +12,7 @@ import torch
 from datasets import load_dataset
 from trl import SFTConfig, SFTTrainer
 
-from finetune.bench.plain_trainer import bench_parser, model_and_tokenizer, write_peak_memory
+from finetune.bench.plain_trainer import bench_parser, measuring_callbacks, model_and_tokenizer, write_peak_memory
 
 
 def main() -> None:
@@ -31,7 +31,8 @@ def main() -> None:
         max_length=args.max_seq_length, packing=args.packing, gradient_checkpointing=False,
         include_num_input_tokens_seen="non_padding",  # measurement only: the bench reads tokens/s from it
     )
-    trainer = SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer,
+                         callbacks=measuring_callbacks())
     trainer.train()
     trainer.save_state()
     write_peak_memory(args.output_dir)
