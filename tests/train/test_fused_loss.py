@@ -39,7 +39,8 @@ def test_the_fused_head_trains_with_the_losses_of_the_full_logits(model, hub_mod
     extra = [] if model == "tiny" else ["--model_name_or_path", str(hub_model)]
     fused, full = tmp_path / "fused", tmp_path / "full"
     assert main(["train", "recipes/demo.yaml", "--output_dir", str(fused), *RUN, *extra]) == 0
-    assert main(["train", "recipes/demo.yaml", "--output_dir", str(full), *RUN, *extra, "--fused_lm_head", "false"]) == 0
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(full), *RUN, *extra, "--fused_lm_head",
+                 "false"]) == 0
     assert loss_head(fused) == {"value": "fused (TRL's add_fused_lm_head: no full logits)", "source": "default"}
     assert loss_head(full) == {"value": "full logits", "source": "`fused_lm_head: false`"}
     assert len(losses(fused)) == 4  # 3 steps and the final evaluation
@@ -65,7 +66,8 @@ def test_cpo_and_orpo_through_the_fused_head_train_with_the_full_logits_losses(m
              *([] if model == "tiny" else ["--model_name_or_path", str(hub_model)])]
     fused, full = tmp_path / "fused", tmp_path / "full"
     assert main(["train", "recipes/demo.yaml", "--output_dir", str(fused), *RUN, *extra]) == 0
-    assert main(["train", "recipes/demo.yaml", "--output_dir", str(full), *RUN, *extra, "--fused_lm_head", "false"]) == 0
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(full), *RUN, *extra, "--fused_lm_head",
+                 "false"]) == 0
     assert loss_head(fused) == {"value": "fused (TRL's add_fused_lm_head: no full logits)", "source": "default"}
     assert loss_head(full) == {"value": "full logits", "source": "`fused_lm_head: false`"}
     assert len(losses(fused)) == 4  # 3 steps and the final evaluation
