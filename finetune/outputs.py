@@ -21,6 +21,7 @@ MEMORY_REPORT_TABLE = "memory_report.md"
 MEMORY_REPORT_PLOT = "memory_report.png"
 THROUGHPUT = "throughput.json"              # tokens/s, step time, MFU (finetune.train.throughput)
 EVAL_RESULTS = "eval_results.json"          # before/after evaluation and the run's summary (finetune.train.run)
+COMPILE = "compile.json"                    # torch.compile's graphs and graph breaks (finetune.train.compiled)
 PEAK_MEMORY = "peak_memory.json"            # the bench's plain-Trainer baseline (finetune.bench.plain_trainer)
 CHECKPOINT_COMPLETE = "finetune_complete.json"  # in a checkpoint folder, once every rank saved it
 RUN_LOCK = ".finetune_run.lock"             # held by the run writing here (finetune.checkpoints.run_lock)

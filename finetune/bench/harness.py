@@ -40,14 +40,19 @@ class Variant:
 
 
 def variants(processes: int) -> list[Variant]:
-    """The plain baseline, the toolkit's defaults (with and without its callbacks), packing, the peer (TRL's
-    SFTTrainer, padded and packed), fused kernels, then every strategy on `processes` processes."""
+    """The plain baseline, the toolkit's defaults (with and without its callbacks, and with the full logits),
+    packing (eager and compiled), the peer (TRL's SFTTrainer, padded and packed), fused kernels, then every strategy
+    on `processes` processes."""
     single = [
         Variant("plain_trainer", "plain Hugging Face Trainer, padded batches (the baseline)", plain=True, repeats=3),
         Variant("finetune", "finetune train defaults", repeats=3),
         Variant("finetune_no_callbacks", "same, memory and throughput reports off (callback overhead)",
                 extra=["--memory_report", "false", "--throughput_report", "false"], repeats=3),
+        Variant("finetune_full_logits", "same, the loss from the full logits (`fused_lm_head: false`)",
+                extra=["--fused_lm_head", "false"]),
         Variant("packing", "finetune train, packed rows", extra=["--packing", "true"]),
+        Variant("compile", "finetune train, packed rows, torch.compile (inductor)",
+                extra=["--packing", "true", "--torch_compile", "true"]),
         Variant("trl_sft", "TRL SFTTrainer, padded batches (its fused LM head)", peer=True, repeats=3),
         Variant("trl_sft_packed", "TRL SFTTrainer, packed rows", peer=True, extra=["--packing"]),
         Variant("liger", "finetune train, packed rows, Liger fused kernels",
@@ -113,8 +118,8 @@ def command(variant: Variant, settings: Settings, output_dir: Path) -> list[str]
             "--max_steps", str(settings.steps), "--learning_rate", "2e-4", "--warmup_steps", "0",
             "--logging_steps", "10", "--save_strategy", "no", "--eval_strategy", "no", "--eval_on_start", "false",
             "--generation_eval_samples", "0", "--bf16", str(settings.bf16).lower(), *variant.extra]
-    if variant.launch is None:
-        return finetune_command(*args)
+    if variant.launch is None:  # one plain process, as the baselines run (the demo recipe names zero2)
+        return finetune_command(*args, "--strategy", "single")
     return SHIPPED_BY_NAME[variant.launch].launch(cpu=not settings.cuda).command(*args, num_processes=variant.processes)
 
 
@@ -131,6 +136,12 @@ def read_result(output_dir: Path) -> dict:
         peak = max((rank["measured"] or {}).get("peak_bytes", 0) for rank in memory["ranks"])
     result["peak_bytes"] = peak
     result["mfu"] = outputs.read_record(output_dir, outputs.THROUGHPUT, missing={}).get("mfu")
+    # the last logged window (the throughput callback's): past torch.compile's first compile and its recompiles
+    windows = [entry["throughput/tokens_per_second"] for entry in history if "throughput/tokens_per_second" in entry]
+    result["steady_tokens_per_second"] = windows[-1] if windows else None
+    compiled = outputs.read_record(output_dir, outputs.COMPILE, missing=None)
+    if compiled is not None:
+        result["compile"] = compiled
     return result
 
 

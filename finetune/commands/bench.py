@@ -115,6 +115,18 @@ def comparisons(rows: dict, processes: int) -> dict:
     versus = {f"{ours}_vs_{theirs}": mine / peer for ours, (theirs, mine, peer) in peers.items() if mine and peer}
     if versus:
         result["vs_trl"] = versus  # finetune's tokens/s over TRL's SFTTrainer's, padded and packed
+    fused, full = rows.get("finetune", {}), rows.get("finetune_full_logits", {})
+    if rate(rows, "finetune") and rate(rows, "finetune_full_logits"):
+        result["fused_head"] = {"tokens_per_second": fused["tokens_per_second"] / full["tokens_per_second"],
+                                "peak_bytes": fused["peak_bytes"] / full["peak_bytes"]
+                                if fused["peak_bytes"] and full["peak_bytes"] else None}
+    compiled, eager = rows.get("compile", {}), rows.get("packing", {})
+    if compiled.get("steady_tokens_per_second") and eager.get("steady_tokens_per_second"):
+        # after the first step, which compiles; end to end, Trainer's runtime with the compile in it
+        result["compile"] = {"vs_eager": compiled["steady_tokens_per_second"] / eager["steady_tokens_per_second"],
+                             "end_to_end_vs_eager": compiled["tokens_per_second"] / eager["tokens_per_second"],
+                             **{key: compiled.get("compile", {}).get(key)
+                                for key in ("compile_seconds", "graphs", "graph_breaks", "graph_break_reasons")}}
     return result
 
 
@@ -144,6 +156,17 @@ def print_table(record: dict) -> None:
         ours, theirs = pair.split("_vs_")
         console.print(f"{ours} against TRL's SFTTrainer ({theirs}), same model, data and settings: {ratio:.2f}× "
                       "the tokens/s")
+    if "fused_head" in record:
+        fused = record["fused_head"]
+        peak = f", {fused['peak_bytes']:.2f}× the peak memory" if fused["peak_bytes"] else ""
+        console.print(f"fused LM head against the full logits (finetune vs finetune_full_logits): "
+                      f"{fused['tokens_per_second']:.2f}× the tokens/s{peak}")
+    if "compile" in record:
+        compiled = record["compile"]
+        console.print(f"torch.compile against eager (compile vs packing, after the first step): "
+                      f"{compiled['vs_eager']:.2f}× the tokens/s ({compiled['end_to_end_vs_eager']:.2f}× end to end "
+                      f"with {compiled['compile_seconds']} s compiling; {compiled['graphs']} graph(s), "
+                      f"{compiled['graph_breaks']} graph break(s))")
     if "callback_overhead" in record:
         runs = record["variants"]["finetune"]["repeats"] + record["variants"]["finetune_no_callbacks"]["repeats"]
         console.print(f"toolkit callbacks: {record['callback_overhead']:+.1%} time per token (finetune vs "

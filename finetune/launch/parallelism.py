@@ -271,7 +271,7 @@ CPU_MESH_ALLOWED = "FINETUNE_PARALLELISM_ON_CPU"
 
 
 def check(parallelism: Parallelism, model_config, *, strategy_kind: str, use_lora: bool, on_gpu: bool = True,
-          environ=None) -> None:
+          environ=None, compiled: bool = False) -> None:
     """What cannot work, said before any process group: TP that does not divide the heads, tied embeddings under
     TP × FSDP2, axes under an engine that does not run them, TP on CPU processes outside the CPU twin's program
     (context parallelism without GPUs: `requested_on`)."""
@@ -296,6 +296,12 @@ def check(parallelism: Parallelism, model_config, *, strategy_kind: str, use_lor
         if use_lora:
             raise RecipeError(f"`use_lora` with `tensor_parallel_size: {tensor}`: adapters on tensor-parallel layers "
                               "are not supported here; train LoRA under DDP, ZeRO or FSDP instead.")
+        if compiled:  # seen on torch 2.13: dynamo stops in the first forward on every rank
+            raise RecipeError(f"`torch_compile: true` with `tensor_parallel_size: {tensor}`: torch.compile cannot "
+                              "trace the DTensor weights of Transformers' TP plan (dynamo fails while faking them: "
+                              "\"Attempted to set the storage of a tensor ... to a storage on different device "
+                              "meta\", the failure of pytorch/pytorch#119071); drop `torch_compile`, or train "
+                              "without tensor parallelism.")
     if parallelism.sequence_parallel_size > 1 and strategy_kind != "deepspeed":
         raise RecipeError(f"`sequence_parallel_size: {parallelism.sequence_parallel_size}` runs through DeepSpeed "
                           "Ulysses (ALST): launch it under a DeepSpeed config (accelerate_configs/"

@@ -31,6 +31,16 @@ COMMON_TRAINER_KEYS = (
     "data_seed", "full_determinism", "deepspeed", "ddp_timeout", "dataloader_num_workers",
     "train_sampling_strategy", "torch_compile", "use_liger_kernel",
 )
+# Trainer's help for these quotes what the toolkit has not measured, or says less than what the toolkit does with them
+TRAINER_HELP_HERE = {
+    "torch_compile": "Compile the model with `torch.compile` (Accelerate compiles it after DDP, FSDP2 or DeepSpeed "
+                     "wrap it; `torch_compile_backend`, `torch_compile_mode`). The run writes compile.json: graphs, "
+                     "graph breaks by reason, seconds spent compiling; `finetune bench` measures it against eager. "
+                     "The pipeline loop refuses it.",
+    "use_liger_kernel": "Patch the model with Liger's fused Triton kernels (CUDA GPUs with the `liger-kernel` "
+                        "package; refused elsewhere in one line). Off by default until measured on a GPU here "
+                        "(docs/strategies.md).",
+}
 SECTIONS = (
     ("Model", ModelArguments, "What to load: the embedded tiny default, a local directory or a hub id."),
     ("Data", DataArguments, "Formats, mixes, packing and what happens to rows that do not fit."),
@@ -124,7 +134,7 @@ def recipe_reference() -> str:
     lines += ["## Training: Trainer's keys most recipes set", "",
               "Every other `TrainingArguments` key is accepted too, with Trainer's name, meaning and default;",
               "`finetune train --help-keys` lists all of them for the installed Transformers.", ""]
-    lines += _table([_row(trainer[name]) for name in COMMON_TRAINER_KEYS])
+    lines += _table([_row(trainer[name], help=TRAINER_HELP_HERE.get(name)) for name in COMMON_TRAINER_KEYS])
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -77,7 +77,8 @@ def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: boo
     parallelism, sources = requested_on(training_inputs, on_gpu, world_size, model_config)
     if not parallelism.named:
         return parallelism, strategy
-    check(parallelism, model_config(), strategy_kind=strategy.kind, use_lora=use_lora, on_gpu=on_gpu)
+    check(parallelism, model_config(), strategy_kind=strategy.kind, use_lora=use_lora, on_gpu=on_gpu,
+          compiled=is_true(training_inputs.get("torch_compile")))
     if parallelism.loads_sharded and strategy.kind != "tensor_parallel":
         source = "the recipe" if "recipe" in sources.values() else (strategy.source or "the launch")
         strategy = Strategy.from_parallelism(parallelism, source, strategy.nodes)
@@ -215,6 +216,7 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
                (data_args.streaming, "streamed data"),
                (is_true(training_inputs.get("gradient_checkpointing")), "gradient checkpointing"),
                (is_true(training_inputs.get("fp16")), "fp16 (use bf16 or fp32)"),
+               (is_true(training_inputs.get("torch_compile")), "`torch_compile` (its stages run eagerly)"),
                (is_true(training_inputs.get("save_on_preemption")),
                 "`save_on_preemption` (SIGTERM ends it at its newest complete checkpoint)"),
                (is_true(training_inputs.get("save_on_each_node")),

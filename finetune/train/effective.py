@@ -109,6 +109,9 @@ def describe_effective_config(trainer, recipe) -> dict:
         reason = trainer.full_logits_reason
         add("loss_head", "full logits" if reason else "fused (TRL's add_fused_lm_head: no full logits)",
             reason or "default")
+    if args.torch_compile:  # Accelerate compiles the wrapped model; compile.json counts its graphs (train.compiled)
+        add("torch_compile", f"{args.torch_compile_backend or 'inductor'}, mode {args.torch_compile_mode or 'default'}",
+            sources.get("torch_compile", "recipe"))
     if "max_steps" in sources:  # given, or a token budget's steps
         add("max_steps", args.max_steps, sources["max_steps"])
     if recipe.model.chat_template is not None:  # the template conversations were rendered with, and where it came from

@@ -50,6 +50,7 @@ from finetune.plan.launch import memory_against_plan, over_plan_warnings
 from finetune.recipe.batch_plan import print_batch_plan, write_batch_plan
 from finetune.recipe.parse import Recipe, parse_recipe
 from finetune.recipe.preflight import check_eval_split
+from finetune.train.compiled import CompileReportCallback
 from finetune.train.divergence import NonFiniteLossCallback
 from finetune.train.effective import report_and_guard_launch
 from finetune.train.evaluation import ExactMatchCallback, print_before_after, record_stop_tokens, summarize_evaluations
@@ -108,8 +109,9 @@ def train(recipe: Recipe) -> dict:
         throughput = ThroughputCallback(peak_tflops=args.peak_tflops) if args.throughput_report else None
         divergence = NonFiniteLossCallback(fp16=args.fp16)
         preemption = PreemptionCallback() if save_on_preemption(args) else None  # SIGTERM saves: checkpoints.preemption
+        compiled = CompileReportCallback() if args.torch_compile else None  # graphs and graph breaks: compile.json
         callbacks = [callback for callback in (*method.callbacks(recipe, tokenizer, data), memory_report, throughput,
-                                               frozen_check, divergence, preemption) if callback is not None]
+                                               frozen_check, divergence, preemption, compiled) if callback is not None]
         trainer = method.build_trainer(recipe, model, tokenizer, data, callbacks)  # the data summary is now complete
         if memory_report is not None:
             if getattr(trainer, "full_logits_reason", None):  # the method's fused head given up for a feature

@@ -163,7 +163,7 @@ def test_parallelism_a_launch_cannot_run_stops_in_one_line(overrides, message, c
     assert len(err) == 1 and message in err[0], err
 
 
-def test_tensor_parallel_under_deepspeed_or_with_lora_is_refused():
+def test_tensor_parallel_under_deepspeed_with_lora_or_compiled_is_refused():
     config = resolve_config("tiny")
     with pytest.raises(RecipeError, match="not under a DeepSpeed or FSDP config"):
         check(Parallelism(tensor_parallel_size=2), config, strategy_kind="deepspeed", use_lora=False)
@@ -171,6 +171,9 @@ def test_tensor_parallel_under_deepspeed_or_with_lora_is_refused():
         check(Parallelism(tensor_parallel_size=2), config, strategy_kind="ddp", use_lora=True)
     with pytest.raises(RecipeError, match="DeepSpeed Ulysses"):
         check(Parallelism(sequence_parallel_size=2), config, strategy_kind="ddp", use_lora=False)
+    with pytest.raises(RecipeError, match=r"`torch_compile: true` with `tensor_parallel_size: 2`.*pytorch#119071"):
+        check(Parallelism(tensor_parallel_size=2), config, strategy_kind="tensor_parallel", use_lora=False,
+              compiled=True)
 
 
 def test_the_sizes_an_accelerate_config_exports_are_checked_as_the_recipes_are(monkeypatch):

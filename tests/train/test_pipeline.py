@@ -147,6 +147,7 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
         ({**asked, "gradient_accumulation_steps": 1}, {}, "needs at least 2 micro-batches"),
         ({**asked, "pipeline_schedule": "interleaved"}, {}, "not one of gpipe, 1f1b"),
         (asked, {"parallelism": Parallelism(tensor_parallel_size=2)}, "tensor_parallel_size 2 beside it"),
+        ({**asked, "torch_compile": True}, {}, "`torch_compile` \\(its stages run eagerly\\)"),
         ({**asked, "save_on_preemption": True}, {}, "`save_on_preemption`"),
         ({**asked, "save_on_each_node": True}, {}, "`save_on_each_node`.*nodes must share"),
     ]
