@@ -25,6 +25,7 @@ from finetune.launch.strategies import (
     prepared_strategy,
 )
 from finetune.memory.estimate import (
+    FusedKernels,
     MethodTerms,
     Setup,
     estimate,
@@ -102,6 +103,30 @@ def running_setup(args, model, sequence_length: int | None,
         method=method,
         peft=hasattr(model, "peft_config"),
         lora_dropout=_lora_dropout(model),
+        kernels=liger_kernels_applied(model),
+    )
+
+
+def liger_kernels_applied(model) -> FusedKernels:
+    """The Liger kernels patched into `model` (Trainer applies them at the start of `train`), read off the model
+    without importing Liger: its patch renames the modules it rebinds (`_get_name`: LigerRMSNorm, LigerSwiGLUMLP) and
+    puts functions of its own package in place of the model's rotary embedding, forward (the fused linear
+    cross-entropy) and `torch.nn.functional.cross_entropy` (liger_kernel/transformers/monkey_patch.py)."""
+    import sys
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def from_liger(function) -> bool:
+        return str(getattr(function, "__module__", "")).startswith("liger_kernel")
+
+    names = {module._get_name() for module in base.modules()}
+    modeling = sys.modules.get(type(base).__module__)
+    return FusedKernels(
+        rope=from_liger(getattr(modeling, "apply_rotary_pos_emb", None)),
+        rms_norm=any(name.startswith("LigerRMSNorm") for name in names),
+        swiglu=any(name.startswith("Liger") and "SwiGLU" in name for name in names),
+        cross_entropy=from_liger(torch.nn.functional.cross_entropy),
+        fused_linear_cross_entropy=from_liger(getattr(base.forward, "__func__", base.forward)),
     )
 
 

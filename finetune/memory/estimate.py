@@ -34,7 +34,8 @@ models (`reward_models_bytes`).
 Activations are counted tensor by tensor as autograd saves them for today's decoder block (RMSNorm, gated MLP,
 grouped-query attention, LoRA adapters with their dropout) under the dtypes each strategy holds, and checked against
 `finetune.memory.saved`, which measures those bytes at real widths; plus the loss's fp32 log-probabilities and the
-transient of its backward.
+transient of its backward. Liger Kernel's fused kernels (`FusedKernels`) change those terms by what their autograd
+functions keep, counted from Liger's code: they do not run on a CPU, so that count is not measured.
 """
 
 from __future__ import annotations
@@ -74,6 +75,50 @@ class MethodTerms:
     @property
     def generates(self) -> bool:
         return self.completion_length > 0
+
+
+# Liger Kernel's defaults for the decoders the estimator models (Llama, Mistral, Mixtral, Qwen2/3, Phi-3, OLMo-2:
+# liger_kernel/transformers/monkey_patch.py `apply_liger_kernel_to_llama` and its siblings, Liger 0.8.5). Trainer
+# passes `liger_kernel_config` over them (`_apply_liger_kernel_to_instance(model, **liger_kernel_config)`).
+LIGER_DEFAULTS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+                  "fused_linear_cross_entropy": True}
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """Which of Liger Kernel's fused kernels are patched into the model (Trainer's `use_liger_kernel`, with
+    `liger_kernel_config`); all off: PyTorch's and Transformers' own modules. Counted from Liger's code
+    (`saved_per_layer_bytes`, `saved_outside_layers_bytes`, `loss_transient_bytes`), not measured: Liger's kernels
+    are Triton and do not run on the CPU."""
+
+    rope: bool = False                        # LigerRopeFunction: rotates q and k in place, keeps the shared cos, sin
+    rms_norm: bool = False                    # LigerRMSNormFunction: keeps the input and the fp32 1/rms of each row
+    swiglu: bool = False                      # LigerSiLUMulFunction: keeps gate and up outputs, recomputes silu
+    cross_entropy: bool = False               # LigerCrossEntropyFunction: writes the gradient into the fp32 logits
+    fused_linear_cross_entropy: bool = False  # LigerFusedLinearCrossEntropyFunction: head and loss in chunks, their
+                                              # gradients computed in the forward and kept for the backward
+
+    @classmethod
+    def from_trainer_arguments(cls, use_liger_kernel, liger_kernel_config=None) -> FusedKernels:
+        """The kernels Trainer applies for these arguments: none without `use_liger_kernel`, else Liger's defaults
+        with `liger_kernel_config` (a dict, or its JSON text as given on a command line) over them. Keys Liger's
+        patch for the model does not take are dropped, as Liger drops them."""
+        import json
+
+        from finetune.launch.strategies import is_true
+
+        if not is_true(use_liger_kernel):
+            return cls()
+        config = liger_kernel_config or {}
+        if isinstance(config, str):
+            config = json.loads(config)
+        asked = {**LIGER_DEFAULTS, **{key: is_true(value) for key, value in config.items() if key in LIGER_DEFAULTS}}
+        return cls(**asked)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The kernels on, by their `liger_kernel_config` keys."""
+        return tuple(key for key in LIGER_DEFAULTS if getattr(self, key))
 
 
 # Bytes of optimizer state per trainable parameter, besides any master copy.
@@ -136,6 +181,26 @@ class Setup:
     method: MethodTerms = field(default_factory=MethodTerms)  # what the training method adds (reference, pairs)
     peft: bool = False                        # a live model with peft adapters (its lora_rank need not be known):
                                               # a reference model is then the policy with its adapters disabled
+    kernels: FusedKernels = field(default_factory=FusedKernels)  # Liger's fused kernels patched into the model
+
+    @property
+    def applied_kernels(self) -> FusedKernels:
+        """The fused kernels the forward really runs: Trainer applies Liger's at the start of `train`, which the
+        pipeline loop never calls (finetune.train.pipeline), so a pipeline runs PyTorch's own."""
+        return FusedKernels() if self.strategy == "pipeline" else self.kernels
+
+    @property
+    def liger_loss(self) -> str | None:
+        """Which of Liger's losses computes this run's loss: `fused_linear_cross_entropy`, `cross_entropy`, or None.
+        Either replaces only a loss computed from the model's full logits (the model's forward given labels):
+        TRL's trainers turn Liger's fused one off for their own fused heads and log-probabilities
+        (trl/trainer/sft_trainer.py and its other trainers: `"fused_linear_cross_entropy": False`)."""
+        kernels = self.applied_kernels
+        if not self.method.logits_held:
+            return None
+        if kernels.fused_linear_cross_entropy:
+            return "fused_linear_cross_entropy"
+        return "cross_entropy" if kernels.cross_entropy else None
 
     @property
     def nodes(self) -> int:
@@ -187,6 +252,9 @@ class Setup:
             raise RecipeError("pure_bf16 is modelled for one process and DDP without fp16 (finetune.recipe.preflight).")
         if self.qlora and not self.lora_rank:
             raise RecipeError("QLoRA trains LoRA adapters on a 4-bit base: set lora_rank too.")
+        if self.kernels.cross_entropy and self.kernels.fused_linear_cross_entropy:
+            raise RecipeError("Liger's `cross_entropy` and `fused_linear_cross_entropy` cannot both be on "
+                              "(liger_kernel_config): the fused one already computes the loss.")
 
 
 @dataclass(frozen=True)
@@ -710,14 +778,18 @@ def saved_per_layer_bytes(shape: ModelShape, setup: Setup) -> float:
     measured so at real widths by `finetune.memory.saved`; docs/memory.md has the table). T tokens, width h, MLP
     width i, key/value width h_kv, a heads, c bytes of the compute dtype, r of the hidden states:
 
-    - each RMSNorm keeps its input upcast to fp32 (4Th) and, when its weight trains, the normalised input (rTh);
+    - each RMSNorm keeps its input upcast to fp32 (4Th), its fp32 1/rms per token (4T) and, when its weight trains,
+      the normalised input (rTh); Liger's RMSNorm keeps its input as it comes (rTh) and the same 1/rms (4T);
     - attention keeps q, k, v, the output (c·T·(2h + 2h_kv)) and the fp32 log-sum-exp (4aT) under SDPA or flash;
       eager attention keeps k and v repeated to every head, the fp32 softmax and its cast (a·s²·b·(4 + c)) instead of
       the log-sum-exp, and a contiguous copy of the output; SDPA on packed rows gets a block-diagonal mask, which
       it converts to the compute dtype and keeps (c·b·s²), and repeats k and v to every head (Transformers' GQA
       path needs no mask: integrations/sdpa_attention.py `use_gqa_in_sdpa`); flash attention's varlen kernel needs
       neither;
-    - the gated MLP keeps gate, activation and up outputs (3cTi);
+    - the gated MLP keeps gate, activation and up outputs (3cTi); Liger's SwiGLU keeps gate and up (2cTi) and
+      recomputes the activation in its backward;
+    - the rotary embedding keeps nothing of its own in a block: the cos and sin it multiplies by are one pair for all
+      blocks (`saved_outside_layers_bytes`); Liger's rotates q and k in place and keeps that same pair;
     - each linear layer whose weight trains keeps its input: one tensor for the layers reading the same input (q, k,
       v) when it is already in the compute dtype, else a cast copy each (fp32 hidden states under autocast); none for
       the projection reading the attention's output, which the attention kept; a frozen base keeps none;
@@ -736,14 +808,14 @@ def saved_per_layer_bytes(shape: ModelShape, setup: Setup) -> float:
     if setup.gradient_checkpointing:
         return r * tokens * h  # each block keeps only its input; one block is recomputed at a time (a transient)
 
-    norms = 2 * (4 + (0 if lora else r)) * tokens * h
+    norms = 2 * norm_saved_bytes(setup, tokens, h, trains_weight=not lora)
     if setup.attention == "eager":
         attention = c * tokens * (4 * h) + heads * s * s * b * (4 + c)
     elif setup.packed and setup.attention == "sdpa":  # a block-diagonal mask: no GQA kernel, k and v repeated
         attention = c * tokens * (4 * h) + 4 * heads * tokens + c * b * s * s
     else:
         attention = c * tokens * (2 * h + 2 * kv) + 4 * heads * tokens
-    mlp = 3 * c * tokens * i
+    mlp = (2 if setup.applied_kernels.swiglu else 3) * c * tokens * i
 
     targets = lora_target_names(shape, setup.lora_target_modules) if lora else ()
     inputs, shared_read = 0.0, set()
@@ -784,32 +856,99 @@ def saved_per_layer_bytes(shape: ModelShape, setup: Setup) -> float:
     return norms + attention + mlp + inputs + split
 
 
+def norm_saved_bytes(setup: Setup, tokens: int, width: int, trains_weight: bool) -> float:
+    """What one RMSNorm over `tokens` × `width` saves for backward. Transformers' (LlamaRMSNorm and its copies): the
+    input upcast to fp32 (the upcast itself where the hidden states are fp32), kept by its square and its product with
+    1/rms, that fp32 1/rms per token, and, when its weight trains, the normalised input cast back to the hidden states'
+    dtype r, kept by the product with the weight (measured so by `finetune.memory.saved`). Liger's
+    (`LigerRMSNormFunction`, casting mode "llama", ops/rms_norm.py): `save_for_backward(X, W, RSTD)`, the input as it
+    comes (r bytes) and its fp32 1/rms per row, whether the weight trains or not."""
+    r = held_precisions(setup).residual
+    if setup.applied_kernels.rms_norm:
+        return (r * width + 4) * tokens
+    return (4 * width + 4 + (r * width if trains_weight else 0)) * tokens
+
+
 def saved_outside_layers_bytes(shape: ModelShape, setup: Setup) -> float:
     """What the forward saves outside the blocks: the final norm (as a block's), the head's input and, where the
     full fine-tuning holds fp32 weights under autocast, the head's cast; the rotary cos/sin; the loss's fp32
     log-probabilities (4·T·vocab; none for a method whose log-probabilities come from TRL's fused head, which
-    projects the answer positions in tiles: trl/trainer/utils.py add_fused_lm_head)."""
+    projects the answer positions in tiles: trl/trainer/utils.py add_fused_lm_head). Under Liger's fused linear
+    cross-entropy, the gradients it computes in the forward instead (`liger_fused_loss_saved_bytes`)."""
     precision = held_precisions(setup)
     c, r = precision.compute, precision.residual
     tokens = setup.micro_batch_size * setup.method.sequences_per_example * setup.sequence_length
     h, vocab = shape.hidden_size, shape.vocab_size
     lora = bool(setup.lora_rank or setup.peft)
-    norm = (4 + (0 if lora else r)) * tokens * h
-    if setup.method.fused_head:  # its autograd function keeps the hidden states as they come, and two fp32 vectors
+    norm = norm_saved_bytes(setup, tokens, h, trains_weight=not lora)
+    fused_loss = setup.liger_loss == "fused_linear_cross_entropy"
+    if fused_loss:
+        head = liger_fused_loss_saved_bytes(shape, setup)
+    elif setup.method.fused_head:  # its autograd function keeps the hidden states as they come, and two fp32 vectors
         head = r * tokens * h + 2 * 4 * tokens  # (trl/kernels/chunked_logprob.py: log_z, entropy); tiles are cast
     elif lora:  # a frozen head keeps no input, but a frozen fp32 head (QLoRA's upcast) keeps autocast's cast of it
         head = c * vocab * h if r == 4 and c == 2 else 0
     else:
         head = c * tokens * h + (c * vocab * h if precision.weights != c else 0)
     rotary = 2 * r * tokens * h // shape.num_attention_heads
-    loss = 4 * tokens * vocab if setup.method.logits_held else 0
+    # Liger's cross-entropy keeps as many bytes: the fp32 logits, into which it wrote their gradient
+    loss = 4 * tokens * vocab if setup.method.logits_held and not fused_loss else 0
     return norm + head + rotary + loss - _first_layer_shortfall(shape, setup)
+
+
+def liger_fused_loss_saved_bytes(shape: ModelShape, setup: Setup) -> float:
+    """What Liger's fused linear cross-entropy keeps from its forward to its backward
+    (`LigerFusedLinearCrossEntropyFunction`, ops/fused_linear_cross_entropy.py, mean or sum reduction): it computes
+    the loss's gradients chunk by chunk in the forward and `save_for_backward`s them, `grad_input`
+    (`zeros_like(_input)`: tokens × hidden in the final norm's output dtype, the hidden states' r) and, where the head
+    trains, `grad_weight` (`zeros_like(weight)`: vocab × hidden in the dtype the head is held in, fp32 masters under
+    autocast; it becomes the head's gradient in the backward). It keeps neither the head's input nor its output."""
+    precision = held_precisions(setup)
+    tokens = setup.micro_batch_size * setup.method.sequences_per_example * setup.sequence_length
+    h = shape.hidden_size
+    head_trains = not (setup.lora_rank or setup.peft)  # adapters: the head stays frozen (no `grad_weight`)
+    return precision.residual * tokens * h + (precision.weights * shape.vocab_size * h if head_trains else 0)
+
+
+def liger_chunk_tokens(tokens: int, shape: ModelShape) -> int:
+    """Rows of one chunk of Liger's fused linear cross-entropy: the tokens cut so that a chunk's logits are no larger
+    than the hidden states, rounded up to a power of two (`chunk_size = next_power_of_2(cdiv(BT, cdiv(V, H)))`, at
+    most BT, with its default `chunk_mem_const` of 1)."""
+    increase = -(-shape.vocab_size // shape.hidden_size)
+    return min(1 << max(0, math.ceil(math.log2(-(-tokens // increase)))), tokens)
+
+
+def loss_transient_bytes(shape: ModelShape, setup: Setup) -> float:
+    """The loss's largest transient beside what is saved:
+    - the model's loss over the full logits: its backward holds two more fp32 (tokens × vocab) gradients beside the
+      saved log-probabilities;
+    - TRL's fused head: one tile of logits at a time, in the compute dtype (4,096 tokens × 32,768 ids);
+    - Liger's cross-entropy writes the gradient into the fp32 logits it keeps (its backward scales it in place): only
+      the logits in the compute dtype beside them, in the forward (the head's output) and the backward (the gradient
+      cast back), none when that dtype is fp32 (the logits are upcast to themselves, and overwritten);
+    - Liger's fused linear cross-entropy, in its forward: one chunk of logits in the compute dtype
+      (`liger_chunk_tokens` × vocab) and, where the head is held in fp32 under autocast, its half-precision cast (kept
+      in autocast's cache for a trained head, made for each chunk for a frozen one); its backward only scales what it
+      saved, in place."""
+    precision = held_precisions(setup)
+    c, r = precision.compute, precision.residual
+    tokens = setup.micro_batch_size * setup.method.sequences_per_example * setup.sequence_length
+    vocab = shape.vocab_size
+    if setup.liger_loss == "fused_linear_cross_entropy":
+        lora = bool(setup.lora_rank or setup.peft)
+        head_in_fp32 = c == 2 and (r == 4 if lora else precision.weights == 4)
+        return c * liger_chunk_tokens(tokens, shape) * vocab + (c * vocab * shape.hidden_size if head_in_fp32 else 0)
+    if setup.liger_loss == "cross_entropy":
+        return c * tokens * vocab if c != 4 else 0
+    if setup.method.fused_head:
+        return c * min(tokens, 4096) * min(vocab, 32768)
+    return 8 * tokens * vocab if setup.method.logits_held else 0
 
 
 def _first_layer_shortfall(shape: ModelShape, setup: Setup) -> float:
     """Under LoRA nothing before the first block's adapters needs a gradient (without gradient checkpointing, which
-    makes the embeddings' output need one), so the first block's first norm keeps no input and the dropout on the
-    adapters reading it keeps no mask."""
+    makes the embeddings' output need one), so the first block's first norm keeps nothing (Liger's neither: its
+    autograd function records no graph) and the dropout on the adapters reading it keeps no mask."""
     if not (setup.lora_rank or setup.peft) or setup.gradient_checkpointing:
         return 0
     tokens = setup.micro_batch_size * setup.method.sequences_per_example * setup.sequence_length
@@ -818,22 +957,17 @@ def _first_layer_shortfall(shape: ModelShape, setup: Setup) -> float:
     masks = sum(1 for name, linear in _block_linears(shape)
                 if setup.lora_dropout > 0 and name in shape.attention_projections
                 and name not in ATTENTION_OUTPUT_PROJECTIONS and (targets is None or name in targets))
-    return (4 + masks) * tokens * h
+    return norm_saved_bytes(setup, tokens, h, trains_weight=False) + masks * tokens * h
 
 
 def activation_bytes(shape: ModelShape, setup: Setup) -> float:
     """Activations at their peak in one micro-batch: everything saved for backward (`saved_per_layer_bytes` per
-    block, `saved_outside_layers_bytes`) plus the largest transient on top of it: the loss's backward, which holds
-    two more fp32 (tokens × vocab) gradients beside the saved log-probabilities at the start of the backward, or,
-    under gradient checkpointing, one block recomputed with everything it saves."""
+    block, `saved_outside_layers_bytes`) plus the largest transient on top of it: the loss's (`loss_transient_bytes`),
+    or, under gradient checkpointing, one block recomputed with everything it saves."""
     saved = shape.num_layers * saved_per_layer_bytes(shape, setup) + saved_outside_layers_bytes(shape, setup)
-    tokens = setup.micro_batch_size * setup.method.sequences_per_example * setup.sequence_length
-    loss_backward = 8 * tokens * shape.vocab_size if setup.method.logits_held else 0
-    if setup.method.fused_head:  # one tile of logits at a time, in the compute dtype (4,096 tokens × 32,768 ids)
-        loss_backward = held_precisions(setup).compute * min(tokens, 4096) * min(shape.vocab_size, 32768)
     recompute = saved_per_layer_bytes(shape, replace(setup, gradient_checkpointing=False)) \
         if setup.gradient_checkpointing else 0
-    return saved + max(loss_backward, recompute)
+    return saved + max(loss_transient_bytes(shape, setup), recompute)
 
 
 def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:

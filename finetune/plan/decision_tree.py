@@ -23,6 +23,7 @@ from finetune.errors import RecipeError
 from finetune.launch.devices import Gpu, default_precision
 from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy, Strategy
 from finetune.memory.estimate import (
+    FusedKernels,
     GiB,
     MemoryEstimate,
     MethodTerms,
@@ -110,6 +111,7 @@ class PlanRequest:
     your_config: str | None = None
     method: str = DEFAULT_METHOD  # a training method's name (finetune.recipe.methods): what it adds to the memory
     method_terms: MethodTerms | None = None  # what a recipe's settings of it add (None: the method's, by name)
+    kernels: FusedKernels = FusedKernels()  # Liger's fused kernels the recipe asks for (`use_liger_kernel`)
     num_generations: int | None = None  # an online RL method's group size asked for (None: its default, 8)
     completion_length: int | None = None  # an online RL method's new tokens a completion (None: the method's)
     gather_for_generation: bool | None = None  # ZeRO-3: TRL's `ds3_gather_for_generation` (None: the method's, on)
@@ -168,7 +170,7 @@ def _setup(request: PlanRequest, options: dict, micro_batch_size: int) -> Setup:
         gradient_checkpointing=request.gradient_checkpointing,
         gpus_per_node=request.gpus // request.nodes if request.nodes > 1 else None,
         gradient_accumulation_steps=accumulation_steps(request, micro_batch_size),
-        method=method_terms(request),
+        method=method_terms(request), kernels=request.kernels,
     )
 
 

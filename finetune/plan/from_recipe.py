@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from finetune.errors import RecipeError
 from finetune.launch.devices import Gpu, default_precision
-from finetune.memory.estimate import precision_of
+from finetune.memory.estimate import FusedKernels, precision_of
 from finetune.plan.decision_tree import PlanRequest
 from finetune.recipe.batch_plan import BatchPlan
 from finetune.recipe.preflight import training_precision
@@ -99,6 +99,8 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
         padding_free=data.padding_free, packing=data.packing, your_strategy=strategy, your_config=strategy_source,
         recipe_sets_deepspeed=bool(training.get("deepspeed")), method=sections.method.name,
         method_terms=sections.method.terms(),
+        kernels=FusedKernels.from_trainer_arguments(training.get("use_liger_kernel"),
+                                                    training.get("liger_kernel_config")),
         num_generations=getattr(sections.method.settings, "num_generations", None), **hardware,
     )
     if lengths is not None and not lengths:

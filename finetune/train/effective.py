@@ -24,6 +24,8 @@ from finetune import outputs
 from finetune.errors import RecipeError
 from finetune.launch.self_launch import launch_plan
 from finetune.launch.strategies import Strategy, running_strategy
+from finetune.memory.callback import liger_kernels_applied
+from finetune.memory.estimate import FusedKernels
 from finetune.memory.ledger import StorageCount, local_parameters, optimizer_chain
 from finetune.models.experts import load_balancing_weight
 from finetune.models.loading import chat_template_text, trainable_dtype
@@ -112,6 +114,7 @@ def describe_effective_config(trainer, recipe) -> dict:
     if args.torch_compile:  # Accelerate compiles the wrapped model; compile.json counts its graphs (train.compiled)
         add("torch_compile", f"{args.torch_compile_backend or 'inductor'}, mode {args.torch_compile_mode or 'default'}",
             sources.get("torch_compile", "recipe"))
+    add("fused_kernels", *fused_kernels_asked(args, sources, torch.cuda.is_available()))
     if "max_steps" in sources:  # given, or a token budget's steps
         add("max_steps", args.max_steps, sources["max_steps"])
     if recipe.model.chat_template is not None:  # the template conversations were rendered with, and where it came from
@@ -140,6 +143,32 @@ def describe_effective_config(trainer, recipe) -> dict:
     if plan is not None:  # a self-launch's choice, what it rejected and the bytes it predicted (finetune.plan.launch)
         effective["plan"] = plan
     return effective
+
+
+def fused_kernels_asked(args, sources: dict, cuda: bool) -> tuple[str, str]:
+    """The fused kernels the run will compute with, and why: Liger's, those Trainer applies for `use_liger_kernel`
+    (`liger_kernel_config` over Liger's defaults, as a TRL trainer left it: TRL turns the fused linear cross-entropy
+    off for its own fused head), or PyTorch's own. `StrategyCheckCallback` adds those really applied once Trainer has
+    patched the model."""
+    if args.use_liger_kernel:
+        kernels = FusedKernels.from_trainer_arguments(True, args.liger_kernel_config)
+        config = " with `liger_kernel_config` over Liger's defaults" if args.liger_kernel_config else \
+            " (Liger's defaults)"
+        return f"Liger: {', '.join(kernels.names) or 'none'}", sources.get("use_liger_kernel", "recipe") + config
+    if not cuda:
+        return "PyTorch's own", "no CUDA GPU: Liger's kernels are Triton"
+    if "use_liger_kernel" in sources:
+        return "PyTorch's own", f"`use_liger_kernel: false` ({sources['use_liger_kernel']})"
+    return "PyTorch's own", ("default: Liger's kernels (`use_liger_kernel`) stay off until their effect is measured "
+                             "on a GPU here (docs/strategies.md)")
+
+
+def record_applied_kernels(effective: dict, model) -> None:
+    """Adds to the `fused_kernels` entry the Liger kernels really patched into the model (read off it: Liger's
+    patch for a model type keeps only the kernels it has, and none for a type it does not know)."""
+    entry = effective["values"].get("fused_kernels")
+    if entry is not None and str(entry["value"]).startswith("Liger"):
+        entry["applied"] = list(liger_kernels_applied(model).names)
 
 
 def print_effective_config(effective: dict, console: Console | None = None) -> None:
@@ -295,6 +324,7 @@ class StrategyCheckCallback(TrainerCallback):
             self.effective["warnings"].append(warning)
         running = running_strategy(self.trainer)
         self.effective["strategy"]["running"] = running.to_dict()
+        record_applied_kernels(self.effective, self.trainer.model)  # Trainer patched them as `train` started
         if running.kind == "ddp":
             self.effective["strategy"]["running"]["comm_hooks"] = comm_hooks(self.trainer)
         problems = strategy_problems(self.requested, running, self.trainer)
