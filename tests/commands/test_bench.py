@@ -41,10 +41,26 @@ def test_comparisons_give_scaling_efficiency_and_callback_overhead():
     assert comparisons(rows, processes=2)["vs_trl"] == {"finetune_vs_trl_sft": 1.25}
 
 
+def test_comparisons_give_the_fused_head_and_compile_against_their_twins():
+    rows = {"finetune": {"tokens_per_second": 120.0, "peak_bytes": 300}, "finetune_full_logits": {
+        "tokens_per_second": 100.0, "peak_bytes": 400}, "packing": {"tokens_per_second": 200.0,
+                                                                   "steady_tokens_per_second": 210.0},
+        "compile": {"tokens_per_second": 150.0, "steady_tokens_per_second": 252.0,
+                    "compile": {"compile_seconds": 41.0, "graphs": 3, "graph_breaks": 1,
+                                "graph_break_reasons": {"a reason": 1}}}}
+    result = comparisons(rows, processes=2)
+    assert result["fused_head"] == {"tokens_per_second": 1.2, "peak_bytes": 0.75}
+    assert result["compile"] == {"vs_eager": 1.2, "end_to_end_vs_eager": 0.75, "compile_seconds": 41.0, "graphs": 3,
+                                 "graph_breaks": 1, "graph_break_reasons": {"a reason": 1}}
+    del rows["packing"]  # nothing eager to compare with
+    assert "compile" not in comparisons(rows, processes=2)
+
+
 def test_the_peers_run_with_peers_or_by_name():
     every = variants(processes=2)
     names = lambda chosen: [variant.name for variant in chosen]  # noqa: E731
     assert not {"trl_sft", "trl_sft_packed"} & set(names(chosen_variants(every, None, peers=False)))
-    assert names(chosen_variants(every, None, peers=True))[:6] == [
-        "plain_trainer", "finetune", "finetune_no_callbacks", "packing", "trl_sft", "trl_sft_packed"]
+    assert names(chosen_variants(every, None, peers=True))[:8] == [
+        "plain_trainer", "finetune", "finetune_no_callbacks", "finetune_full_logits", "packing", "compile", "trl_sft",
+        "trl_sft_packed"]
     assert names(chosen_variants(every, ["trl_sft", "plain_trainer"], peers=False)) == ["plain_trainer", "trl_sft"]
