@@ -489,8 +489,8 @@ class FinetuneTrainingArguments(TrainingArguments):
         default=True,
         metadata={"help": "Score the tokens through TRL's fused LM head (`add_fused_lm_head`): only the positions "
                           "with a label are projected, in tiles, and the (batch, sequence, vocabulary) logits are "
-                          "never built. false: the loss from the full logits (SFT, CPO and ORPO; for comparison). "
-                          "DPO, KTO and GRPO always score through TRL's fused head; a reward model has no LM head."},
+                          "never built. false: the loss from the full logits, for comparison, where the method's "
+                          "trainer has that path (the recipe reference says which); the others refuse it."},
     )
     strategy: str | None = field(
         default=None,

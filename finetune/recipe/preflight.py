@@ -118,13 +118,13 @@ def check_fused_kernels(training_inputs: dict[str, Any]) -> None:
 
 
 def check_loss_head(method, training_inputs: dict[str, Any]) -> None:
-    """`fused_lm_head: false` asks for the loss from the full logits, which only the trainers with both paths have (SFT,
-    CPO, ORPO): TRL's DPO, KTO and GRPO always score through its fused head, and a reward model has no LM head."""
+    """`fused_lm_head: false` asks for the loss from the full logits, which only the trainers with both paths have
+    (`Method.full_logits_on_request`): some of TRL's trainers always score through its fused head, and a reward model
+    has no LM head."""
     if is_true(training_inputs.get("fused_lm_head", True)) or method.full_logits_on_request:
         return
     raise RecipeError(f"`fused_lm_head: false` with `method: {method.name}`: its trainer has no full-logits path "
-                      "(TRL's DPO, KTO and GRPO always score through the fused LM head; a reward model has no LM "
-                      "head); drop `fused_lm_head`.")
+                      "(it always scores through TRL's fused LM head, or has no LM head); drop `fused_lm_head`.")
 
 
 def check_hub_push(training_inputs: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import nullcontext
 from functools import cached_property
@@ -319,6 +320,8 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
         if self.full_logits_reason is None:  # the loss from TRL's fused LM head: no (batch, sequence, vocab) logits
             from trl.trainer.utils import add_fused_lm_head
 
+            keep_the_fused_head_under_liger(self.args)
+
             model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             add_fused_lm_head(model)  # generation and any other call without `fused_lm_head` keep the model's forward
         if self.args.loss_normalization == "micro_batch_mean":
@@ -387,6 +390,25 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
 
 
 FULL_LOGITS_ASKED = "`fused_lm_head: false`"
+LIGER_LOSS = "Liger's fused linear cross-entropy (`liger_kernel_config`) computes the loss from the head's input"
+
+
+def liger_config(args) -> dict:
+    config = args.liger_kernel_config or {}
+    return json.loads(config) if isinstance(config, str) else dict(config)
+
+
+def liger_loss_asked(args) -> bool:
+    """Whether the recipe asks by name for Liger's fused linear cross-entropy (`liger_kernel_config`)."""
+    return bool(args.use_liger_kernel and liger_config(args).get("fused_linear_cross_entropy"))
+
+
+def keep_the_fused_head_under_liger(args) -> None:
+    """Liger's patch, which Trainer applies as training starts (`use_liger_kernel`), replaces the model's forward with
+    its fused linear cross-entropy by default, silently dropping TRL's fused head: that kernel is turned off, as TRL's
+    own trainers turn it off, unless the recipe names it (then it computes the loss: `full_logits_reason`)."""
+    if args.use_liger_kernel:
+        args.liger_kernel_config = {**liger_config(args), "fused_linear_cross_entropy": False}
 
 
 def full_logits_reason(trainer) -> str | None:
@@ -395,6 +417,8 @@ def full_logits_reason(trainer) -> str | None:
     args = trainer.args
     if not args.fused_lm_head:
         return FULL_LOGITS_ASKED
+    if liger_loss_asked(args):
+        return LIGER_LOSS
     if args.label_smoothing_factor:
         return "label smoothing (`label_smoothing_factor`) weighs every logit"
     if trainer.compute_loss_func is not None or trainer.compute_metrics is not None \

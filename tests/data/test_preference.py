@@ -5,6 +5,7 @@ model's bytes per strategy."""
 import json
 import random
 import re
+from dataclasses import replace
 
 import pytest
 from datasets import Dataset
@@ -19,7 +20,7 @@ from finetune.data.pairs import (
 )
 from finetune.errors import RecipeError
 from finetune.memory import model_shape
-from finetune.memory.estimate import Setup, activation_bytes, estimate
+from finetune.memory.estimate import MethodTerms, Setup, activation_bytes, estimate
 from finetune.recipe.parse import read_recipe
 from finetune.train.evaluation import summarize_evaluations
 from finetune.train.methods.dpo import DirectPreferenceOptimization
@@ -162,12 +163,17 @@ def test_the_reference_model_is_whole_sharded_or_absent_as_trl_prepares_it(strat
         assert result.to_dict()["per_gpu"]["reference_bytes"] == result.reference_bytes
 
 
-def test_dpo_activations_are_two_sequences_per_pair_without_full_logits():
+def test_dpo_activations_are_two_sequences_per_pair_through_the_fused_head():
     shape = model_shape("tiny")
     dpo = activation_bytes(shape, Setup(micro_batch_size=2, sequence_length=64, method=DPO_TERMS))
-    sft_two = activation_bytes(shape, Setup(micro_batch_size=4, sequence_length=64))
+    four = Setup(micro_batch_size=4, sequence_length=64)
+    sft_two = activation_bytes(shape, four)
     logits = 64 * 4 * shape.vocab_size * (4 + 8)  # saved fp32 log-probabilities + the two fp32 gradients after them
-    assert dpo == sft_two - logits
+    no_logits = activation_bytes(shape, replace(four, method=MethodTerms(logits_held=False)))
+    assert no_logits == sft_two - logits
+    # TRL's fused head, as SFT's: the hidden states it keeps and its one tile of logits, no (tokens × vocab) logits
+    assert dpo == activation_bytes(shape, replace(four, method=MethodTerms(logits_held=False, fused_head=True)))
+    assert no_logits < dpo < sft_two
 
 
 def test_summary_reports_the_reward_accuracy_and_margin_before_and_after():

@@ -93,3 +93,22 @@ def test_label_smoothing_keeps_the_full_logits_and_says_why(tmp_path):
                                    "source": "label smoothing (`label_smoothing_factor`) weighs every logit"}
     report = outputs.read_record(tmp_path, outputs.MEMORY_REPORT)["ranks"][0]["predicted"]["estimate"]["setup"]
     assert report["method"]["logits_held"] and not report["method"]["fused_head"]  # the plan counts them again
+
+
+def test_liger_keeps_trls_fused_head_unless_the_recipe_names_its_fused_loss():
+    """Liger's patch replaces the model's forward with its own fused loss by default, which would drop TRL's head (and
+    its `fused_lm_head=True` call): that kernel is turned off, unless the recipe names it, which then computes the
+    loss from the full-logits path's forward."""
+    from types import SimpleNamespace
+
+    from finetune.train.trainer import LIGER_LOSS, full_logits_reason, keep_the_fused_head_under_liger
+
+    args = SimpleNamespace(use_liger_kernel=True, liger_kernel_config={"rms_norm": True})
+    keep_the_fused_head_under_liger(args)
+    assert args.liger_kernel_config == {"rms_norm": True, "fused_linear_cross_entropy": False}
+    off = SimpleNamespace(use_liger_kernel=False, liger_kernel_config=None)
+    keep_the_fused_head_under_liger(off)
+    assert off.liger_kernel_config is None
+    named = SimpleNamespace(use_liger_kernel=True, fused_lm_head=True,
+                            liger_kernel_config='{"fused_linear_cross_entropy": true}')  # as a command line gives it
+    assert full_logits_reason(SimpleNamespace(args=named)) == LIGER_LOSS

@@ -16,7 +16,13 @@ from finetune.data.pairs import SOURCE_COLUMN, apply_pair_length_policies
 from finetune.models.loading import hold_trainable_parameters, trainable_dtype
 from finetune.models.lora import lora_config
 from finetune.train.methods.trl_trainers import trl_refusals
-from finetune.train.trainer import FULL_LOGITS_ASKED, FinetuneTrainerMixin
+from finetune.train.trainer import (
+    FULL_LOGITS_ASKED,
+    LIGER_LOSS,
+    FinetuneTrainerMixin,
+    keep_the_fused_head_under_liger,
+    liger_loss_asked,
+)
 
 # A tokenized pair's sequences, as TRL's tokenize_row writes them: prompt + answer, whole
 SEQUENCES = ("chosen", "rejected")
@@ -52,6 +58,8 @@ class ReferenceFreePairTrainer(FinetuneTrainerMixin):
         if self.full_logits_reason is None:  # after TRL applied any adapters: the head is looked up on each call
             from trl.trainer.utils import add_fused_lm_head
 
+            keep_the_fused_head_under_liger(self.args)
+
             add_fused_lm_head(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
                               outputs=("log_probs", "mean_logits"))
         if data_args is None:
@@ -64,6 +72,8 @@ class ReferenceFreePairTrainer(FinetuneTrainerMixin):
         """Why the pairs are scored from the full logits (TRL's `concatenated_forward`) rather than the fused head."""
         if not self.args.fused_lm_head:
             return FULL_LOGITS_ASKED
+        if liger_loss_asked(self.args):
+            return LIGER_LOSS
         if self.is_encoder_decoder:
             return "an encoder-decoder model (the fused head scores a decoder-only model's shifted labels)"
         if self.aux_loss_enabled:
