@@ -24,9 +24,15 @@ What it does at scale:
 - every stage writes into one `output_dir`, so before loading the ranks check that they all see it (node-local
   disks on several nodes are refused by name, before any hour is spent).
 
+What it does as Trainer does, through Trainer's own callbacks (`CallbackHandler`): the trackers `report_to` names
+(TensorBoard, W&B, ...) get every log; a non-finite loss or gradient norm stops the run on every rank
+(finetune.train.divergence); the eval split is evaluated at `eval_on_start`, at `eval_strategy`'s steps or epochs and
+on the final weights (the run summary's before/after), its loss the answer tokens' summed loss over their count, run
+through the stages forward only (torch's `eval`) in batches of the training step's shape.
+
 Not supported here (refused before training starts): LoRA/QLoRA, DeepSpeed or FSDP configs, data parallelism beside
-the pipeline, packing and padding-free batches, methods other than SFT. Evaluation runs after training on the model
-it writes, not during it.
+the pipeline, packing and padding-free batches, methods other than SFT, `torch_compile`. The generation exact match
+(`generation_eval_samples`) is not run.
 """
 
 from __future__ import annotations
@@ -308,6 +314,21 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                        ignore_index=-100, reduction="sum")
 
 
+def filled(batch: dict | None, rows: int, pad_id: int, like: dict | None = None) -> dict:
+    """`batch` with unlabelled padding rows up to `rows` (a micro-batch of the schedule's shape); None: all padding,
+    shaped as `like`."""
+    template = batch if batch is not None else like
+    have = 0 if batch is None else batch["input_ids"].shape[0]
+    if have == rows:
+        return batch
+    length = template["input_ids"].shape[1]
+    padding = {"input_ids": torch.full((rows - have, length), pad_id, dtype=template["input_ids"].dtype),
+               "labels": torch.full((rows - have, length), -100, dtype=template["labels"].dtype)}
+    if batch is None:
+        return padding
+    return {key: torch.cat([batch[key], padding[key]]) for key in ("input_ids", "labels")}
+
+
 class PipelineTrainer:
     """The training loop of one stage. `recipe.training` are Trainer's arguments; `data` the method's prepared data."""
 
@@ -329,6 +350,22 @@ class PipelineTrainer:
         ends = sorted({0, stage.count - 1})
         self.tied_group = dist.new_group(ends) if stage.count > 1 else None  # every rank takes part in new_group
         self.global_step, self.log_history, self.epoch = 0, [], 0.0
+        self.state, self.control, self.callbacks = self._callbacks()
+
+    def _callbacks(self):
+        """Trainer's state, control and callback handler, holding the trackers `report_to` names and the divergence
+        stop, called where Trainer calls them (train begin and end, every log, every evaluation)."""
+        from transformers.integrations import get_reporting_integration_callbacks
+        from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
+
+        from finetune.train.divergence import NonFiniteLossCallback
+
+        state = TrainerState(is_local_process_zero=self.args.local_process_index == 0,
+                             is_world_process_zero=self.rank == 0)
+        trackers = [callback() for callback in get_reporting_integration_callbacks(self.args.report_to)]
+        handler = CallbackHandler([*trackers, NonFiniteLossCallback(fp16=False)], self.model, self.tokenizer,
+                                  self.optimizer, self.lr_scheduler)
+        return state, TrainerControl(), handler
 
     # -- pieces of Trainer ---------------------------------------------------------------------------------------
     def _optimizer_and_schedule(self):
@@ -376,28 +413,81 @@ class PipelineTrainer:
         return token_loss_sum(logits, labels) / self.step_tokens
 
     # -- one step ------------------------------------------------------------------------------------------------
-    def _step(self, batches: list[dict]) -> tuple[float, float]:
+    def _run_schedule(self, batches: list[dict], forward_only: bool = False) -> float:
+        """One pass of the schedule over a step's micro-batches; the sum of the losses the last stage computed, on
+        every rank. `forward_only`: torch's `eval`, no backward."""
         input_ids = torch.cat([batch["input_ids"] for batch in batches]).to(self.device)
         labels = torch.cat([batch["labels"] for batch in batches]).to(self.device)
-        self.step_tokens = max(step_token_count(labels), 1)
+        run = self.schedule.eval if forward_only else self.schedule.step
         losses: list[torch.Tensor] = []
-        self.optimizer.zero_grad(set_to_none=True)
         # bf16 mixed precision as Trainer runs it: autocast over the forward, fp32 weights, gradients and states
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bool(self.args.bf16)):
             if self.stage.index == 0:
-                self.schedule.step(input_ids, target=labels if self.stage.count == 1 else None, losses=losses)
+                run(input_ids, target=labels if self.stage.count == 1 else None, losses=losses)
             elif self.stage.index == self.stage.count - 1:
-                self.schedule.step(target=labels, losses=losses)
+                run(target=labels, losses=losses)
             else:
-                self.schedule.step()
+                run()
+        loss = torch.tensor([float(sum(loss.detach() for loss in losses)) if losses else 0.0], dtype=torch.float64,
+                            device=self.device)  # where the backend communicates (NCCL: the GPU)
+        dist.broadcast(loss, src=self.stage.count - 1)  # the last stage computed it
+        return float(loss)
+
+    def _step(self, batches: list[dict]) -> tuple[float, float]:
+        self.step_tokens = max(step_token_count(torch.cat([batch["labels"] for batch in batches])), 1)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._run_schedule(batches)
         if self.stage.tied is not None and self.stage.tied.grad is not None:
             dist.all_reduce(self.stage.tied.grad, group=self.tied_group)
         norm = self._clip()
         self.optimizer.step()
-        loss = torch.tensor([float(sum(loss.detach() for loss in losses)) if losses else 0.0], dtype=torch.float64,
-                            device=self.device)  # where the backend communicates (NCCL: the GPU)
-        dist.broadcast(loss, src=self.stage.count - 1)  # the last stage computed it
-        return float(loss), norm
+        return loss, norm
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+    def eval_loader(self):
+        """The eval split in order, padded as the training micro-batches are (`max_seq_length`): the stages' send and
+        receive buffers keep the training step's shape."""
+        from torch.utils.data import DataLoader
+
+        from finetune.data.collate import SequenceShardedCollator, data_collator
+
+        dataset = self.data.eval.select_columns(["input_ids", "labels"])
+        collate = SequenceShardedCollator(data_collator(self.tokenizer), 1, self.tokenizer.pad_token_id,
+                                          length=self.recipe.data.max_seq_length)
+        return DataLoader(dataset, batch_size=self.args.per_device_train_batch_size, collate_fn=collate)
+
+    def evaluate(self) -> dict:
+        """The eval split's loss (its answer tokens' summed loss over their count), logged as Trainer logs
+        `eval_loss`; the last step's micro-batches are filled with unlabelled padding rows."""
+        self.stage.module.eval()
+        self.step_tokens = 1  # the schedule's losses are sums: the mean is taken over the whole split
+        total, tokens, pending = 0.0, 0, []
+        batches = list(self.eval_loader())
+        with torch.no_grad():
+            for index, batch in enumerate(batches):
+                pending.append(batch)
+                if len(pending) < self.micro_batches and index < len(batches) - 1:
+                    continue
+                pending = [filled(part, self.args.per_device_train_batch_size, self.tokenizer.pad_token_id)
+                           for part in pending]
+                pending += [filled(None, self.args.per_device_train_batch_size, self.tokenizer.pad_token_id,
+                                   like=pending[0]) for _ in range(self.micro_batches - len(pending))]
+                tokens += sum(step_token_count(part["labels"]) for part in pending)
+                total += self._run_schedule(pending, forward_only=True)
+                pending = []
+        self.stage.module.train()
+        metrics = {"eval_loss": total / max(tokens, 1)}
+        self._log(dict(metrics))
+        self.callbacks.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
+
+    def _evaluate_now(self, per_epoch: int) -> bool:
+        strategy = str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy))
+        if self.data.eval is None:
+            return False
+        if strategy == "steps":
+            return self.global_step % max(int(self.args.eval_steps or self.args.logging_steps), 1) == 0
+        return strategy == "epoch" and self.global_step % per_epoch == 0
 
     def _clip(self) -> float:
         """The gradient norm over every stage, and clipping by it, with torch's own pieces of `clip_grad_norm_`: each
@@ -423,6 +513,10 @@ class PipelineTrainer:
         per_epoch = len(loader) // self.micro_batches
         if self.resume is not None:
             self._load(Path(self.resume))
+        self.state.max_steps, self.state.global_step = max_steps, self.global_step
+        self.callbacks.on_train_begin(self.args, self.state, self.control)
+        if self.args.eval_on_start and self.resume is None and self.data.eval is not None:
+            self.evaluate()
         started, running_loss, steps_run, logged = time.time(), 0.0, 0, []
         while self.global_step < max_steps:
             loader.set_epoch(self.global_step // per_epoch)
@@ -445,6 +539,8 @@ class PipelineTrainer:
                     self._log({"loss": sum(logged) / len(logged), "grad_norm": norm, "learning_rate": learning_rate,
                                "epoch": self.epoch})
                     logged = []
+                if self._evaluate_now(per_epoch):
+                    self.evaluate()
                 if self._save_now():
                     self.save_checkpoint()
                 if self.global_step >= max_steps or self.global_step % per_epoch == 0:
@@ -452,14 +548,20 @@ class PipelineTrainer:
         summary = {"train_runtime": round(time.time() - started, 4),
                    "train_loss": running_loss / max(steps_run, 1), "step": self.global_step, "epoch": self.epoch}
         self.log_history.append(summary)
+        self.callbacks.on_train_end(self.args, self.state, self.control)
         return summary
 
     def _log(self, entry: dict) -> None:
+        """Into the run's log history, and to the callbacks as Trainer logs: the trackers, the divergence stop (every
+        rank holds the same loss and norm, so every rank stops at the same step)."""
+        self.state.global_step, self.state.epoch = self.global_step, self.epoch
         entry = {**entry, "step": self.global_step}
-        self.log_history.append(entry)
         if self.rank == 0:
             print({key: (f"{value:.4g}" if isinstance(value, float) else value) for key, value in entry.items()},
                   flush=True)
+        self.log_history.append(entry)
+        self.state.log_history = self.log_history
+        self.callbacks.on_log(self.args, self.state, self.control, logs=dict(entry))
 
     def _save_now(self) -> bool:
         strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
@@ -619,19 +721,19 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
 
     from finetune.checkpoints.preemption import save_on_preemption
     from finetune.memory.estimate import pipeline_bubble_fraction
+    from finetune.train.evaluation import print_before_after, summarize_evaluations
 
     args = recipe.training
     size, rank = recipe.strategy.pipeline_parallel_size, dist.get_rank()
-    evaluating = args.eval_on_start or str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" \
-        or recipe.data.generation_eval_samples
-    if evaluating and rank == 0:
-        print("warning: pipeline parallelism evaluates nothing during training (`eval_on_start`, `eval_strategy`, "
-              "`generation_eval_samples` are not run): evaluate the model it writes to output_dir.", flush=True)
+    if recipe.data.generation_eval_samples and data.eval is not None and rank == 0:
+        print("warning: pipeline parallelism evaluates the eval loss, not the generation exact match "
+              "(`generation_eval_samples`): score the model it writes with `finetune eval`.", flush=True)
     if save_on_preemption(args) and rank == 0:  # on by default under SLURM: said, not silently skipped
         print("warning: pipeline parallelism does not save on SIGTERM: a preempted run resumes from its newest "
               "complete checkpoint (`save_steps`).", flush=True)
     trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, args.pipeline_schedule, resume)
     result = trainer.train()
+    final_evaluation = trainer.evaluate() if data.eval is not None else None  # "after" is of the final weights
     measured, predicted = stage_memory(trainer), predicted_memory(trainer, stage.shape)
     if host_load_bytes is not None:
         measured["host_load_bytes"] = host_load_bytes
@@ -639,8 +741,10 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
               "layers": [stage.layers.start, stage.layers.stop], "measured": measured, "predicted": predicted}
     ranks = gather_object([memory])
     trainer.save_final()
-    summary = {"method": recipe.method.name, "world_size": trainer.world, "strategy": recipe.strategy.to_dict(),
-               "deepspeed_zero_stage": None, "train_loss": result["train_loss"], "global_step": trainer.global_step}
+    summary = summarize_evaluations(trainer.log_history, [], final_evaluation)  # a resume keeps its log's evaluations
+    summary.update({"method": recipe.method.name, "world_size": trainer.world, "strategy": recipe.strategy.to_dict(),
+                    "deepspeed_zero_stage": None, "train_loss": result["train_loss"],
+                    "global_step": trainer.global_step})
     if rank == 0:
         output_dir = Path(args.output_dir)
         outputs.write_record(output_dir, outputs.MEMORY_REPORT, {"ranks": ranks})
@@ -657,4 +761,6 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
         outputs.write_record(output_dir, outputs.EVAL_RESULTS, summary)
         print(f"pipeline: {size} stages (layers {pipeline['stages']}), {args.pipeline_schedule}, "
               f"{trainer.micro_batches} micro-batches a step, bubble {pipeline['bubble_fraction']:.0%}", flush=True)
+        if summary.get("after"):
+            print_before_after(summary)
     return summary

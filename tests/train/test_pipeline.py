@@ -1,7 +1,8 @@
 """Pipeline parallelism on torch.distributed.pipelining (finetune.train.pipeline): 2 stages on 2 CPU processes train
 with the losses and gradient norms of one process at the same batch, clipping active, under 1F1B on the tiny preset
 (its head tied to the embedding, which the first and the last stage both hold) and under GPipe on a hub-shaped
-checkpoint (untied, bf16 safetensors); each rank holds its stage, as the estimator predicts; a resume from a
+checkpoint (untied, bf16 safetensors); the stages evaluate with the eval losses of one process, log to TensorBoard
+and stop on a non-finite loss, as Trainer does; each rank holds its stage, as the estimator predicts; a resume from a
 checkpoint's stage files logs the uninterrupted losses; `finetune export` consolidates the stages into the model a
 one-process run trains; what the loop does not run is refused by name."""
 
@@ -39,6 +40,10 @@ RUN = ["--max_steps", str(STEPS), "--logging_steps", "1", "--per_device_train_ba
        "false", "--generation_eval_samples", "0", "--save_strategy", "steps", "--save_steps", "3", "--report_to",
        "none"]
 PIPELINE = ["--pipeline_parallel_size", "2"]
+# The 1F1B run and its twin evaluate before training, every 3 steps and at the end: 24 held-out rows, the stages' last
+# eval step of 16 filled with 8 unlabelled rows, Trainer's in one batch (its eval loss then is the token mean too)
+EVALUATED = ["--eval_on_start", "true", "--eval_strategy", "steps", "--eval_steps", "3", "--max_eval_samples", "24",
+             "--per_device_eval_batch_size", "24"]
 DDP_ON_CPU = "accelerate_configs/cpu_ddp.yaml"  # plain processes, one a stage
 
 
@@ -53,16 +58,19 @@ def runs(tmp_path_factory):
     through Trainer); and the 1F1B run resumed from its step-3 checkpoint alone."""
     hub = save_hub_model(tmp_path_factory.mktemp("hub_untied"))
     done = {}
-    for name, extra in (("1f1b", []), ("gpipe", ["--pipeline_schedule", "gpipe", "--model_name_or_path", str(hub)])):
+    for name, extra in (("1f1b", EVALUATED),
+                        ("gpipe", ["--pipeline_schedule", "gpipe", "--model_name_or_path", str(hub)])):
         output_dir = tmp_path_factory.mktemp(f"pp_{name}")
-        assert_succeeded(launch_demo(DDP_ON_CPU, output_dir, *RUN, *PIPELINE, *extra))
+        tracked = ["--report_to", "tensorboard"] if name == "1f1b" else []
+        assert_succeeded(launch_demo(DDP_ON_CPU, output_dir, *RUN, *PIPELINE, *extra, *tracked))
         one = tmp_path_factory.mktemp(f"one_{name}")
         assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN,
                      *[arg for arg in extra if arg not in ("--pipeline_schedule", "gpipe")]]) == 0
         done[name], done[f"{name}_one"] = output_dir, one
     resumed = tmp_path_factory.mktemp("pp_resumed")
     shutil.copytree(done["1f1b"] / "checkpoint-3", resumed / "checkpoint-3")
-    done["resume_output"] = launch_demo(DDP_ON_CPU, resumed, *RUN, *PIPELINE, "--resume_from_checkpoint", "auto")
+    done["resume_output"] = launch_demo(DDP_ON_CPU, resumed, *RUN, *PIPELINE, *EVALUATED, "--resume_from_checkpoint",
+                                        "auto")
     done["resumed"] = resumed
     return done
 
@@ -81,6 +89,38 @@ def test_two_stages_train_with_the_losses_of_one_process(runs, name):
     effective = json.loads((runs[name] / outputs.EFFECTIVE_CONFIG).read_text())
     assert effective["pipeline"]["schedule"] == name and effective["pipeline"]["micro_batches"] == 4
     assert effective["pipeline"]["bubble_fraction"] == pytest.approx(1 / 5)  # (p − 1) / (m + p − 1)
+
+
+def evaluations(output_dir) -> list[tuple[int, float]]:
+    return [(entry["step"], entry["eval_loss"]) for entry in
+            json.loads((output_dir / "trainer_state.json").read_text())["log_history"] if "eval_loss" in entry]
+
+
+@pytest.mark.distributed
+def test_the_stages_evaluate_and_report_to_the_trackers_as_trainer_does(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    staged, one = evaluations(runs["1f1b"]), evaluations(runs["1f1b_one"])
+    assert [step for step, _ in staged] == [step for step, _ in one] == [0, 3, 6, 6]  # start, every 3, final
+    assert [loss for _, loss in staged] == pytest.approx([loss for _, loss in one], abs=1e-5)
+    summary = json.loads((runs["1f1b"] / outputs.EVAL_RESULTS).read_text())
+    assert summary["before"]["step"] == 0 and summary["after"]["eval_loss"] == pytest.approx(staged[-1][1])
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"]
+    [events] = (runs["1f1b"] / "runs").iterdir()  # rank 0's TensorBoard writer, as Trainer's
+    tensorboard = EventAccumulator(str(events))
+    tensorboard.Reload()
+    logged = [entry["loss"] for entry in history(runs["1f1b"])]
+    assert [event.value for event in tensorboard.Scalars("train/loss")] == pytest.approx(logged, rel=1e-6)
+    assert [event.step for event in tensorboard.Scalars("eval/loss")] == [0, 3, 6, 6]
+
+
+@pytest.mark.distributed
+def test_a_non_finite_loss_stops_every_stage_in_one_line(tmp_path):
+    result = launch_demo(DDP_ON_CPU, tmp_path, *RUN, *PIPELINE, "--learning_rate", "1e8", "--max_grad_norm", "0",
+                         "--save_strategy", "no")
+    assert result.returncode != 0
+    assert "finetune: error: training diverged at step" in result.output, result.output[-3000:]
+    assert not (tmp_path / "model.safetensors.index.json").exists()  # nothing written as if it had trained
 
 
 @pytest.mark.distributed
