@@ -182,10 +182,13 @@ def _merged_fsdp_model(source: Path, merge_lora: bool, base_model: str | None, s
 
 
 def _model_from_state(state: dict, config_dir: Path, what: str):
-    """The model `config_dir/config.json` describes, holding the consolidated `state` (a tied head may be absent)."""
+    """The model `config_dir/config.json` describes, holding the consolidated `state` (a tied head may be absent),
+    built in the dtype the state holds: a checkpoint's config names the stored model's dtype (bf16 for a hub
+    checkpoint), and building in it would round the fp32 masters before any `--dtype` applies."""
     from transformers import AutoConfig
 
-    model = model_class(config_dir).from_config(AutoConfig.from_pretrained(config_dir))
+    dtype = next((tensor.dtype for tensor in state.values() if tensor.is_floating_point()), None)
+    model = model_class(config_dir).from_config(AutoConfig.from_pretrained(config_dir), dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {name for name in missing if name.endswith("lm_head.weight") and model.config.tie_word_embeddings}
     if set(missing) - tied or unexpected:

@@ -533,7 +533,8 @@ class FinetuneTrainingArguments(TrainingArguments):
         metadata={"help": "Split the model's layers into this many consecutive stages, one a process (pipeline "
                           "parallelism on torch.distributed.pipelining), each step's batch flowing through them in "
                           "`gradient_accumulation_steps` micro-batches. Launched as plain processes, one a stage; "
-                          "full fine-tuning with SFT."},
+                          "a multiple of it runs that many replicas of the pipeline, data parallel. Full fine-tuning "
+                          "with SFT."},
     )
     pipeline_schedule: str = field(
         default="1f1b",

@@ -202,10 +202,10 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
         raise RecipeError(f"`pipeline_schedule: {schedule}` is not one of {', '.join(PIPELINE_SCHEDULES)}.")
     training_inputs["pipeline_schedule"] = schedule
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size != size:
+    if world_size % size:
         raise RecipeError(f"`pipeline_parallel_size: {size}` runs one stage a process, but the launch has "
-                          f"{world_size} process(es): launch {size} (data parallelism beside a pipeline is not "
-                          "supported yet).")
+                          f"{world_size} process(es): launch a multiple of {size} (each {size} processes one "
+                          "replica of the pipeline, data parallel across replicas).")
     if strategy.kind not in ("ddp", "single"):
         raise RecipeError(f"`pipeline_parallel_size: {size}` under {strategy.describe()}: the pipeline loop runs "
                           "its stages as plain processes (accelerate_configs/ddp.yaml, or `finetune train --gpus "

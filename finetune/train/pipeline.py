@@ -30,8 +30,13 @@ What it does as Trainer does, through Trainer's own callbacks (`CallbackHandler`
 on the final weights (the run summary's before/after), its loss the answer tokens' summed loss over their count, run
 through the stages forward only (torch's `eval`) in batches of the training step's shape.
 
-Not supported here (refused before training starts): LoRA/QLoRA, DeepSpeed or FSDP configs, data parallelism beside
-the pipeline, packing and padding-free batches, methods other than SFT, `torch_compile`. The generation exact match
+Data parallelism beside it: a launch of r × p processes runs r replicas of the p-stage pipeline on a (`dp`, `pp`)
+device mesh. Each replica takes every r-th micro-batch, as DDP's ranks do, the step's answer tokens are counted over
+all of them, and each stage's gradients are summed over its replicas before clipping, so the update is one process's
+at the same global batch. Replica 0 writes the checkpoints and the final model.
+
+Not supported here (refused before training starts): LoRA/QLoRA, DeepSpeed or FSDP configs, tensor or sequence
+parallelism beside the pipeline, packing and padding-free batches, methods other than SFT, `torch_compile`. The generation exact match
 (`generation_eval_samples`) is not run.
 """
 
@@ -192,15 +197,16 @@ def loads_stage_only(model_args) -> bool:
 
 
 def cut_stage(recipe, model, rank: int | None = None) -> Stage:
-    """Stage `rank` (this process's by default) of `model` (as `finetune.models.loading.load_model` gave it, on the
-    meta device where `loads_stage_only`), its weights read from the checkpoint and held as the method holds them
-    (fp32 masters)."""
+    """The stage global rank `rank` holds (this process's by default), `rank` mod the stages, of `model` (as
+    `finetune.models.loading.load_model` gave it, on the meta device where `loads_stage_only`), its weights read from
+    the checkpoint and held as the method holds them (fp32 masters)."""
     from finetune.memory.shapes import shape_of
 
     check_attention(model, recipe.data.max_seq_length)
     shape = shape_of(model)  # the whole model's, before the other stages' weights are freed
     rank = dist.get_rank() if rank is None else rank
-    stage = build_stage(model, rank, recipe.strategy.pipeline_parallel_size)
+    size = recipe.strategy.pipeline_parallel_size
+    stage = build_stage(model, rank % size, size)  # ranks r·p … r·p + p − 1 are replica r's stages
     stage.shape = shape
     if any(parameter.is_meta for _, parameter in stage.named):
         fill_from_checkpoint(stage, recipe.model.model_name_or_path)
@@ -338,19 +344,36 @@ class PipelineTrainer:
         self.recipe, self.args, self.tokenizer, self.data = recipe, recipe.training, tokenizer, data
         self.model, self.stage, self.schedule_name, self.resume = model, stage, schedule, resume
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.replicas, self.replica = self.world // stage.count, self.rank // stage.count
         self.micro_batches = self.args.gradient_accumulation_steps
         self.device = self.args.device  # as Trainer places the model: this rank's GPU, or the CPU
+        self.pipeline_group, self.replica_group, self.tied_group = self._groups()
         stage.module.to(self.device)
         self.step_tokens = 1
-        self.pipe_stage = PipelineStage(stage.module, stage.index, stage.count, self.device)
+        self.pipe_stage = PipelineStage(stage.module, stage.index, stage.count, self.device,
+                                        group=self.pipeline_group)
         engine = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         self.schedule = engine(self.pipe_stage, n_microbatches=self.micro_batches, loss_fn=self._loss,
                                scale_grads=False)
         self.optimizer, self.lr_scheduler = self._optimizer_and_schedule()
-        ends = sorted({0, stage.count - 1})
-        self.tied_group = dist.new_group(ends) if stage.count > 1 else None  # every rank takes part in new_group
         self.global_step, self.log_history, self.epoch = 0, [], 0.0
         self.state, self.control, self.callbacks = self._callbacks()
+
+    def _groups(self):
+        """The process groups of a (`dp`, `pp`) mesh, pipeline innermost (torch's `DeviceMesh`): this rank's pipeline
+        (its replica's stages), its stage's replicas (their gradients summed), and the first and last stage of its
+        replica, which both hold a tied embedding (every rank takes part in creating every group)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        size = self.stage.count
+        mesh = init_device_mesh(self.device.type, (self.replicas, size), mesh_dim_names=("dp", "pp"))
+        tied = None
+        for replica in range(self.replicas):
+            ends = sorted({replica * size, replica * size + size - 1})
+            group = dist.new_group(ends) if size > 1 else None
+            if replica == self.replica:
+                tied = group
+        return mesh["pp"].get_group(), mesh["dp"].get_group(), tied
 
     def _callbacks(self):
         """Trainer's state, control and callback handler, holding the trackers `report_to` names and the divergence
@@ -392,7 +415,8 @@ class PipelineTrainer:
     def train_loader(self):
         """Micro-batches in the order a one-process Trainer run sees them: Trainer's random sampler, seeded by
         Accelerate as Trainer prepares it (`use_seedable_sampler`), each padded to `max_seq_length`: a stage's
-        send/recv buffers keep the shape of the first step."""
+        send/recv buffers keep the shape of the first step. With several replicas each takes every `replicas`-th
+        micro-batch, as DDP's ranks do: a step's micro-batches over all replicas are a one-process step's."""
         if getattr(self, "_loader", None) is None:
             from accelerate.data_loader import prepare_data_loader
             from torch.utils.data import DataLoader, RandomSampler
@@ -404,7 +428,8 @@ class PipelineTrainer:
                                               length=self.recipe.data.max_seq_length)
             loader = DataLoader(dataset, batch_size=self.args.per_device_train_batch_size,
                                 sampler=RandomSampler(dataset), collate_fn=collate, drop_last=True)
-            self._loader = prepare_data_loader(loader, num_processes=1, process_index=0, put_on_device=False,
+            self._loader = prepare_data_loader(loader, num_processes=self.replicas, process_index=self.replica,
+                                               put_on_device=False,
                                                use_seedable_sampler=self.args.accelerator_config.use_seedable_sampler,
                                                data_seed=self.args.data_seed)
         return self._loader
@@ -415,7 +440,8 @@ class PipelineTrainer:
     # -- one step ------------------------------------------------------------------------------------------------
     def _run_schedule(self, batches: list[dict], forward_only: bool = False) -> float:
         """One pass of the schedule over a step's micro-batches; the sum of the losses the last stage computed, on
-        every rank. `forward_only`: torch's `eval`, no backward."""
+        every rank of the pipeline, and over the replicas when training (their micro-batches make the step).
+        `forward_only`: torch's `eval`, no backward (every replica evaluates the same rows)."""
         input_ids = torch.cat([batch["input_ids"] for batch in batches]).to(self.device)
         labels = torch.cat([batch["labels"] for batch in batches]).to(self.device)
         run = self.schedule.eval if forward_only else self.schedule.step
@@ -430,13 +456,24 @@ class PipelineTrainer:
                 run()
         loss = torch.tensor([float(sum(loss.detach() for loss in losses)) if losses else 0.0], dtype=torch.float64,
                             device=self.device)  # where the backend communicates (NCCL: the GPU)
-        dist.broadcast(loss, src=self.stage.count - 1)  # the last stage computed it
+        last = self.replica * self.stage.count + self.stage.count - 1  # the global rank of this replica's last stage
+        dist.broadcast(loss, src=last, group=self.pipeline_group)
+        if not forward_only and self.replicas > 1:
+            dist.all_reduce(loss, group=self.replica_group)
         return float(loss)
 
     def _step(self, batches: list[dict]) -> tuple[float, float]:
-        self.step_tokens = max(step_token_count(torch.cat([batch["labels"] for batch in batches])), 1)
+        tokens = torch.tensor([step_token_count(torch.cat([batch["labels"] for batch in batches]))],
+                              dtype=torch.int64, device=self.device)
+        if self.replicas > 1:  # every answer token of the step weighs the same, whichever replica saw it
+            dist.all_reduce(tokens, group=self.replica_group)
+        self.step_tokens = max(int(tokens), 1)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._run_schedule(batches)
+        if self.replicas > 1:  # each replica's gradient of its share of the step's token-loss sum: summed
+            for _, parameter in self.stage.named:
+                if parameter.grad is not None:
+                    dist.all_reduce(parameter.grad, group=self.replica_group)
         if self.stage.tied is not None and self.stage.tied.grad is not None:
             dist.all_reduce(self.stage.tied.grad, group=self.tied_group)
         norm = self._clip()
@@ -494,7 +531,7 @@ class PipelineTrainer:
         stage's norm, summed in squares over the stages."""
         grads = [parameter.grad for parameter in self.stage.counted_in_norm if parameter.grad is not None]
         squares = torch.nn.utils.get_total_norm(grads).to(self.device, torch.float64).pow(2).reshape(1)
-        dist.all_reduce(squares)
+        dist.all_reduce(squares, group=self.pipeline_group)  # the replicas hold the same gradients by now
         norm = squares.sqrt()[0]  # 0-dim, as clip_grads_with_norm_ takes it
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_([p for _, p in self.stage.named], self.args.max_grad_norm, norm)
@@ -591,7 +628,8 @@ class PipelineTrainer:
         from finetune.checkpoints.complete import mark_complete, recipe_values, rotate_complete_checkpoints
 
         folder = Path(self.args.output_dir) / f"checkpoint-{self.global_step}"
-        self.save_stage(folder, with_state=True)
+        if self.replica == 0:  # the replicas hold the same stages and optimizer states
+            self.save_stage(folder, with_state=True)
         dist.barrier()
         if self.rank == 0:
             self.model.config.save_pretrained(folder)
@@ -608,7 +646,8 @@ class PipelineTrainer:
         final = self.final_dtype()
         return {"world_size": self.world, "strategy": "pipeline", "zero_stage": None,
                 "pipeline_parallel_size": self.stage.count, "pipeline_schedule": self.schedule_name,
-                "sequences_per_step": self.args.per_device_train_batch_size * self.micro_batches,
+                "pipeline_replicas": self.replicas,
+                "sequences_per_step": self.args.per_device_train_batch_size * self.micro_batches * self.replicas,
                 "final_weights_dtype": final and dtype_name(final)}  # what `finetune export` writes by default
 
     def _load(self, folder: Path) -> None:
@@ -646,8 +685,9 @@ class PipelineTrainer:
         shard = FINAL_SHARD.format(stage=self.stage.index + 1, stages=self.stage.count)
         weights = {name: parameter.detach().to("cpu", dtype or parameter.dtype).contiguous()
                    for name, parameter in self.stage.named
-                   if not (self.stage.index > 0 and parameter is self.stage.tied)}
-        save_file(weights, str(output_dir / shard), metadata={"format": "pt"})
+                   if self.replica == 0 and not (self.stage.index > 0 and parameter is self.stage.tied)}
+        if self.replica == 0:  # the other replicas hold the same stages
+            save_file(weights, str(output_dir / shard), metadata={"format": "pt"})
         written = {name: (shard, tensor.numel() * tensor.element_size()) for name, tensor in weights.items()}
         del weights
         every = gather_object([written])  # also: every shard is written before the index names it
@@ -698,7 +738,7 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
 
     args = trainer.args
     setup = Setup(strategy="pipeline", num_gpus=trainer.world, pipeline_parallel_size=trainer.stage.count,
-                  pipeline_schedule=trainer.schedule_name, rank=trainer.rank,
+                  pipeline_schedule=trainer.schedule_name, rank=trainer.stage.index,
                   precision="bf16" if args.bf16 else "fp32",
                   optimizer=optimizer_kind(args.optim) or "adamw", micro_batch_size=args.per_device_train_batch_size,
                   sequence_length=trainer.recipe.data.max_seq_length,
@@ -750,7 +790,7 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
         outputs.write_record(output_dir, outputs.MEMORY_REPORT, {"ranks": ranks})
         bounds = stage_layers(stage.shape.num_layers, size)
         pipeline = {"stages": [[layers.start, layers.stop] for layers in bounds], "schedule": args.pipeline_schedule,
-                    "micro_batches": trainer.micro_batches,
+                    "micro_batches": trainer.micro_batches, "replicas": trainer.replicas,
                     "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}
         outputs.write_record(output_dir, outputs.EFFECTIVE_CONFIG, {
             "values": {"world_size": {"value": trainer.world, "source": "the launch"},
@@ -759,7 +799,8 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
             "strategy": {"requested": recipe.strategy.to_dict(), "running": recipe.strategy.to_dict()},
             "pipeline": pipeline})
         outputs.write_record(output_dir, outputs.EVAL_RESULTS, summary)
-        print(f"pipeline: {size} stages (layers {pipeline['stages']}), {args.pipeline_schedule}, "
+        print(f"pipeline: {size} stages (layers {pipeline['stages']}) × {trainer.replicas} replica(s), "
+              f"{args.pipeline_schedule}, "
               f"{trainer.micro_batches} micro-batches a step, bubble {pipeline['bubble_fraction']:.0%}", flush=True)
         if summary.get("after"):
             print_before_after(summary)

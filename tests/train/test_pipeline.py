@@ -91,6 +91,51 @@ def test_two_stages_train_with_the_losses_of_one_process(runs, name):
     assert effective["pipeline"]["bubble_fraction"] == pytest.approx(1 / 5)  # (p − 1) / (m + p − 1)
 
 
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    """PP 2 × DP 2 on 4 processes from a hub-shaped bf16 checkpoint, its one-process twin at the same global batch
+    (4 × 4 micro-batches × 2 replicas = 4 × 8 accumulated), and the run resumed from its step-3 checkpoint."""
+    hub = save_hub_model(tmp_path_factory.mktemp("hub_replicated"))
+    pipeline, one, resumed = (tmp_path_factory.mktemp(name) for name in ("pp2_dp2", "pp2_dp2_one", "pp2_dp2_resumed"))
+    model = ["--model_name_or_path", str(hub), "--save_dtype", "float32"]  # the fp32 masters, to compare exactly
+    assert_succeeded(launch_demo(DDP_ON_CPU, pipeline, *RUN, *PIPELINE, *model, num_processes=4))
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN, *model, "--gradient_accumulation_steps",
+                 "8"]) == 0
+    shutil.copytree(pipeline / "checkpoint-3", resumed / "checkpoint-3")
+    assert_succeeded(launch_demo(DDP_ON_CPU, resumed, *RUN, *PIPELINE, *model, "--resume_from_checkpoint", "auto",
+                                 num_processes=4))
+    return {"pipeline": pipeline, "one": one, "resumed": resumed}
+
+
+@pytest.mark.distributed
+def test_two_replicas_of_two_stages_train_with_the_losses_of_one_process(replicated, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    staged, one = history(replicated["pipeline"]), history(replicated["one"])
+    assert [entry["step"] for entry in staged] == list(range(1, STEPS + 1))
+    for a, b in zip(staged, one, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # over the stages, after the replicas' sum
+        assert a["grad_norm"] > 1.0  # clipping active at every step
+    effective = json.loads((replicated["pipeline"] / outputs.EFFECTIVE_CONFIG).read_text())
+    assert effective["pipeline"]["replicas"] == 2 and effective["values"]["world_size"]["value"] == 4
+    report = json.loads((replicated["pipeline"] / outputs.MEMORY_REPORT).read_text())["ranks"]
+    assert [rank["layers"] for rank in report] == [[0, 1], [1, 2], [0, 1], [1, 2]]  # replica r: ranks 2r, 2r + 1
+    for rank in report:
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "recv_buffers_bytes"):
+            assert rank["measured"][key] == rank["predicted"][key], (rank["rank"], key)
+    resumed = history(replicated["resumed"])
+    assert [entry["loss"] for entry in resumed[3:]] == pytest.approx([entry["loss"] for entry in staged[3:]],
+                                                                     abs=1e-6)
+    assert main(["export", str(replicated["pipeline"] / "checkpoint-6"), str(tmp_path / "exported")]) == 0
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    exported, final, alone = (AutoModelForCausalLM.from_pretrained(path)(ids).logits.detach()
+                              for path in (tmp_path / "exported", replicated["pipeline"], replicated["one"]))
+    # the stages' fp32 masters, not rounded to the bf16 the checkpoint's config names: the run's own final save
+    assert exported.dtype == torch.float32 and torch.equal(exported, final)
+    assert torch.allclose(exported, alone, atol=1e-4)
+
+
 def evaluations(output_dir) -> list[tuple[int, float]]:
     return [(entry["step"], entry["eval_loss"]) for entry in
             json.loads((output_dir / "trainer_state.json").read_text())["log_history"] if "eval_loss" in entry]
@@ -179,7 +224,7 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
     asked = {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 4}
     assert check_pipeline(dict(asked), data, False, "sft", Parallelism(), ddp).label == "pp2"
     refusals = [
-        ({**asked, "pipeline_parallel_size": 4}, {}, "launch has 2 process"),
+        ({**asked, "pipeline_parallel_size": 4}, {}, "launch has 2 process.*launch a multiple of 4"),
         (asked, {"strategy": Strategy("deepspeed", zero_stage=2)}, "not under a DeepSpeed or FSDP config"),
         (asked, {"use_lora": True}, "with LoRA or QLoRA"),
         (asked, {"method": "dpo"}, "`method: dpo`"),
