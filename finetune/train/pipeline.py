@@ -36,8 +36,8 @@ all of them, and each stage's gradients are summed over its replicas before clip
 at the same global batch. Replica 0 writes the checkpoints and the final model.
 
 Not supported here (refused before training starts): LoRA/QLoRA, DeepSpeed or FSDP configs, tensor or sequence
-parallelism beside the pipeline, packing and padding-free batches, methods other than SFT, `torch_compile`. The generation exact match
-(`generation_eval_samples`) is not run.
+parallelism beside the pipeline, packing and padding-free batches, methods other than SFT, `torch_compile`. The
+generation exact match (`generation_eval_samples`) is not run.
 """
 
 from __future__ import annotations
