@@ -84,6 +84,14 @@ LIGER_DEFAULTS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy
                   "fused_linear_cross_entropy": True}
 
 
+def liger_config_given(liger_kernel_config) -> dict:
+    """Trainer's `liger_kernel_config` as a dict: given as one in a recipe, or as its JSON text on a command line."""
+    import json
+
+    config = liger_kernel_config or {}
+    return json.loads(config) if isinstance(config, str) else dict(config)
+
+
 @dataclass(frozen=True)
 class FusedKernels:
     """Which of Liger Kernel's fused kernels are patched into the model (Trainer's `use_liger_kernel`, with
@@ -103,15 +111,11 @@ class FusedKernels:
         """The kernels Trainer applies for these arguments: none without `use_liger_kernel`, else Liger's defaults
         with `liger_kernel_config` (a dict, or its JSON text as given on a command line) over them. Keys Liger's
         patch for the model does not take are dropped, as Liger drops them."""
-        import json
-
         from finetune.launch.strategies import is_true
 
         if not is_true(use_liger_kernel):
             return cls()
-        config = liger_kernel_config or {}
-        if isinstance(config, str):
-            config = json.loads(config)
+        config = liger_config_given(liger_kernel_config)
         asked = {**LIGER_DEFAULTS, **{key: is_true(value) for key, value in config.items() if key in LIGER_DEFAULTS}}
         return cls(**asked)
 

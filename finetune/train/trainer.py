@@ -45,6 +45,7 @@ from finetune.checkpoints.complete import (
 from finetune.checkpoints.disk import needed_checkpoint_bytes, saving_within_free_space, trainable_parameter_bytes
 from finetune.checkpoints.sharded_state import load_sharded_model, load_sharded_optimizer, save_sharded_state
 from finetune.launch.strategies import loaded_sharded
+from finetune.memory.estimate import liger_config_given
 from finetune.memory.ledger import optimizer_chain
 from finetune.models.loading import dtype_name, saved_dtype
 from finetune.recipe.batch_plan import BatchPlan, data_parallel_size
@@ -393,14 +394,10 @@ FULL_LOGITS_ASKED = "`fused_lm_head: false`"
 LIGER_LOSS = "Liger's fused linear cross-entropy (`liger_kernel_config`) computes the loss from the head's input"
 
 
-def liger_config(args) -> dict:
-    config = args.liger_kernel_config or {}
-    return json.loads(config) if isinstance(config, str) else dict(config)
-
-
 def liger_loss_asked(args) -> bool:
     """Whether the recipe asks by name for Liger's fused linear cross-entropy (`liger_kernel_config`)."""
-    return bool(args.use_liger_kernel and liger_config(args).get("fused_linear_cross_entropy"))
+    config = liger_config_given(args.liger_kernel_config)
+    return bool(args.use_liger_kernel and config.get("fused_linear_cross_entropy"))
 
 
 def keep_the_fused_head_under_liger(args) -> None:
@@ -408,7 +405,7 @@ def keep_the_fused_head_under_liger(args) -> None:
     its fused linear cross-entropy by default, silently dropping TRL's fused head: that kernel is turned off, as TRL's
     own trainers turn it off, unless the recipe names it (then it computes the loss: `full_logits_reason`)."""
     if args.use_liger_kernel:
-        args.liger_kernel_config = {**liger_config(args), "fused_linear_cross_entropy": False}
+        args.liger_kernel_config = {**liger_config_given(args.liger_kernel_config), "fused_linear_cross_entropy": False}
 
 
 def full_logits_reason(trainer) -> str | None:
@@ -453,7 +450,6 @@ def cast_state_dict(state_dict: dict, dtype) -> dict:
 def record_config_dtype(output_dir: Path, dtype) -> None:
     """save_pretrained records the dtype of the model's first parameter (the fp32 masters); config.json must name
     the dtype the weights were written in."""
-    import json
 
     config_file = output_dir / "config.json"
     if config_file.is_file():
