@@ -355,7 +355,7 @@ def print_axes(console, plan: dict, size, unit_name: str) -> None:
 
     table = Table(title=f"Parallelism axes on {plan['gpus']} GPUs — {unit_name} per GPU (the fullest rank)")
     for column in ("axis", "params", "grads", "optimizer", "activations", "buffers", "total / GPU", "costs", "fits"):
-        table.add_column(column, justify="left" if column in ("axis", "costs") else "right", no_wrap=True)
+        table.add_column(column, justify="left" if column in ("axis", "costs") else "right", no_wrap=column != "costs")
     for row in plan["axes"]:
         result = row["estimate"]
         style = "bold green" if row["name"] == plan["recommended"] else None

@@ -417,20 +417,33 @@ def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
         stages = request.gpus
         micro_batches = max(stages, math.ceil(request.global_batch_size / micro_batch_size))
         rows.append(pipeline_row(request, shape, micro_batch_size, stages, "1f1b", micro_batches))
+    if full and request.nodes > 1 and per_node <= shape.num_layers:  # a pipeline a node, the nodes its replicas
+        micro_batches = max(per_node, math.ceil(request.global_batch_size / micro_batch_size / request.nodes))
+        rows.append(pipeline_row(request, shape, micro_batch_size, per_node, "1f1b", micro_batches,
+                                 replicas=request.nodes))
     return rows
 
 
 def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int, schedule: str,
-                 micro_batches: int) -> dict:
+                 micro_batches: int, replicas: int = 1) -> dict:
     """The pipeline's row: every stage estimated as the loop runs it (finetune.train.pipeline), the fullest shown, and
-    what it costs: the bubble, and the host RAM a node takes to load its stages (each rank reads only its own)."""
+    what it costs: the bubble, and the host RAM a node takes to load its stages (each rank reads only its own). With
+    `replicas`, that many pipelines, data parallel (a launch of `replicas` × `stages` processes): each rank holds its
+    stage as in one pipeline, and each step all-reduces every stage's gradients across the replicas."""
     options = {"strategy": "pipeline", "pipeline_parallel_size": stages, "pipeline_schedule": schedule}
     bubble = pipeline_bubble_fraction(stages, micro_batches)
-    row = _axis_row(request, shape, micro_batch_size, f"PP {stages} ({schedule.upper()})", "pipeline", options,
+    name = f"PP {stages}" + (f" × DP {replicas}" if replicas > 1 else "") + f" ({schedule.upper()})"
+    why = f"PP {stages} holds 1/{stages} of the layers a GPU" + (
+        f", {replicas} pipelines data parallel (one a node)" if replicas > 1 else "")
+    row = _axis_row(request, shape, micro_batch_size, name, "pipeline", options,
                     {"--pipeline_parallel_size": stages, "--gradient_accumulation_steps": micro_batches},
-                    "accelerate_configs/ddp.yaml", 1,
-                    f"idle {bubble:.0%} of each step (bubble, {micro_batches} micro-batches)",
-                    f"PP {stages} holds 1/{stages} of the layers a GPU", micro_batches=micro_batches, ranks=stages)
+                    "accelerate_configs/ddp.yaml", replicas,
+                    f"idle {bubble:.0%} of each step (bubble, {micro_batches} micro-batches)", why,
+                    micro_batches=micro_batches, ranks=stages)
+    if replicas > 1:  # a ring all-reduce sends and receives 2 (r − 1)/r of the stage's fp32 gradients
+        gradients = row["estimate"].grads_bytes
+        row["cost"] += (f"; the stage's gradients all-reduced over {replicas} replicas: "
+                        f"{_size(2 * (replicas - 1) / replicas * gradients)} a GPU a step")
     row["cost"] += f"; loads {_size(row['estimate'].host_load_bytes_per_node)}/node (a stage a rank)"
     if request.token_lengths:  # the loop pads every row to max_seq_length: FLOPs the data's own lengths do not need
         padding = request.sequence_length / (sum(request.token_lengths) / len(request.token_lengths))

@@ -235,3 +235,20 @@ def test_the_recommended_row_is_estimated_at_the_batch_plans_micro_batch(capsys)
     assert main(["plan", "--model", "qwen2.5-0.5b", "--gpus", "2", "--gpu", "a100", "--seq-len", "512"]) == 0
     out = capsys.readouterr().out
     assert "micro" in out and "the recommended one at the batch plan's" in " ".join(out.split())
+
+
+def test_on_several_nodes_the_pipeline_row_runs_a_pipeline_a_node_data_parallel(capsys):
+    """Llama-3-70B on 2 nodes of 8 H100s: PP 8 × DP 2, each rank holding its stage as in one pipeline of 8, the step's
+    micro-batches split over the 2 replicas, and each stage's gradients all-reduced across them (a ring: 2 (r − 1)/r
+    of the stage's gradients a GPU); launched as 16 plain processes with the recipe's pipeline keys."""
+    common = ["--model", "llama-3-70b", "--gpu", "h100", "--seq-len", "4096", "--global-batch-size", "32", "--json"]
+    two = next(row for row in planned(capsys, "--gpus", "16", "--nodes", "2", *common)["axes"]
+               if row["key"] == "pipeline")
+    one = next(row for row in planned(capsys, "--gpus", "8", *common)["axes"] if row["key"] == "pipeline")
+    assert (two["name"], one["name"], two["replicas"]) == ("PP 8 × DP 2 (1F1B)", "PP 8 (1F1B)", 2)
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert two["per_gpu"][key] == one["per_gpu"][key], key
+    assert two["overrides"] == ["--pipeline_parallel_size 8", "--gradient_accumulation_steps 16"]  # 32 = 16 × 2
+    assert one["overrides"] == ["--pipeline_parallel_size 8", "--gradient_accumulation_steps 32"]
+    all_reduced = two["per_gpu"]["grads_bytes"] / 1024**3  # 2 (2 − 1)/2 = once the stage's gradients
+    assert f"gradients all-reduced over 2 replicas: {all_reduced:,.1f} GiB a GPU a step" in two["cost"]
