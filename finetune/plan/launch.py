@@ -216,10 +216,10 @@ def _plan_launch(recipe: str, overrides: list[str], machine: Machine, sections) 
 
 
 def _pipeline_plan(recipe: str, overrides: list[str], machine: Machine, sections) -> dict | None:
-    """The plan record of a recipe naming `pipeline_parallel_size`: every stage estimated as the loop runs it (one
-    pipeline, the recipe's micro-batches, rows at `max_seq_length`), the fullest rank's memory against this machine's
-    GPUs and the node's host RAM at load (each rank reads its stage alone) against its RAM; None where the model's
-    shape cannot be read (launched unplanned, as before)."""
+    """The plan record of a recipe naming `pipeline_parallel_size`: every stage estimated as the loop runs it (the
+    recipe's micro-batches, rows at `max_seq_length`; the launch's processes over the stages are the replicas), the
+    fullest rank's memory against this machine's GPUs and the node's host RAM at load (each rank reads its stage
+    alone) against its RAM; None where the model's shape cannot be read (launched unplanned, as before)."""
     from finetune.launch.parallelism import process_count
     from finetune.memory.shapes import model_shape
     from finetune.plan.calibration import calibration_for
@@ -229,7 +229,12 @@ def _pipeline_plan(recipe: str, overrides: list[str], machine: Machine, sections
 
     training = sections.training_inputs
     stages = process_count("pipeline_parallel_size", training["pipeline_parallel_size"], "the recipe")
-    batch = plan_from_recipe(training, sections.data.max_seq_length, 1)  # one pipeline: no data parallelism
+    if machine.processes % stages:
+        raise RecipeError(f"`pipeline_parallel_size: {stages}` runs one stage a process, but this launch has "
+                          f"{machine.processes} process(es): launch a multiple of {stages} (each {stages} processes "
+                          "one replica of the pipeline, data parallel across replicas).")
+    replicas = machine.processes // stages
+    batch = plan_from_recipe(training, sections.data.max_seq_length, replicas)  # the replicas share the batch
     request, _ = request_from_recipe(recipe, machine.processes, machine.memory_gib, machine.gpu, overrides=overrides,
                                      sections=sections, host_memory_gib=machine.host_memory_gib, nodes=machine.nodes,
                                      cpu_processes=machine.cpu,
@@ -239,7 +244,8 @@ def _pipeline_plan(recipe: str, overrides: list[str], machine: Machine, sections
     except RecipeError:
         return None
     schedule = str(training.get("pipeline_schedule") or "1f1b").lower()
-    row = pipeline_row(request, shape, batch.micro_batch_size, stages, schedule, batch.gradient_accumulation_steps)
+    row = pipeline_row(request, shape, batch.micro_batch_size, stages, schedule, batch.gradient_accumulation_steps,
+                       replicas=replicas)
     return {
         "strategy": "pipeline", "label": row["name"], "chosen_by": "the recipe's pipeline_parallel_size",
         "device": machine.describe(), "processes": machine.processes, "nodes": machine.nodes,

@@ -425,3 +425,23 @@ def test_a_pipeline_self_launch_plans_each_stage_and_the_nodes_host_ram_at_load(
     _, starved, _ = plan_launch("recipes/demo.yaml", ["--pipeline_parallel_size", "2",
                                                       "--gradient_accumulation_steps", "2"], low)
     assert not starved["fits"] and starved["shortfall"] == "host load"
+
+
+def test_a_pipeline_self_launch_on_more_gpus_than_stages_runs_replicas(monkeypatch):
+    """4 GPUs and `pipeline_parallel_size: 2`: two replicas of the pipeline, data parallel, planned as such (each rank
+    its stage as in one pipeline); 3 GPUs cannot be split into pipelines of 2 and are refused before the launch."""
+    from finetune.launch.devices import KNOWN_GPUS
+    from finetune.launch.self_launch import Machine
+    from finetune.plan.launch import plan_launch
+
+    pipeline = ["--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2"]
+    simulate_gpus(monkeypatch, A100, count=4, memory_gib=80)
+    four = Machine(processes_per_node=4, gpu=KNOWN_GPUS["a100"], memory_gib=80, memory_source="the GPU",
+                   host_memory_gib=64)
+    _, record, _ = plan_launch("recipes/demo.yaml", pipeline, four)
+    assert record["label"] == "PP 2 × DP 2 (1F1B)" and record["processes"] == 4 and record["fits"]
+    simulate_gpus(monkeypatch, A100, count=3, memory_gib=80)
+    three = Machine(processes_per_node=3, gpu=KNOWN_GPUS["a100"], memory_gib=80, memory_source="the GPU",
+                    host_memory_gib=64)
+    with pytest.raises(RecipeError, match=r"this launch has 3 process\(es\): launch a multiple of 2"):
+        plan_launch("recipes/demo.yaml", pipeline, three)
