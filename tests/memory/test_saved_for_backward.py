@@ -139,3 +139,21 @@ def test_sft_through_the_fused_head_keeps_no_logits_and_drops_what_the_plan_drop
     dropped = measured_full.outside_layers - measured_fused.outside_layers
     planned = saved_outside_layers_bytes(shape, full) - saved_outside_layers_bytes(shape, fused)
     assert planned == pytest.approx(dropped, rel=0.05), (planned / MiB, dropped / MiB)
+
+
+def test_orpo_through_the_fused_head_keeps_no_logits_and_drops_what_the_plan_drops():
+    """The reference-free pair methods (CPO, ORPO) score chosen and rejected through the same fused head
+    (finetune.train.methods.reference_free_trainer): at Llama-3-8B width, 2 sequences of 2,048 tokens a pair, nothing
+    outside the layers is a (tokens × vocab) tensor, and the drop against TRL's full logits is the plan's."""
+    from finetune.train.methods.orpo import OddsRatioPreferenceOptimization
+
+    terms = OddsRatioPreferenceOptimization.memory
+    assert terms.fused_head and not terms.logits_held and terms.sequences_per_example == 2
+    shape, tokens = model_shape("llama-3-8b"), 2048
+    fused = Setup(**DDP, sequence_length=tokens, method=terms)
+    full = replace(fused, method=replace(terms, fused_head=False, logits_held=True))
+    measured_fused, measured_full = measure("llama-3-8b", fused), measure("llama-3-8b", full)
+    assert measured_fused.outside_layers < 2 * tokens * shape.vocab_size  # two sequences: still under one (T, V)
+    dropped = measured_full.outside_layers - measured_fused.outside_layers
+    planned = saved_outside_layers_bytes(shape, full) - saved_outside_layers_bytes(shape, fused)
+    assert planned == pytest.approx(dropped, rel=0.05), (planned / MiB, dropped / MiB)
