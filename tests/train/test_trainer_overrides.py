@@ -34,9 +34,11 @@ OVERRIDES = [
     (FinetuneDPOTrainer, DPOTrainer, ("_prepare_dataset", "_send_telemetry", "create_model_card")),
     (FinetuneKTOTrainer, KTOTrainer, ("_prepare_dataset", "_send_telemetry", "create_model_card")),
     # TRL's experimental CPO and ORPO trainers: their pairs tokenized whole (tokenize_row) and cut by the length
-    # policies, their tokens counted from the pairs' own columns
+    # policies, their tokens counted from the pairs' own columns, scored through TRL's fused LM head
+    # (concatenated_forward)
     *[(ReferenceFreePairTrainer, trainer, ("tokenize_row", "_track_num_input_tokens", "_send_telemetry",
-                                           "create_model_card")) for trainer in (CPOTrainer, ORPOTrainer)],
+                                           "create_model_card", "concatenated_forward"))
+      for trainer in (CPOTrainer, ORPOTrainer)],
     (FinetuneTrainingArguments, TrainingArguments, ("_setup_devices",)),
 ]
 
