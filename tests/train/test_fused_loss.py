@@ -29,14 +29,9 @@ def loss_head(output_dir) -> dict:
     return outputs.read_record(output_dir, outputs.EFFECTIVE_CONFIG)["values"]["loss_head"]
 
 
-@pytest.fixture(scope="module")
-def hub_model(tmp_path_factory):
-    return save_hub_model(tmp_path_factory.mktemp("hub"))
-
-
-@pytest.mark.parametrize("model", ["tiny", "hub"])
-def test_the_fused_head_trains_with_the_losses_of_the_full_logits(model, hub_model, tmp_path):
-    extra = [] if model == "tiny" else ["--model_name_or_path", str(hub_model)]
+def trained_both_ways(tmp_path, extra: list[str]):
+    """The same 3 steps through the fused head and from the full logits: each run's head named in its effective
+    config, and the same losses (steps and the final evaluation) to 1e-5 relative."""
     fused, full = tmp_path / "fused", tmp_path / "full"
     assert main(["train", "recipes/demo.yaml", "--output_dir", str(fused), *RUN, *extra]) == 0
     assert main(["train", "recipes/demo.yaml", "--output_dir", str(full), *RUN, *extra, "--fused_lm_head",
@@ -45,6 +40,18 @@ def test_the_fused_head_trains_with_the_losses_of_the_full_logits(model, hub_mod
     assert loss_head(full) == {"value": "full logits", "source": "`fused_lm_head: false`"}
     assert len(losses(fused)) == 4  # 3 steps and the final evaluation
     assert losses(fused) == pytest.approx(losses(full), rel=1e-5)
+    return fused, full
+
+
+@pytest.fixture(scope="module")
+def hub_model(tmp_path_factory):
+    return save_hub_model(tmp_path_factory.mktemp("hub"))
+
+
+@pytest.mark.parametrize("model", ["tiny", "hub"])
+def test_the_fused_head_trains_with_the_losses_of_the_full_logits(model, hub_model, tmp_path):
+    extra = [] if model == "tiny" else ["--model_name_or_path", str(hub_model)]
+    fused, full = trained_both_ways(tmp_path, extra)
     report = outputs.read_record(full, outputs.MEMORY_REPORT)["ranks"][0]["predicted"]["estimate"]["setup"]
     assert report["method"]["logits_held"] and not report["method"]["fused_head"]  # the plan counts them again
 
@@ -64,14 +71,7 @@ def logged(output_dir, keys) -> list[float]:
 def test_cpo_and_orpo_through_the_fused_head_train_with_the_full_logits_losses(method, model, hub_model, tmp_path):
     extra = [*PAIRS[method], "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--warmup_steps", "0",
              *([] if model == "tiny" else ["--model_name_or_path", str(hub_model)])]
-    fused, full = tmp_path / "fused", tmp_path / "full"
-    assert main(["train", "recipes/demo.yaml", "--output_dir", str(fused), *RUN, *extra]) == 0
-    assert main(["train", "recipes/demo.yaml", "--output_dir", str(full), *RUN, *extra, "--fused_lm_head",
-                 "false"]) == 0
-    assert loss_head(fused) == {"value": "fused (TRL's add_fused_lm_head: no full logits)", "source": "default"}
-    assert loss_head(full) == {"value": "full logits", "source": "`fused_lm_head: false`"}
-    assert len(losses(fused)) == 4  # 3 steps and the final evaluation
-    assert losses(fused) == pytest.approx(losses(full), rel=1e-5)
+    fused, full = trained_both_ways(tmp_path, extra)
     metrics = logged(fused, PAIR_METRICS)
     assert len(metrics) == 3 * len(PAIR_METRICS) and metrics == pytest.approx(logged(full, PAIR_METRICS), rel=1e-5)
     setup = outputs.read_record(fused, outputs.MEMORY_REPORT)["ranks"][0]["predicted"]["estimate"]["setup"]
