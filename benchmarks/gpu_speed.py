@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from finetune import outputs  # noqa: E402
-from finetune.bench.harness import Settings, Variant, device_label, run_once  # noqa: E402
+from finetune.bench.harness import Settings, Variant, device_label, last_window, run_once  # noqa: E402
 from finetune.errors import ChildTimedOut  # noqa: E402
 from finetune.memory.estimate import MethodTerms, Setup, estimate  # noqa: E402
 from finetune.memory.shapes import model_shape, resolve_config  # noqa: E402
@@ -164,7 +164,7 @@ def read_row(variant: Variant, settings: Settings, output_dir: Path) -> dict:
     """A finished run's last logged throughput window, its peaks, and the planner's prediction for it: the run's own
     memory report where it wrote one, else `estimate` for the baseline's Setup."""
     history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
-    window = next((entry for entry in reversed(history) if "throughput/tokens_per_second" in entry), {})
+    window = last_window(history)
     memory = outputs.read_record(output_dir, outputs.MEMORY_REPORT, missing=None)
     if memory is not None:
         rank = memory["ranks"][0]  # one process

@@ -123,6 +123,12 @@ def command(variant: Variant, settings: Settings, output_dir: Path) -> list[str]
     return SHIPPED_BY_NAME[variant.launch].launch(cpu=not settings.cuda).command(*args, num_processes=variant.processes)
 
 
+def last_window(history: list[dict]) -> dict:
+    """The last log entry the throughput callback measured a window in: past torch.compile's first compile and its
+    recompiles ({} where none was logged)."""
+    return next((entry for entry in reversed(history) if "throughput/tokens_per_second" in entry), {})
+
+
 def read_result(output_dir: Path) -> dict:
     """Useful tokens/s from Trainer's own count and runtime; peak memory and MFU where the run measured them."""
     history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
@@ -136,9 +142,7 @@ def read_result(output_dir: Path) -> dict:
         peak = max((rank["measured"] or {}).get("peak_bytes", 0) for rank in memory["ranks"])
     result["peak_bytes"] = peak
     result["mfu"] = outputs.read_record(output_dir, outputs.THROUGHPUT, missing={}).get("mfu")
-    # the last logged window (the throughput callback's): past torch.compile's first compile and its recompiles
-    windows = [entry["throughput/tokens_per_second"] for entry in history if "throughput/tokens_per_second" in entry]
-    result["steady_tokens_per_second"] = windows[-1] if windows else None
+    result["steady_tokens_per_second"] = last_window(history).get("throughput/tokens_per_second")
     compiled = outputs.read_record(output_dir, outputs.COMPILE, missing=None)
     if compiled is not None:
         result["compile"] = compiled
