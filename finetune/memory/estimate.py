@@ -301,15 +301,16 @@ class MemoryEstimate:
     @property
     def host_load_bytes_per_node(self) -> int:
         """Host RAM the busiest node needs while the model loads, before sharding."""
-        if self.loaded_stage_bytes:  # a pipeline: the stages its ranks hold, one a rank
+        if self.loaded_stage_bytes:  # a pipeline: the stages its ranks hold, one a rank (t ranks a stage under TP)
             per_node = self.setup.gpus_per_node or self.setup.num_gpus
-            stages = self.loaded_stage_bytes
-            return max(sum(stages[start:start + per_node]) for start in range(0, len(stages), per_node))
+            t = self.setup.tensor_parallel_size
+            ranks = [stage for stage in self.loaded_stage_bytes for _ in range(t)]  # the mesh's order: TP innermost
+            return max(sum(ranks[start:start + per_node]) for start in range(0, len(ranks), per_node))
         return int(host_load_bytes_per_node(self.loaded_model_bytes, self.setup))
 
     def host_load_bytes_of_rank(self, rank: int, device_is_host: bool = False) -> int:
-        if self.loaded_stage_bytes:
-            return self.loaded_stage_bytes[rank % len(self.loaded_stage_bytes)]
+        if self.loaded_stage_bytes:  # global rank → its stage on the (dp, pp, tp) mesh, TP innermost
+            return self.loaded_stage_bytes[rank // self.setup.tensor_parallel_size % len(self.loaded_stage_bytes)]
         return int(host_load_bytes_of_rank(self.loaded_model_bytes, self.setup, rank, device_is_host))
 
     @property
@@ -394,13 +395,18 @@ def pipeline_stage_layers(num_layers: int, stages: int) -> list[range]:
 
 
 def pipeline_stage_elements(shape: ModelShape, setup: Setup) -> int:
-    """Parameters `setup.rank`'s pipeline stage holds: its layers (`pipeline_stage_layers`), the input embedding on
-    the first stage, the final norm and the output head on the last; a tied head is a second copy of the embedding
-    there."""
+    """Parameters one rank of `setup.rank`'s pipeline stage holds: its layers (`pipeline_stage_layers`), the input
+    embedding on the first stage, the final norm and the output head on the last; a tied head is a second copy of the
+    embedding there. With tensor parallelism inside the stage (`tensor_parallel_size` t) each layer's linear matrices
+    are split t ways as the model's TP plan splits them (q, k, v, gate, up by output rows, o and down by input
+    columns: Megatron-LM's column- and row-parallel layers, Shoeybi et al. 2019), while the norms, the embedding and
+    the head stay whole on every rank of the stage."""
     p, stage = setup.pipeline_parallel_size, setup.rank
     layers = len(pipeline_stage_layers(shape.num_layers, p)[stage])
     embedding = shape.vocab_size * shape.hidden_size
-    elements = layers * shape.layer_parameters
+    linear = shape.block_linear_parameters // shape.num_layers
+    # a layer's linear weights split t ways; its norms (and any bias, counted whole) replicated
+    elements = layers * (shape.layer_parameters - linear + linear // stage_tensor_parallel(shape, setup))
     if stage == 0:
         elements += embedding
     if stage == p - 1:
@@ -411,10 +417,11 @@ def pipeline_stage_elements(shape: ModelShape, setup: Setup) -> int:
 
 
 def pipeline_loaded_stage_bytes(shape: ModelShape, setup: Setup) -> tuple[int, ...]:
-    """Host RAM each pipeline rank takes to load its stage (finetune.train.pipeline: `fill_from_checkpoint`): the
-    model is built on the meta device and cut, then only the stage's tensors are read, each cast to its fp32 master
-    as it is read: the stage in fp32 and, at most, the largest tensor as stored (the half dtype under mixed
-    precision) twice beside its cast (the file's pages mapped while it is read, and the tensor read from them)."""
+    """Host RAM each pipeline rank takes to load its stage (finetune.train.pipeline: `fill_from_checkpoint`), by
+    stage: the model is built on the meta device and cut, then only the stage's tensors are read, each cast to its
+    fp32 master as it is read: the stage in fp32 (a rank's TP share of it under tensor parallelism) and, at most, the
+    largest tensor as stored (the half dtype under mixed precision) twice beside its cast (the file's pages mapped
+    while it is read, and the tensor read whole from them before it is split)."""
     stored = _half_or_fp32(setup)
     return tuple(int(4 * pipeline_stage_elements(shape, replace(setup, rank=stage))
                      + 2 * stored * shape.largest_layer_parameters)
@@ -440,7 +447,9 @@ def pipeline_activation_bytes(shape: ModelShape, setup: Setup) -> float:
 
 def pipeline_layer_bytes(shape: ModelShape, setup: Setup, in_flight: int) -> float:
     """One layer's saved bytes with `in_flight` micro-batches' forwards held: the activations once each, the
-    half-precision casts of its fp32 weights once. The loop runs a step's whole schedule inside one `torch.autocast`
+    half-precision casts of its fp32 weights once. With TP inside the stage both are a rank's (`saved_per_layer_bytes`
+    divides the split parts by t as for tensor parallelism alone; the norms' and the linear layers' whole inputs
+    stay). The loop runs a step's whole schedule inside one `torch.autocast`
     context, and autocast caches the cast of a leaf weight for the life of its outermost context
     (torch/amp/autocast_mode.py), so every micro-batch's backward reads the same cast (measured on fake tensors at
     Llama-3-8B width: `finetune.memory.saved.measure(..., micro_batches=m)`)."""
@@ -455,11 +464,24 @@ def layer_weight_cast_bytes(shape: ModelShape, setup: Setup) -> float:
     precision = held_precisions(setup)
     if setup.lora_rank or setup.peft or setup.gradient_checkpointing or precision.weights == precision.compute:
         return 0
-    return precision.compute * sum(linear.in_features * linear.out_features for _, linear in _block_linears(shape))
+    casts = precision.compute * sum(linear.in_features * linear.out_features for _, linear in _block_linears(shape))
+    return casts / stage_tensor_parallel(shape, setup)  # under TP each rank casts its own slices
+
+
+def stage_tensor_parallel(shape: ModelShape, setup: Setup) -> int:
+    """The ways a decoder layer's matrices are split on one GPU: `tensor_parallel_size` under tensor parallelism and
+    inside a pipeline stage (PP × TP), else 1. The split must be even in heads and key/value heads, as the TP plan
+    cuts them (finetune.launch.parallelism.check_tensor_parallel_model refuses the rest)."""
+    t = setup.tensor_parallel_size if setup.strategy in ("tensor_parallel", "pipeline") else 1
+    if t > 1 and (shape.num_attention_heads % t or shape.num_key_value_heads % t):
+        raise RecipeError(f"`tensor_parallel_size: {t}` does not divide {shape.name}'s {shape.num_attention_heads} "
+                          f"attention heads and {shape.num_key_value_heads} key/value heads.")
+    return t
 
 
 def pipeline_recv_buffer_bytes(shape: ModelShape, setup: Setup) -> int:
-    """torch's receive buffers on stage `setup.rank`: one per micro-batch for the hidden states arriving from the
+    """torch's receive buffers on stage `setup.rank` (each rank of it under TP: the hidden states are whole on every
+    rank of a stage, replicated over its TP group): one per micro-batch for the hidden states arriving from the
     stage before (every stage but the first) and one for their gradients arriving from the stage after (every stage
     but the last), allocated once and kept (torch/distributed/pipelining/stage.py: `_create_act_recv_info`,
     `_create_grad_recv_info`). They are in the hidden states' dtype: fp32 under mixed precision, where the embedding
@@ -854,8 +876,8 @@ def saved_per_layer_bytes(shape: ModelShape, setup: Setup) -> float:
             inputs += c * tokens * setup.lora_rank
             if precision.adapters != c:  # autocast's casts of the fp32 adapters
                 inputs += c * setup.lora_rank * (width + linear.out_features)
-    if setup.strategy == "tensor_parallel":  # each rank computes its share of the heads and of the MLP's width
-        t = setup.tensor_parallel_size
+    t = stage_tensor_parallel(shape, setup)
+    if t > 1:  # each rank computes its share of the heads and of the MLP's width (TP alone or inside a stage)
         attention, mlp, split = attention / t, mlp / t, split / t
     return norms + attention + mlp + inputs + split
 
