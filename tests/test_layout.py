@@ -196,3 +196,21 @@ def test_parsing_any_shipped_recipe_imports_no_trainer_checkpoints_or_trls_train
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_train_has_no_axis_branches():
+    """`train()` asks the recipe's axes (finetune.recipe.axes); it never compares the strategy's kind, names an axis or
+    imports an axis's runner."""
+    from finetune.recipe.axes import AXES
+
+    source = (PACKAGE / "train" / "run.py").read_text()
+    train = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == "train")
+    for node in ast.walk(train):
+        if isinstance(node, ast.Compare):
+            compared = ast.unparse(node)
+            assert ".kind" not in compared, f"train() branches on the strategy: {compared}"
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            assert node.value not in AXES, f"train() names an axis: {node.value!r}"
+    assert "axis.run(" in ast.unparse(train) or "runner.run(" in ast.unparse(train)  # the runner is asked
+    assert not {name for name in imported_modules(PACKAGE / "train" / "run.py") if ".axes." in name
+                or name.endswith(".pipeline")}, "run.py imports an axis's home"

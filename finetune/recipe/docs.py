@@ -18,6 +18,7 @@ from finetune.recipe.args import (
     MethodArguments,
     ModelArguments,
 )
+from finetune.recipe.axes import all_axes
 from finetune.recipe.methods import all_methods
 
 RECIPE_REFERENCE = "docs/recipes.md"
@@ -120,6 +121,11 @@ def recipe_reference() -> str:
                   + ".", ""]
         if method.arguments is not None:
             lines += _table([_row(field) for field in dataclasses.fields(method.arguments) if field.init])
+    lines += ["## Parallelism axes", "", "Each axis beside data parallelism, with its own keys: on when its size is "
+              "above 1.", ""]
+    for axis in all_axes():
+        lines += [f"### `{axis.size_key}`", "", _cell(axis.description[:1].upper() + axis.description[1:]) + ".", ""]
+        lines += _table([_row(field) for field in dataclasses.fields(axis.arguments) if field.init])
     changed, added = toolkit_training_fields()
     lines += ["## Training: Trainer's keys with another default here", "",
               "Every other Trainer key keeps Trainer's default. Each of these says why it differs.", "",

@@ -8,6 +8,7 @@ same way `--learning_rate abc` does. Unknown keys (with a did-you-mean), bad val
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from finetune.recipe.args import (
     MethodArguments,
     ModelArguments,
 )
+from finetune.recipe.axes import Axis, active_axes, axis_sections, runner_of
 from finetune.recipe.batch_plan import BatchPlan, plan_from_recipe
 from finetune.recipe.methods import Method, all_methods, key_of_other_methods, requested_method
 from finetune.recipe.preflight import (
@@ -38,7 +40,6 @@ from finetune.recipe.preflight import (
     check_loss_head,
     check_named_strategy,
     check_parallelism,
-    check_pipeline,
     check_pure_bf16,
     check_qlora,
     check_sequence_parallel_loss,
@@ -66,6 +67,12 @@ class Recipe:
     parallelism: Parallelism = field(default_factory=Parallelism)  # tensor, sequence, context axes (all 1: none)
     deepspeed_config: dict | None = None  # the DeepSpeed config as written (file or inline keys), "auto" values kept
     foreign_keys: dict | None = None  # what became of TRL's or another tool's keys (effective_config.json)
+    axes: tuple[Axis, ...] = ()  # the parallelism axes that are on, holding their own keys (finetune.recipe.axes)
+
+    @property
+    def runner(self) -> Axis | None:
+        """The axis that takes the training steps (its own loop), or None: Trainer takes them."""
+        return runner_of(self.axes)
 
     @property
     def sections(self) -> tuple:
@@ -84,8 +91,8 @@ class RecipeParser(HfArgumentParser):
     def __init__(self):
         # A key several methods declare (`beta`, as TRL's configs do) is one option; each method's own default
         # applies where the recipe leaves it out (`shared_method_keys`)
-        super().__init__(method_sections() + RECIPE_SECTIONS, prog="finetune train", allow_abbrev=False,
-                         conflict_handler="resolve")
+        super().__init__(method_sections() + axis_sections() + RECIPE_SECTIONS, prog="finetune train",
+                         allow_abbrev=False, conflict_handler="resolve")
         self.set_defaults(**dict.fromkeys(shared_method_keys(), None))
 
         # Without an accelerator, Trainer must be told `use_cpu`: otherwise a launcher's DeepSpeed or
@@ -167,6 +174,7 @@ class RecipeSections:
     values: dict[str, Any]  # the YAML's own values
     overrides: list[str]
     foreign_keys: dict | None = None  # what became of TRL's or another tool's keys (aliases.Translation.record)
+    axes: tuple[Axis, ...] = ()  # the parallelism axes that are on (finetune.recipe.axes)
 
 
 def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
@@ -188,15 +196,16 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
             raise RecipeError(f"`method: {sections.method.name}` with {parallelism.describe()}: only supervised "
                               "fine-tuning runs on these axes so far; train it under DDP, ZeRO or FSDP.")
         training_inputs.update(parallelism.to_dict())
-    strategy = check_pipeline(training_inputs, data, lora.use_lora or lora.use_qlora, sections.method.name,
-                              parallelism, strategy)
+    for axis in sections.axes:  # each axis refuses what it cannot run beside the rest
+        strategy = axis.check(sections, parallelism, strategy)
     check_named_strategy(training_inputs.get("strategy"), strategy, int(os.environ.get("WORLD_SIZE", "1")),
                          sources.get("strategy") == COMMAND_LINE)
     if lora.use_qlora:
         check_qlora(model.torch_dtype, training_inputs, strategy)
     check_pure_bf16(training_inputs, strategy)
     check_launcher_precision(training_inputs, sources)
-    shared = parallelism.total // parallelism.data_parallel_size * strategy.pipeline_parallel_size  # ranks of a batch
+    shared = parallelism.total // parallelism.data_parallel_size * math.prod(  # ranks of one batch
+        axis.ranks_sharing_a_batch() for axis in sections.axes)
     data_parallel = int(os.environ.get("WORLD_SIZE", "1")) // shared
     batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, data_parallel)
     _check_steps_and_accumulation(training_inputs, sources, batch_plan)
@@ -215,7 +224,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     return Recipe(model=model, data=data, lora=lora, training=training, method=sections.method,
                   sources=sources, batch_plan=batch_plan, strategy=strategy, parallelism=parallelism,
                   deepspeed_config=deepspeed_config,
-                  foreign_keys=sections.foreign_keys)
+                  foreign_keys=sections.foreign_keys, axes=sections.axes)
 
 
 def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None,
@@ -262,7 +271,7 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     inputs = {section: {f.name: getattr(namespace, f.name) for f in dataclasses.fields(section)
                         if f.init and hasattr(namespace, f.name)
                         and not (f.name in shared and getattr(namespace, f.name) is None)}
-              for section in RECIPE_SECTIONS + method_sections()}
+              for section in RECIPE_SECTIONS + method_sections() + axis_sections()}
     model = _build(ModelArguments, inputs[ModelArguments], values, overrides)
     data = _build(DataArguments, inputs[DataArguments], values, overrides)
     lora = _build(LoraArguments, inputs[LoraArguments], values, overrides)
@@ -272,9 +281,10 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
                                                             overrides)
     chosen = method(settings)
     chosen.check_data_keys(data)
+    axes = active_axes(inputs, lambda section, given: _build(section, given, values, overrides))
     return RecipeSections(model, data, lora, chosen, inputs[FinetuneTrainingArguments], sources, values, overrides,
                           foreign_keys=from_file.record() if from_file.tool or from_file.renamed or from_file.notes
-                          or from_file.read_into else None)
+                          or from_file.read_into else None, axes=axes)
 
 
 def _refuse_other_methods_keys(method: type[Method], inputs: dict[type, dict[str, Any]]) -> None:
@@ -325,7 +335,7 @@ def _check_value_shapes(parser: RecipeParser, values: dict[str, Any], source: st
 
 def _unset(parser: RecipeParser, values: dict[str, Any]) -> list[str]:
     """Keys given as null that cannot hold null: they keep their default."""
-    sections = RECIPE_SECTIONS + method_sections()
+    sections = RECIPE_SECTIONS + method_sections() + axis_sections()
     fields = {field.name: field for section in sections for field in dataclasses.fields(section)}
     return [key for key, value in values.items() if value is None and key in fields and not _takes_null(fields[key])]
 

@@ -54,36 +54,39 @@ from finetune.train.compiled import CompileReportCallback
 from finetune.train.divergence import NonFiniteLossCallback
 from finetune.train.effective import report_and_guard_launch
 from finetune.train.evaluation import ExactMatchCallback, print_before_after, record_stop_tokens, summarize_evaluations
-from finetune.train.pipeline import check_shared_output_dir, cut_stage, loads_stage_only, train_pipeline
 from finetune.train.throughput import ThroughputCallback
 from finetune.train.tracking import TrackedRunCallback, run_parameters
 
 
 def train(recipe: Recipe) -> dict:
     """Runs the whole job on this rank and returns the summary written to `eval_results.json`. What differs between
-    training methods (supervised, preference, ...) is asked of `recipe.method` (finetune.recipe.methods.Method)."""
-    args, method = recipe.training, recipe.method
+    training methods (supervised, preference, ...) is asked of `recipe.method` (finetune.recipe.methods.Method), what
+    differs between parallelism axes of `recipe.axes` (finetune.recipe.axes.Axis); `recipe.runner`, an axis Trainer
+    cannot drive, takes the steps in its own loop."""
+    args, method, axes, runner = recipe.training, recipe.method, recipe.axes, recipe.runner
     set_seed(args.seed)
 
     # a silent rank or a dead launcher ends this rank (finetune.launch.watchdog); one run per output_dir
     # (finetune.checkpoints.run_lock)
     with watching_ranks(args), output_dir_lock(args):
-        pipeline = recipe.strategy.kind == "pipeline"  # the toolkit's own loop: Trainer cannot drive a pipeline
-        if pipeline:  # every stage writes into output_dir: all ranks must see it, checked before hours of loading
-            check_shared_output_dir(args.output_dir)
+        for axis in axes:  # what must hold on every rank before hours of loading
+            axis.before_loading(recipe)
         tokenizer = load_tokenizer(recipe.model)
         loading = HostLoadProbe()  # host RAM this rank takes until the model is ready for Trainer
         with waiting_for_rank_zero_to_load(args.model_load_timeout):  # not within ddp_timeout
             model = load_model(recipe.model, tokenizer, seed=args.seed, qlora=recipe.lora.use_qlora,
                                strategy=recipe.strategy, parallelism=recipe.parallelism,
-                               shapes_only=sharded_from_rank_zero() or (pipeline and loads_stage_only(recipe.model)))
+                               shapes_only=sharded_from_rank_zero() or any(axis.loads_shapes_only(recipe)
+                                                                           for axis in axes))
         turn_on_load_balancing(model, recipe.model.router_aux_loss_coef)  # experts: their router loss, as TRL
         model = method.prepare_model(recipe, model)  # adapters, trainable weights held as the method needs
         if recipe.parallelism.sequence_parallel_size > 1:  # Ulysses wraps the attention the model runs
             prepare_sequence_parallelism(args, recipe.parallelism, attention_implementation(model))
-        if pipeline:  # this rank's stage, the only weights it reads
-            stage = cut_stage(recipe, model)
-        else:
+        prepared = model
+        for axis in axes:  # what this rank trains (a pipeline: its stage, the only weights it reads)
+            prepared = axis.prepare_model(recipe, prepared)
+        if runner is None:  # the model Trainer trains
+            model = prepared
             materialize_empty_parameters(model)  # shapes only (FSDP2, ranks ≠ 0): Accelerate fills them from rank 0
             check_same_parameters_on_every_rank(model)  # rank 0's weights go into every rank's shards as they are
         loading.stop()
@@ -93,12 +96,12 @@ def train(recipe: Recipe) -> dict:
         check_eval_split(args, data.eval is not None)  # before Trainer, which would raise a ValueError of its own
         # may stop: nothing written yet
         resume = checkpoint_to_resume(recipe, data.summary["train_fingerprint"], tokenizer.chat_template)
-        if pipeline:
+        if runner is not None:  # its own loop, writing the records a Trainer run writes
             if args.process_index == 0:
                 method.print_data_summary(data.summary)
                 write_data_summary(data.summary, args.output_dir)
                 print_batch_plan(write_batch_plan(recipe.batch_plan, args.output_dir))
-            return train_pipeline(recipe, model, stage, tokenizer, data, resume, host_load_bytes=loading.bytes)
+            return runner.run(recipe, model, prepared, tokenizer, data, resume, host_load_bytes=loading.bytes)
         if data.eval is None:
             args.eval_on_start = False  # nothing to evaluate on: no 'before' column
 
