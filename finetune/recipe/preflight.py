@@ -20,7 +20,15 @@ import torch
 from finetune.configs.lint import lint_deepspeed
 from finetune.errors import RecipeError, launched_rank
 from finetune.launch.devices import visible_gpu
-from finetune.launch.parallelism import Parallelism, check, describe_as_accelerate, process_count, requested_on
+from finetune.launch.parallelism import (
+    Parallelism,
+    check,
+    check_tensor_parallel_model,
+    describe_as_accelerate,
+    process_count,
+    requested,
+    requested_on,
+)
 from finetune.launch.parallelism import launched as launched_parallelism
 from finetune.launch.strategies import PURE_BF16_KINDS, Strategy, is_true, launched_strategy, shipped
 
@@ -66,14 +74,21 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
 
 
 def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: bool,
-                      strategy: Strategy) -> tuple[Parallelism, Strategy]:
+                      strategy: Strategy, inside_stages: bool = False) -> tuple[Parallelism, Strategy]:
     """The parallelism axes the recipe or the launch names, checked against the launch and the model; the strategy
-    becomes tensor parallel when the model is to be loaded sharded."""
+    becomes tensor parallel when the model is to be loaded sharded. `inside_stages`: a pipeline runs, whose stages
+    split their own layers over `tensor_parallel_size` ranks (finetune.train.pipeline): the sizes are checked
+    against the model and returned as asked, for `check_pipeline` to place on its mesh; nothing is loaded sharded."""
     from finetune.memory.shapes import resolve_config
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     on_gpu = torch.cuda.is_available() and not is_true(training_inputs.get("use_cpu"))
     model_config = lru_cache(maxsize=1)(lambda: resolve_config(model_args.model_name_or_path))
+    if inside_stages:
+        asked, _ = requested(training_inputs)
+        if asked.tensor_parallel_size > 1:
+            check_stage_split(asked.tensor_parallel_size, model_config())
+        return asked, strategy
     parallelism, sources = requested_on(training_inputs, on_gpu, world_size, model_config)
     if not parallelism.named:
         return parallelism, strategy
@@ -190,6 +205,17 @@ def check_context_parallel_rows(parallelism: Parallelism, data_args) -> None:
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
+def check_stage_split(tensor: int, model_config) -> None:
+    """A pipeline stage's layers split over `tensor` ranks as the model's TP plan says (`base_model_tp_plan`): whole
+    attention and key-value heads on each rank, and the MLP's width cut evenly."""
+    check_tensor_parallel_model(tensor, model_config)
+    width = getattr(model_config, "intermediate_size", None)
+    if width is not None and width % tensor:
+        raise RecipeError(f"`tensor_parallel_size: {tensor}` does not divide the model's MLP width "
+                          f"(intermediate_size {width}): each rank holds an equal slice of it. Choose a size "
+                          f"that divides {width}.")
+
+
 def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, method: str,
                    parallelism: Parallelism, strategy: Strategy) -> Strategy:
     """`pipeline_parallel_size` against the launch and the rest of the recipe (finetune.train.pipeline says what the
@@ -201,16 +227,20 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
     if schedule not in PIPELINE_SCHEDULES:
         raise RecipeError(f"`pipeline_schedule: {schedule}` is not one of {', '.join(PIPELINE_SCHEDULES)}.")
     training_inputs["pipeline_schedule"] = schedule
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size % size:
+    world_size, tensor = int(os.environ.get("WORLD_SIZE", "1")), parallelism.tensor_parallel_size
+    if world_size % (size * tensor):
+        ranks = f"{size} × tensor_parallel_size {tensor} = {size * tensor}" if tensor > 1 else f"{size}"
         raise RecipeError(f"`pipeline_parallel_size: {size}` runs one stage a process, but the launch has "
-                          f"{world_size} process(es): launch a multiple of {size} (each {size} processes one "
-                          "replica of the pipeline, data parallel across replicas).")
+                          f"{world_size} process(es): launch a multiple of {ranks} (each {size * tensor} processes "
+                          "one replica of the pipeline, data parallel across replicas).")
     if strategy.kind not in ("ddp", "single"):
         raise RecipeError(f"`pipeline_parallel_size: {size}` under {strategy.describe()}: the pipeline loop runs "
                           "its stages as plain processes (accelerate_configs/ddp.yaml, or `finetune train --gpus "
                           f"{size} --strategy ddp`), not under a DeepSpeed or FSDP config.")
-    refused = [(parallelism.named, f"{parallelism.describe()} beside it"), (use_lora, "LoRA or QLoRA"),
+    # tensor parallelism runs inside each stage; the other axes need their own engines (Ulysses under DeepSpeed,
+    # context parallelism under FSDP2) or shard what the stage's replicas hold whole
+    others = replace(parallelism, tensor_parallel_size=1)
+    refused = [(others != Parallelism(), f"{others.describe()} beside it"), (use_lora, "LoRA or QLoRA"),
                (method != "sft", f"`method: {method}` (supervised fine-tuning only)"),
                (data_args.packing or data_args.padding_free, "packed or padding-free batches"),
                (data_args.streaming, "streamed data"),
@@ -230,7 +260,8 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
     if schedule == "1f1b" and micro_batches < size:
         raise RecipeError(f"`pipeline_schedule: 1f1b` over {size} stages needs at least {size} micro-batches a step "
                           f"(`gradient_accumulation_steps`, now {micro_batches}): raise it, or use gpipe.")
-    return Strategy("pipeline", pipeline_parallel_size=size, nodes=strategy.nodes, source="the recipe")
+    return Strategy("pipeline", pipeline_parallel_size=size, tensor_parallel_size=tensor, nodes=strategy.nodes,
+                    source="the recipe")
 
 
 def check_named_strategy(name: str | None, launched: Strategy, world_size: int, from_command_line: bool) -> None:
