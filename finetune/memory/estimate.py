@@ -404,9 +404,8 @@ def pipeline_stage_elements(shape: ModelShape, setup: Setup) -> int:
     p, stage = setup.pipeline_parallel_size, setup.rank
     layers = len(pipeline_stage_layers(shape.num_layers, p)[stage])
     embedding = shape.vocab_size * shape.hidden_size
-    linear = shape.block_linear_parameters // shape.num_layers
-    # a layer's linear weights split t ways; its norms (and any bias, counted whole) replicated
-    elements = layers * (shape.layer_parameters - linear + linear // stage_tensor_parallel(shape, setup))
+    split = layer_split_parameters(shape)  # a layer's matrices (and column-parallel biases) t ways; its norms whole
+    elements = layers * (shape.layer_parameters - split + split // stage_tensor_parallel(shape, setup))
     if stage == 0:
         elements += embedding
     if stage == p - 1:
@@ -466,6 +465,18 @@ def layer_weight_cast_bytes(shape: ModelShape, setup: Setup) -> float:
         return 0
     casts = precision.compute * sum(linear.in_features * linear.out_features for _, linear in _block_linears(shape))
     return casts / stage_tensor_parallel(shape, setup)  # under TP each rank casts its own slices
+
+
+def layer_split_parameters(shape: ModelShape) -> int:
+    """One decoder layer's parameters a TP plan splits: its linear matrices and the biases of its column-parallel
+    projections, which torch's `ColwiseParallel` shards with the matrix's rows (Qwen2's q, k and v biases). A shape
+    records no biases: they are what a layer holds beyond its matrices and its two norms, taken as split when they
+    are exactly q, k and v's outputs; anything else there (Qwen3's per-head q and k norms) stays whole."""
+    linears = dict(_block_linears(shape))
+    matrices = shape.block_linear_parameters // shape.num_layers
+    projections = sum(linears[name].out_features for name in ("q_proj", "k_proj", "v_proj") if name in linears)
+    beyond = shape.layer_parameters - matrices - 2 * shape.hidden_size
+    return matrices + (projections if projections and beyond == projections else 0)
 
 
 def stage_tensor_parallel(shape: ModelShape, setup: Setup) -> int:
