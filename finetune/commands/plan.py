@@ -336,12 +336,6 @@ def print_plan(plan: dict) -> None:
         if buffer is not None:
             console.print(f"NVMe: `offload_param.buffer_size` must hold the largest parameter partition, {buffer:,} "
                           "elements (`finetune train` sizes \"auto\" so; give other launchers this number).")
-    three_d = plan["parallel_3d"]
-    if three_d:
-        console.print(
-            f"On paper, without offload: tensor parallel {three_d['tensor_parallel']} × pipeline parallel "
-            f"{three_d['pipeline_parallel']} would need {_gib(three_d['total_bytes'])} GiB per GPU (pipeline bubble "
-            f"{three_d['pipeline_bubble_fraction']:.0%}); that needs a 3D-parallel engine such as Megatron-LM.")
     if plan["inter_node"]:
         print_inter_node(console, plan["inter_node"])
     console.print("Estimates: model states as DeepSpeed/Trainer allocate them; activations tensor by tensor as "

@@ -29,9 +29,11 @@ from finetune.memory.estimate import (
     MethodTerms,
     Setup,
     estimate,
+    held_precisions,
     largest_partition,
-    parallel_3d,
     pipeline_bubble_fraction,
+    pipeline_recv_buffer_bytes,
+    pipeline_stage_layers,
 )
 from finetune.memory.shapes import ALIASES, model_shape
 from finetune.plan.calibration import overhead_of
@@ -289,7 +291,6 @@ def make_plan(request: PlanRequest) -> dict:
     if request.nodes > 1:
         plan["inter_node"] = inter_node_traffic(request, shape, plan["trainable_parameters"])
     if recommended is None:
-        plan["parallel_3d"] = smallest_3d_fit(request, shape)
         return _with_axes(request, shape, plan)
     candidate = next(c for c in candidates_for(request.gpus, request.cpu_processes) if c.name == recommended["name"])
     micro = largest_micro_batch(request, shape, candidate, recommended["overhead_bytes"])
@@ -306,8 +307,6 @@ def make_plan(request: PlanRequest) -> dict:
     if request.recipe_sets_deepspeed and not candidate.deepspeed:
         plan["launch_note"] = ("the recipe's `deepspeed` key would run DeepSpeed whatever the launch config: remove "
                                f"it to run {candidate.name}")
-    if not any(row["fits"] and "offload" not in row["name"] for row in rows):
-        plan["parallel_3d"] = smallest_3d_fit(request, shape)
     if method_terms(request).generates:
         from finetune.plan.generation import group_sizes
 
@@ -330,32 +329,53 @@ def gathered_policy_note(request: PlanRequest, shape, rows: list[dict]) -> str |
 
 
 def _with_axes(request: PlanRequest, shape, plan: dict) -> dict:
-    """The parallelism axes' rows (`axis_rows`) beside the data-parallel tree. The first axis that fits is
+    """The parallelism axes' rows (`axis_rows`) beside the data-parallel tree. The first 2D axis that fits is
     recommended instead of the tree's answer where no data-parallel strategy fits, or only an offload one while a
-    long sequence's activations outweigh the model states (offloading states leaves them), and the plan says why."""
+    long sequence's activations outweigh the model states (offloading states leaves them). PP × TP × DP is
+    recommended when nothing simpler fits: no data-parallel strategy without offload and no 2D axis (offload would
+    step every parameter's Adam on the host; 3D keeps the step on the GPUs). The plan says why."""
     plan["axes"] = axis_rows(request, shape, request.micro_batch_size or 1)
     plan["axis_choice"] = None
+    three_d = next((row for row in plan["axes"] if "sizes" in row), None)
+    plan["parallel_3d"] = three_d and {"name": three_d["name"], **three_d["sizes"], "fits": three_d["fits"],
+                                       "total_bytes": three_d["estimate"].total_bytes}
     tree_fits = next((row for row in plan["strategies"] if row["fits"]), None)
     zero3 = next((row for row in plan["strategies"] if row["key"] == "zero3"), None)
-    if tree_fits is not None and ("offload" not in tree_fits["name"] or zero3 is None
-                                  or not _long_sequence_bound(zero3["estimate"])):
-        return plan  # the tree's answer, offload included, unless offload would only make room for activations
+    simpler = [row for row in plan["axes"] if row is not three_d]
+    if tree_fits is not None and "offload" not in tree_fits["name"]:
+        return plan
+    if tree_fits is not None and (zero3 is None or not _long_sequence_bound(zero3["estimate"])):
+        # offload fits: kept unless no 2D axis fits and 3D does
+        if any(row["fits"] for row in simpler) or three_d is None or not three_d["fits"]:
+            return plan
     chosen = next((row for row in plan["axes"] if row["fits"]), None)
     if chosen is None:
         return plan
     because = "no data-parallel strategy fits" + (" without offload" if tree_fits is not None else "")
-    if zero3 is not None:
+    if zero3 is not None and zero3["shortfall"] in ("gpu", None):
         result = zero3["estimate"]
         because += (f" (ZeRO-3 needs {_size(result.total_bytes)} per GPU, {_size(result.activations_bytes)} of it "
                     "activations)")
+    elif zero3 is not None:
+        because += f" (ZeRO-3: {_shortfall_in_words(zero3)})"
+    if chosen is three_d and simpler:
+        because += "; nor does a 2D axis (" + "; ".join(f"{row['name']}: {_shortfall_in_words(row)}"
+                                                         for row in simpler) + ")"
     plan["axis_choice"] = {"name": chosen["name"], "key": chosen["key"], "because": f"{because}; {chosen['why']}",
                            "overrides": chosen["overrides"], "launch_command": axis_launch_command(request, chosen)}
     plan["recommended"] = chosen["name"]
     plan["recommended_estimate"] = chosen["estimate"]
     plan["batch_plan"] = None  # the axis's overrides say how the batch splits (`finetune train` plans it)
     plan["launch_command"] = plan["axis_choice"]["launch_command"]
-    plan["parallel_3d"] = None
     return plan
+
+
+def _shortfall_in_words(row: dict) -> str:
+    """What a row is short of, with its size: GPU memory, or host RAM at load or for offload."""
+    result = row["estimate"]
+    return {"gpu": f"{_size(planned_total(row))} a GPU",
+            "host load": f"{_size(result.host_load_bytes_per_node)} of host RAM a node at load",
+            "host offload": f"{_size(result.host_bytes_per_node)} of host RAM a node for offload"}[row["shortfall"]]
 
 
 LONG_SEQUENCE = 16384  # tokens: where sequence parallelism starts to pay (ALST, axolotl's long-context recipes)
@@ -381,7 +401,8 @@ def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
       over every GPU; per layer and micro-batch, all-to-alls of q, k, v and the output forward and backward;
     - TP × FSDP2: each layer's matrices split over a node's GPUs, FSDP2 over the rest; the split layers' activations
       ÷ t; per layer and micro-batch, 2 all-reduces of the hidden states forward and 2 backward (NVLink only);
-    - PP: the layers in one stage a GPU, the global batch in micro-batches; idle (p − 1)/(m + p − 1) of each step.
+    - PP: the layers in one stage a GPU, the global batch in micro-batches; idle (p − 1)/(m + p − 1) of each step;
+    - PP × TP × DP, last (`parallel_3d_row`): chosen only when none of the others fits.
 
     Full fine-tuning only for TP and PP (LoRA is refused there); none on one GPU."""
     if request.gpus < 2:
@@ -421,34 +442,93 @@ def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
         micro_batches = max(per_node, math.ceil(request.global_batch_size / micro_batch_size / request.nodes))
         rows.append(pipeline_row(request, shape, micro_batch_size, per_node, "1f1b", micro_batches,
                                  replicas=request.nodes))
-    return rows
+    three_d = parallel_3d_row(request, shape, micro_batch_size)
+    return rows + ([three_d] if three_d is not None else [])
 
 
 def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int, schedule: str,
-                 micro_batches: int, replicas: int = 1) -> dict:
+                 micro_batches: int, replicas: int = 1, tensor: int = 1) -> dict:
     """The pipeline's row: every stage estimated as the loop runs it (finetune.train.pipeline), the fullest shown, and
     what it costs: the bubble, and the host RAM a node takes to load its stages (each rank reads only its own). With
     `replicas`, that many pipelines, data parallel (a launch of `replicas` × `stages` processes): each rank holds its
-    stage as in one pipeline, and each step all-reduces every stage's gradients across the replicas."""
-    options = {"strategy": "pipeline", "pipeline_parallel_size": stages, "pipeline_schedule": schedule}
+    stage as in one pipeline, and each step all-reduces every stage's gradients across the replicas. With `tensor`
+    (PP × TP × DP, 3D parallelism), each stage is a TP group of that many GPUs within a node (`parallel_3d_row`)."""
+    options = {"strategy": "pipeline", "pipeline_parallel_size": stages, "pipeline_schedule": schedule,
+               "tensor_parallel_size": tensor}
     bubble = pipeline_bubble_fraction(stages, micro_batches)
-    name = f"PP {stages}" + (f" × DP {replicas}" if replicas > 1 else "") + f" ({schedule.upper()})"
-    why = f"PP {stages} holds 1/{stages} of the layers a GPU" + (
-        f", {replicas} pipelines data parallel (one a node)" if replicas > 1 else "")
-    row = _axis_row(request, shape, micro_batch_size, name, "pipeline", options,
-                    {"--pipeline_parallel_size": stages, "--gradient_accumulation_steps": micro_batches},
+    name = (f"PP {stages}" + (f" × TP {tensor}" if tensor > 1 else "") + (f" × DP {replicas}" if replicas > 1 else "")
+            + f" ({schedule.upper()})")
+    if tensor > 1:
+        why = (f"TP {tensor} splits each layer's matrices over a node's GPUs, PP {stages} gives each TP group "
+               f"1/{stages} of the layers" + (f", {replicas} pipelines data parallel" if replicas > 1 else ""))
+    else:
+        why = f"PP {stages} holds 1/{stages} of the layers a GPU" + (
+            f", {replicas} pipelines data parallel (one a node)" if replicas > 1 else "")
+    overrides = {"--pipeline_parallel_size": stages, **({"--tensor_parallel_size": tensor} if tensor > 1 else {}),
+                 "--gradient_accumulation_steps": micro_batches}
+    row = _axis_row(request, shape, micro_batch_size, name, "pipeline", options, overrides,
                     "accelerate_configs/ddp.yaml", replicas,
                     f"idle {bubble:.0%} of each step (bubble, {micro_batches} micro-batches)", why,
                     micro_batches=micro_batches, ranks=stages)
+    result = row["estimate"]
+    if tensor > 1:
+        row["cost"] += "; " + _tensor_in_stage_cost(shape, result, tensor, micro_batches)
     if replicas > 1:  # a ring all-reduce sends and receives 2 (r − 1)/r of the stage's fp32 gradients
-        gradients = row["estimate"].grads_bytes
+        gradients = result.grads_bytes
         row["cost"] += (f"; the stage's gradients all-reduced over {replicas} replicas: "
                         f"{_size(2 * (replicas - 1) / replicas * gradients)} a GPU a step")
-    row["cost"] += f"; loads {_size(row['estimate'].host_load_bytes_per_node)}/node (a stage a rank)"
+    row["cost"] += (f"; loads {_size(result.host_load_bytes_per_node)}/node (a stage"
+                    + (f"'s 1/{tensor} a rank)" if tensor > 1 else " a rank)"))
     if request.token_lengths:  # the loop pads every row to max_seq_length: FLOPs the data's own lengths do not need
         padding = request.sequence_length / (sum(request.token_lengths) / len(request.token_lengths))
         row["padding_factor"] = padding
         row["cost"] += f"; rows padded to {request.sequence_length} tokens: {padding:.1f}× the data's mean"
+    return row
+
+
+def _tensor_in_stage_cost(shape, result: MemoryEstimate, tensor: int, micro_batches: int) -> str:
+    """What TP inside a pipeline stage adds to a step: the P2P hand-over between stages (a micro-batch's hidden states
+    in the residual dtype each way, torch's receive buffers counted in the stage's activations) and TP's all-reduces:
+    per layer and micro-batch 2 forward (after the attention's and the MLP's row-parallel projections) and 2 backward
+    (their column-parallel inputs' gradients) of the hidden states in the compute dtype, a ring moving 2 (t − 1)/t of
+    each (Megatron-LM, Shoeybi et al. 2019, section 3); within a node, over NVLink."""
+    setup = result.setup
+    precision = held_precisions(setup)
+    states = setup.micro_batch_size * setup.sequence_length * shape.hidden_size
+    layers = len(pipeline_stage_layers(shape.num_layers, setup.pipeline_parallel_size)[0])
+    all_reduced = 4 * layers * micro_batches * 2 * (tensor - 1) / tensor * precision.compute * states
+    return (f"P2P {_size(precision.residual * states)} of hidden states a micro-batch each way between stages "
+            f"(receive buffers {_size(pipeline_recv_buffer_bytes(shape, setup))} on the fullest stage); TP "
+            f"all-reduces 4 × {_size(precision.compute * states)} a layer and micro-batch (NVLink): "
+            f"{_size(all_reduced)} a GPU a step")
+
+
+def parallel_3d_row(request: PlanRequest, shape, micro_batch_size: int) -> dict | None:
+    """PP × TP × DP (3D parallelism, Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM"), run by the pipeline loop on a (dp, pp, tp) mesh: TP innermost at a node's GPUs (the
+    largest that divides the heads and key/value heads, so its all-reduces stay on NVLink), then the fewest stages p
+    that fit (a stage's layers ÷ t, their activations as split), the remaining r = gpus / (p·t) pipelines data
+    parallel; where none fits, the most stages (the least memory). Each replica takes its share of the global batch
+    in m micro-batches (at least p, so every stage works). None where it cannot run or means nothing: one GPU, LoRA
+    or QLoRA (the loop refuses adapters), a node of one GPU, or no p ≥ 2 left beside t."""
+    if request.gpus < 2 or request.lora_rank or request.qlora:
+        return None
+    per_node = request.gpus // request.nodes
+    tensor = axis_sizes(math.gcd(shape.num_attention_heads, shape.num_key_value_heads), request.gpus, per_node)
+    stage_counts = [stages for stages in range(2, shape.num_layers + 1) if (request.gpus // tensor) % stages == 0]
+    if tensor < 2 or not stage_counts:
+        return None
+    row = None
+    for stages in stage_counts:
+        replicas = request.gpus // (tensor * stages)
+        micro_batches = max(stages, math.ceil(request.global_batch_size / micro_batch_size / replicas))
+        row = pipeline_row(request, shape, micro_batch_size, stages, "1f1b", micro_batches, replicas=replicas,
+                           tensor=tensor)
+        row["sizes"] = {"pipeline_parallel": stages, "tensor_parallel": tensor, "data_parallel": replicas,
+                        "micro_batches": micro_batches,
+                        "bubble_fraction": pipeline_bubble_fraction(stages, micro_batches)}
+        if row["fits"]:
+            break
     return row
 
 
@@ -524,15 +604,27 @@ def why_not(row: dict, plan: dict) -> str:
 
 def decision_path(plan: dict) -> list[str]:
     """The decision tree as walked for this plan: each strategy tried in order, with its predicted GiB per GPU
-    against the usable memory, up to the first that fits."""
+    against the usable memory, up to the first that fits; where an axis is recommended instead (`_with_axes`), the
+    axes tried after the tree, up to it."""
     usable = usable_bytes(plan["gpu_memory_gib"], plan["device_context_bytes"])
+    choice = plan.get("axis_choice")
     lines = []
     for row in plan["strategies"]:
+        if row["fits"] and choice is None:
+            lines.append(f"{row['name']}: {_size(planned_total(row))} ≤ {_size(usable)} usable → recommended")
+            return lines
         if row["fits"]:
+            lines.append(f"{row['name']}: fits with offload, passed over for an axis that fits without it → next")
+            break
+        lines.append(f"{row['name']}: {why_not(row, plan)} → next")
+    if choice is None:
+        lines.append("nothing fits: more or larger GPUs, LoRA/QLoRA, gradient checkpointing or shorter sequences")
+        return lines
+    for row in plan["axes"]:
+        if row["name"] == choice["name"]:
             lines.append(f"{row['name']}: {_size(planned_total(row))} ≤ {_size(usable)} usable → recommended")
             return lines
         lines.append(f"{row['name']}: {why_not(row, plan)} → next")
-    lines.append("nothing fits: more or larger GPUs, LoRA/QLoRA, gradient checkpointing or shorter sequences")
     return lines
 
 
@@ -594,19 +686,3 @@ def launch_command(request: PlanRequest, candidate: Candidate, batch: dict) -> s
     if request.method != DEFAULT_METHOD:
         parts.append(f"--method {request.method}")
     return " ".join(parts)
-
-
-def smallest_3d_fit(request: PlanRequest, shape) -> dict | None:
-    """The smallest tensor × pipeline split (ZeRO-1 over the rest) that fits, on paper: when data parallelism
-    alone does not fit without offload, this says how far 3D parallelism (Megatron-style) would go."""
-    setup = replace(_setup(request, CANDIDATES[0].options, 1), strategy="deepspeed", zero_stage=1)
-    micro_batches = max(1, request.global_batch_size // request.gpus)
-    options = []
-    for tensor in (1, 2, 4, 8):
-        for pipeline in (1, 2, 4, 8, 16, 32):
-            if tensor * pipeline <= request.gpus and request.gpus % (tensor * pipeline) == 0 and tensor * pipeline > 1:
-                result = parallel_3d(shape, setup, tensor, pipeline, micro_batches)
-                if result["total_bytes"] <= usable_bytes(request.gpu_memory_gib, context_bytes(request)):
-                    options.append(result)
-    return min(options, key=lambda r: (r["tensor_parallel"] * r["pipeline_parallel"], r["pipeline_bubble_fraction"]),
-               default=None)
