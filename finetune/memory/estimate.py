@@ -1084,32 +1084,6 @@ def pipeline_bubble_fraction(pipeline_parallel: int, micro_batches: int) -> floa
     return (pipeline_parallel - 1) / (micro_batches + pipeline_parallel - 1)
 
 
-def parallel_3d(shape: ModelShape, setup: Setup, tensor_parallel: int, pipeline_parallel: int,
-                micro_batches: int) -> dict:
-    """Memory per GPU on paper with tensor (t) and pipeline (p) parallelism and ZeRO-1 over the rest.
-
-    Model states split over t·p: half weights, fp32 gradients ("main grads") and, split again over the
-    data-parallel ranks d = N / (t·p), fp32 master weights and optimizer states: w + 4 + (4 + k)/d bytes per
-    parameter (Megatron-LM's distributed optimizer: 6 + 12/d in bf16). Activations: a layer's share is divided by t
-    (with sequence parallelism, Korthikanti et al.), a stage holds L/p layers, and under 1F1B the first stage keeps p
-    micro-batches in flight.
-    """
-    t, p = tensor_parallel, pipeline_parallel
-    if setup.num_gpus % (t * p):
-        raise RecipeError(f"{setup.num_gpus} GPUs cannot be split into tensor {t} × pipeline {p} groups.")
-    d = setup.num_gpus // (t * p)
-    psi = shape.num_parameters / (t * p)
-    w, k = _half_or_fp32(setup), OPTIMIZER_STATE_BYTES[setup.optimizer]
-    states = (w + 4) * psi + (4 + k) * psi / d
-    activations = activation_bytes(shape, setup) / t / p * min(p, micro_batches)
-    return {
-        "tensor_parallel": t, "pipeline_parallel": p, "data_parallel": d,
-        "model_states_bytes": int(states), "activations_bytes": int(activations),
-        "total_bytes": int(states + activations),
-        "pipeline_bubble_fraction": pipeline_bubble_fraction(p, micro_batches),
-    }
-
-
 def largest_partition(shape: ModelShape, world_size: int) -> int:
     """Elements of the largest parameter partition ZeRO-3 gives a rank: ceil(numel / world size) of the biggest
     module's weights (what an NVMe parameter buffer must hold, finetune.configs.deepspeed)."""

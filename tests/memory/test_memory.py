@@ -14,7 +14,6 @@ from finetune.memory import Setup, estimate, model_shape
 from finetune.memory.estimate import (
     NF4_BYTES_PER_PARAMETER,
     GiB,
-    activation_bytes,
     host_load_bytes_of_rank,
     pipeline_bubble_fraction,
 )
@@ -276,22 +275,6 @@ def test_a_model_the_estimator_cannot_read_still_trains_and_reports_what_was_hel
     assert trainer.state.global_step == 2
     assert record["predicted"] is None and record["measured"]["params_bytes"] == 4 * model_shape("tiny").num_parameters
     assert "| 0 | parameters | – | 2.01 | – |" in (tmp_path / "memory_report.md").read_text()
-
-
-def test_3d_parallelism_on_paper_divides_states_and_activations():
-    from finetune.memory.estimate import parallel_3d
-
-    shape = model_shape("llama-3-70b")
-    setup = Setup("deepspeed", 16, zero_stage=1, sequence_length=4096)
-    result = parallel_3d(shape, setup, tensor_parallel=4, pipeline_parallel=2, micro_batches=8)
-    psi = shape.num_parameters / 8
-    assert result["data_parallel"] == 2
-    assert result["model_states_bytes"] == int(6 * psi + 12 * psi / 2)  # Megatron: 6 + 12/d bytes per parameter
-    full = activation_bytes(shape, setup)
-    assert result["activations_bytes"] == pytest.approx(full / 4 / 2 * 2)  # 1/t, L/p layers, p micro-batches
-    assert result["pipeline_bubble_fraction"] == pytest.approx(1 / 9)
-    with pytest.raises(RecipeError, match="cannot be split"):
-        parallel_3d(shape, setup, tensor_parallel=3, pipeline_parallel=2, micro_batches=8)
 
 
 def test_plan_across_nodes_says_when_zeropp_and_hybrid_sharding_pay_off(capsys):
