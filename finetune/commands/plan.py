@@ -358,6 +358,14 @@ def print_axes(console, plan: dict, size, unit_name: str) -> None:
                       size(result.total_bytes), row["cost"], "yes" if row["fits"] else f"no ({row['shortfall']})",
                       style=style)
     console.print(table)
+    three_d = plan.get("parallel_3d")
+    if three_d and three_d["name"] != plan["recommended"]:  # the recommended one's launch is printed below
+        row = next(row for row in plan["axes"] if row["name"] == three_d["name"])
+        console.print(f"{three_d['name']}: PP {three_d['pipeline_parallel']} × TP {three_d['tensor_parallel']} × DP "
+                      f"{three_d['data_parallel']} = {plan['gpus']} GPUs, {three_d['micro_batches']} micro-batches a "
+                      f"replica, bubble {three_d['bubble_fraction']:.1%}; chosen only when nothing simpler fits"
+                      + ("" if row["fits"] else f", and it does not fit ({row['shortfall']})")
+                      + f". Launch: {row['launch_command']}", soft_wrap=True, highlight=False)
 
 
 def calibration_lines(plan: dict) -> list[str]:

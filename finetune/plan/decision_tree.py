@@ -529,6 +529,7 @@ def parallel_3d_row(request: PlanRequest, shape, micro_batch_size: int) -> dict 
                         "bubble_fraction": pipeline_bubble_fraction(stages, micro_batches)}
         if row["fits"]:
             break
+    row["launch_command"] = axis_launch_command(request, row)
     return row
 
 

@@ -9,7 +9,7 @@ from finetune.cli import main
 from finetune.launch.devices import KNOWN_GPUS
 from finetune.memory import model_shape
 from finetune.memory.estimate import GiB
-from finetune.plan.decision_tree import PlanRequest, make_plan
+from finetune.plan.decision_tree import PlanRequest, decision_path, make_plan
 
 QLORA = ["--model", "qwen2.5-0.5b", "--gpus", "1", "--qlora", "--lora-rank", "16", "--seq-len", "512", "--json"]
 
@@ -252,3 +252,96 @@ def test_on_several_nodes_the_pipeline_row_runs_a_pipeline_a_node_data_parallel(
     assert one["overrides"] == ["--pipeline_parallel_size 8", "--gradient_accumulation_steps 32"]
     all_reduced = two["per_gpu"]["grads_bytes"] / 1024**3  # 2 (2 − 1)/2 = once the stage's gradients
     assert f"gradients all-reduced over 2 replicas: {all_reduced:,.1f} GiB a GPU a step" in two["cost"]
+
+
+# --- PP × TP × DP (3D): sized from the pipeline loop's stages with TP inside, chosen when nothing simpler fits
+# -------------------
+
+SEVENTY_ON_EIGHT_NODES = ["--model", "llama-3-70b", "--gpus", "64", "--nodes", "8", "--gpu", "h100"]
+
+
+def three_d_row(plan: dict) -> dict:
+    (row,) = [row for row in plan["axes"] if "sizes" in row]
+    return row
+
+
+def test_the_3d_row_for_llama_70b_on_8_nodes_gives_its_sizes_and_terms(capsys):
+    """TP 8 (a node's GPUs, dividing 64 heads and 8 key/value heads), then the fewest stages that fit, here none at
+    4,096 tokens, so the most (8, the least memory): PP 8 × TP 8 × DP 1, the global batch of 64 in 64 micro-batches. The
+    row is the fullest stage (the first: 8 micro-batches in flight under 1F1B) as the estimator counts it; its
+    replicated activations (norms, autocast's copies of the fp32 hidden states) do not shrink with t or p, so it does
+    not fit an H100 and SP 8 × ZeRO-3 stays recommended."""
+    plan = planned(capsys, *SEVENTY_ON_EIGHT_NODES, "--seq-len", "4096", "--json")
+    row = three_d_row(plan)
+    sizes = row["sizes"]
+    assert row["name"] == "PP 8 × TP 8 (1F1B)" and plan["parallel_3d"]["name"] == row["name"]
+    assert (sizes["pipeline_parallel"], sizes["tensor_parallel"], sizes["data_parallel"]) == (8, 8, 1)
+    assert sizes["pipeline_parallel"] * sizes["tensor_parallel"] * sizes["data_parallel"] == 64
+    assert sizes["micro_batches"] == 64 and sizes["bubble_fraction"] == pytest.approx((8 - 1) / (64 + 8 - 1))
+    shape = model_shape("llama-3-70b")
+    linear = shape.block_linear_parameters // shape.num_layers
+    first_stage = 10 * (shape.layer_parameters - linear + linear // 8) + shape.vocab_size * shape.hidden_size
+    assert row["per_gpu"]["params_bytes"] == 4 * first_stage  # fp32 masters: 10 layers' matrices ÷ 8, embedding
+    assert row["per_gpu"]["optimizer_bytes"] == 8 * first_stage
+    states = 4096 * shape.hidden_size  # one micro-batch's hidden states
+    cost = row["cost"]
+    assert "idle 10% of each step (bubble, 64 micro-batches)" in cost
+    assert f"P2P {4 * states / 1024**2:,.1f} MiB of hidden states a micro-batch" in cost  # fp32 residual
+    assert "receive buffers 8.0 GiB on the fullest stage" in cost  # 64 micro-batches' gradients from stage 2
+    tp_step = 4 * 10 * 64 * 2 * 7 / 8 * 2 * states  # 4 a layer × 10 layers × 64 micro-batches, a ring, bf16
+    assert f"TP all-reduces 4 × {2 * states / 1024**2:,.1f} MiB a layer and micro-batch (NVLink): " \
+           f"{tp_step / 1024**3:,.1f} GiB a GPU a step" in cost
+    assert f"loads {row['host_load_bytes_per_node'] / 1024**3:,.1f} GiB/node (a stage's 1/8 a rank)" in cost
+    assert "all-reduced over" not in cost  # one replica: no data-parallel gradient all-reduce
+    assert row["launch_command"] == ("accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 64 "
+                                     "-m finetune train RECIPE.yaml --pipeline_parallel_size 8 "
+                                     "--tensor_parallel_size 8 --gradient_accumulation_steps 64")
+    usable = 0.9 * 80 * 1024**3 - 1024**3
+    assert not row["fits"] and row["per_gpu"]["total_bytes"] > usable and plan["recommended"] == "SP 8 × ZeRO-3"
+    assert main(["plan", *SEVENTY_ON_EIGHT_NODES, "--seq-len", "4096"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "PP 8 × TP 8 (1F1B): PP 8 × TP 8 × DP 1 = 64 GPUs, 64 micro-batches a replica, bubble 9.9%" in out
+    assert "On paper" not in out  # one 3D answer: the row
+
+
+def test_the_3d_row_takes_the_fewest_stages_that_fit_and_its_replicas_all_reduce_gradients(capsys):
+    """At 512 tokens PP 4 fits beside TP 8: 2 pipelines data parallel, the global batch of 64 in 32 micro-batches
+    each, every stage's gradients all-reduced across the 2 replicas (a ring: 2 (r − 1)/r of them)."""
+    plan = planned(capsys, *SEVENTY_ON_EIGHT_NODES, "--seq-len", "512", "--json")
+    row = three_d_row(plan)
+    assert row["name"] == "PP 4 × TP 8 × DP 2 (1F1B)" and row["fits"]
+    assert row["sizes"]["micro_batches"] == 32 and row["sizes"]["bubble_fraction"] == pytest.approx(3 / 35)
+    gradients = row["per_gpu"]["grads_bytes"] / 1024**3
+    assert f"the stage's gradients all-reduced over 2 replicas: {gradients:,.1f} GiB a GPU a step" in row["cost"]
+    assert row["overrides"] == ["--pipeline_parallel_size 4", "--tensor_parallel_size 8",
+                                "--gradient_accumulation_steps 32"]
+
+
+def test_the_3d_row_is_recommended_when_nothing_simpler_fits(capsys):
+    """Nodes of 128 GiB of host RAM: ZeRO-3 (and SP over it) reads the 70B checkpoint on one rank (131 GiB), TP ×
+    FSDP2 and the data-parallel strategies on every rank, PP 8 × DP 8 does not fit the GPUs; PP 8 × TP 8 fits both
+    (each rank reads its stage's 1/8)."""
+    arguments = [*SEVENTY_ON_EIGHT_NODES, "--seq-len", "1024", "--host-memory", "128"]
+    plan = planned(capsys, *arguments, "--json")
+    row = three_d_row(plan)
+    assert row["fits"] and not any(other["fits"] for other in plan["strategies"] + plan["axes"] if other is not row)
+    assert plan["recommended"] == row["name"] == "PP 8 × TP 8 (1F1B)"
+    assert row["per_gpu"]["total_bytes"] <= 0.9 * 80 * 1024**3 - 1024**3
+    assert row["host_load_bytes_per_node"] <= 0.9 * 128 * 1024**3
+    choice = plan["axis_choice"]
+    assert choice["launch_command"] == row["launch_command"] == plan["launch_command"]
+    assert "nor does a 2D axis (SP 8 × ZeRO-3: 131.4 GiB of host RAM a node at load" in choice["because"]
+    path = decision_path(make_plan(PlanRequest("llama-3-70b", gpus=64, nodes=8, gpu_memory_gib=80,
+                                               sequence_length=1024, host_memory_gib=128)))
+    assert path[-1].startswith("PP 8 × TP 8 (1F1B): 54.4 GiB ≤ ") and path[-1].endswith("→ recommended")
+    assert [line.split(":")[0] for line in path[-4:-1]] == ["SP 8 × ZeRO-3", "TP 8 × FSDP2 8", "PP 8 × DP 8 (1F1B)"]
+    assert main(["plan", *arguments]) == 0
+    assert "Recommended: PP 8 × TP 8 (1F1B) — chosen because no data-parallel strategy fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arguments", [["--gpus", "1"], ["--gpus", "8"],
+                                       ["--gpus", "16", "--nodes", "2", "--lora-rank", "16"]],
+                         ids=["one GPU", "one node: no stage beside TP 8", "LoRA: the pipeline refuses adapters"])
+def test_no_3d_row_where_it_cannot_run(capsys, arguments):
+    plan = planned(capsys, "--model", "llama-3-8b", "--gpu", "h100", *arguments, "--json")
+    assert not any("sizes" in row for row in plan["axes"]) and plan["parallel_3d"] is None
