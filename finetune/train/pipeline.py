@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -160,6 +160,9 @@ class Stage:
     names: dict[int, str]        # id(parameter) -> its name in the whole model
     tied: nn.Parameter | None    # the tied input/output embedding, held by the first and the last stage
     shape: object = None         # the whole model's ModelShape (finetune.memory.shapes), taken before the cut
+    mesh: object = None          # the (dp, pp, tp) DeviceMesh of the launch (`pipeline_mesh`)
+    tensor_parallel: int = 1     # ranks the stage's layers are split over (`split_layers`)
+    summed_over_tp: list = field(default_factory=list)  # whole weights each TP rank trains on its own heads
 
     @cached_property
     def named(self) -> list[tuple[str, nn.Parameter]]:
@@ -171,6 +174,80 @@ class Stage:
     def counted_in_norm(self) -> list[nn.Parameter]:
         """What this stage adds to the gradient norm over all stages: the tied weight is counted on the first only."""
         return [parameter for _, parameter in self.named if not (self.index > 0 and parameter is self.tied)]
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`: its slice of a DTensor (the same storage), a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` unsplit: a DTensor gathered from its TP group (every rank of the group must call it), a plain tensor
+    itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def placed_like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full` (a whole tensor of `parameter`'s shape) as `parameter` is held: this rank's slice where the TP plan
+    split it, cut locally (every rank of the group holds `full`), else `full` itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(parameter, DTensor):
+        return full
+    return distribute_tensor(full, parameter.device_mesh, parameter.placements, src_data_rank=None)
+
+
+def pipeline_mesh(device_type: str, stages: int, tensor_parallel: int):
+    """The launch's (`dp`, `pp`, `tp`) DeviceMesh, TP innermost (within a node on a GPU cluster): global rank
+    r·p·t + s·t + k is tensor rank k of stage s in replica r, and stage to stage traffic runs between ranks of the
+    same tensor rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicas = dist.get_world_size() // (stages * tensor_parallel)
+    return init_device_mesh(device_type, (replicas, stages, tensor_parallel), mesh_dim_names=("dp", "pp", "tp"))
+
+
+# The TP plan's styles the stages apply (Transformers' names in `base_model_tp_plan`): torch's column- and row-parallel
+# linears, and whole weights that each rank trains on its own heads (Qwen3's q/k norms), their gradients summed.
+SPLIT_STYLES = ("colwise", "rowwise")
+SUMMED_STYLE = "replicated_with_grad_allreduce"
+
+
+def split_layers(stage: Stage, mesh, config) -> None:
+    """This stage's decoder layers tensor-parallel over the 1-D `mesh`, as the model's TP plan names each linear
+    (`config.base_model_tp_plan`), with torch's `ColwiseParallel` and `RowwiseParallel`: each rank computes its
+    heads and its share of the MLP's width, one all-reduce after the attention and one after the MLP (Megatron-LM's
+    split, as torchtitan composes it with pipelining). The embedding, norms and head stay whole on every rank, so a
+    stage's input and output are whole hidden states. On the meta device too: the slices are read later."""
+    from fnmatch import fnmatch
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan, summed = {}, []
+    for pattern, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
+        if not pattern.startswith("layers."):
+            continue  # the ends: whole on every rank
+        if style not in (*SPLIT_STYLES, SUMMED_STYLE):
+            raise RecipeError(f"`tensor_parallel_size` beside a pipeline splits layers as colwise or rowwise; this "
+                              f"model's TP plan splits `{pattern}` as `{style}`, which the stages do not run: train "
+                              "it without tensor_parallel_size.")
+        if style == SUMMED_STYLE:
+            summed.append(pattern)
+        else:
+            plan[pattern] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+    names = {path: stage.names[id(parameter)] for path, parameter in stage.module.named_parameters()}
+    parallelize_module(stage.module, mesh, plan, src_data_rank=None)  # every rank holds the same whole weights
+    held = dict(stage.module.named_parameters())
+    stage.names = {id(parameter): names[path] for path, parameter in held.items()}
+    stage.summed_over_tp = [parameter for path, parameter in held.items()
+                            if any(fnmatch(path, f"{pattern}.*") for pattern in summed)]
+    stage.tensor_parallel = mesh.size()
+    for cached in ("named", "counted_in_norm"):  # the split parameters are new objects
+        stage.__dict__.pop(cached, None)
 
 def build_stage(model, stage: int, stages: int) -> Stage:
     """This rank's stage, cut from the whole model; the layers of the other stages are dropped (freed)."""
@@ -205,9 +282,13 @@ def cut_stage(recipe, model, rank: int | None = None) -> Stage:
     check_attention(model, recipe.data.max_seq_length)
     shape = shape_of(model)  # the whole model's, before the other stages' weights are freed
     rank = dist.get_rank() if rank is None else rank
-    size = recipe.strategy.pipeline_parallel_size
-    stage = build_stage(model, rank % size, size)  # ranks r·p … r·p + p − 1 are replica r's stages
+    size, tensor = recipe.strategy.pipeline_parallel_size, getattr(recipe.strategy, "tensor_parallel_size", 1) or 1
+    stage = build_stage(model, rank // tensor % size, size)  # on the (dp, pp, tp) mesh, TP innermost
     stage.shape = shape
+    if dist.is_initialized():
+        stage.mesh = pipeline_mesh(recipe.training.device.type, size, tensor)
+    if tensor > 1:  # before reading: each rank keeps only its slices
+        split_layers(stage, stage.mesh["tp"], model.config)
     if any(parameter.is_meta for _, parameter in stage.named):
         fill_from_checkpoint(stage, recipe.model.model_name_or_path)
     return stage
@@ -262,7 +343,8 @@ def fill_from_checkpoint(stage: Stage, source: str) -> int:
                 if tuple(tensor.shape) != tuple(parameter.shape):
                     raise RecipeError(f"`{name}` is {tuple(tensor.shape)} in `{source}` but "
                                       f"{tuple(parameter.shape)} in the model its config.json describes.")
-                held = nn.Parameter(tensor.to(parameter.dtype), requires_grad=parameter.requires_grad)
+                held = nn.Parameter(placed_like(parameter, tensor.to(parameter.dtype)),  # a TP rank's slice
+                                    requires_grad=parameter.requires_grad)
                 del tensor
                 torch.utils.swap_tensors(parameter, held)  # every module holding it (a tied head) sees it
                 read += parameter.numel()
@@ -344,10 +426,12 @@ class PipelineTrainer:
         self.recipe, self.args, self.tokenizer, self.data = recipe, recipe.training, tokenizer, data
         self.model, self.stage, self.schedule_name, self.resume = model, stage, schedule, resume
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.replicas, self.replica = self.world // stage.count, self.rank // stage.count
+        self.tensor_parallel, self.tensor_rank = stage.tensor_parallel, self.rank % stage.tensor_parallel
+        ranks_of_a_replica = stage.count * stage.tensor_parallel
+        self.replicas, self.replica = self.world // ranks_of_a_replica, self.rank // ranks_of_a_replica
         self.micro_batches = self.args.gradient_accumulation_steps
         self.device = self.args.device  # as Trainer places the model: this rank's GPU, or the CPU
-        self.pipeline_group, self.replica_group, self.tied_group = self._groups()
+        self.pipeline_group, self.replica_group, self.tensor_group, self.tied_group = self._groups()
         stage.module.to(self.device)
         self.step_tokens = 1
         self.pipe_stage = PipelineStage(stage.module, stage.index, stage.count, self.device,
@@ -360,20 +444,20 @@ class PipelineTrainer:
         self.state, self.control, self.callbacks = self._callbacks()
 
     def _groups(self):
-        """The process groups of a (`dp`, `pp`) mesh, pipeline innermost (torch's `DeviceMesh`): this rank's pipeline
-        (its replica's stages), its stage's replicas (their gradients summed), and the first and last stage of its
-        replica, which both hold a tied embedding (every rank takes part in creating every group)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        size = self.stage.count
-        mesh = init_device_mesh(self.device.type, (self.replicas, size), mesh_dim_names=("dp", "pp"))
+        """The process groups of the (`dp`, `pp`, `tp`) mesh (`pipeline_mesh`): this rank's pipeline (its replica's
+        stages at its tensor rank), its stage's replicas (their gradients summed), its stage's TP group, and the
+        first and last stage of its pipeline, which both hold a tied embedding (every rank takes part in creating
+        every group)."""
+        size, tensor = self.stage.count, self.tensor_parallel
+        mesh = self.stage.mesh or pipeline_mesh(self.device.type, size, tensor)
         tied = None
         for replica in range(self.replicas):
-            ends = sorted({replica * size, replica * size + size - 1})
-            group = dist.new_group(ends) if size > 1 else None
-            if replica == self.replica:
-                tied = group
-        return mesh["pp"].get_group(), mesh["dp"].get_group(), tied
+            for tensor_rank in range(tensor):
+                first = replica * size * tensor + tensor_rank
+                group = dist.new_group(sorted({first, first + (size - 1) * tensor})) if size > 1 else None
+                if (replica, tensor_rank) == (self.replica, self.tensor_rank):
+                    tied = group
+        return mesh["pp"].get_group(), mesh["dp"].get_group(), mesh["tp"].get_group(), tied
 
     def _callbacks(self):
         """Trainer's state, control and callback handler, holding the trackers `report_to` names and the divergence
@@ -392,12 +476,16 @@ class PipelineTrainer:
 
     # -- pieces of Trainer ---------------------------------------------------------------------------------------
     def _optimizer_and_schedule(self):
+        from torch.distributed.tensor import DTensor
         from transformers import Trainer, get_scheduler
 
         decay = set(Trainer.get_decay_parameter_names(None, self.model))
-        named = self.stage.named
-        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        # TP slices and whole weights in groups of their own: torch's fused and foreach kernels take no mix of
+        # DTensors and plain tensors in one call
+        groups = [{"params": [p for n, p in self.stage.named
+                              if (n in decay) == decayed and isinstance(p, DTensor) == split],
+                   "weight_decay": self.args.weight_decay if decayed else 0.0}
+                  for decayed in (True, False) for split in (False, True)]
         optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
         optimizer = optimizer_cls([group for group in groups if group["params"]], **optimizer_kwargs)
         steps = self.max_steps()
@@ -456,8 +544,7 @@ class PipelineTrainer:
                 run()
         loss = torch.tensor([float(sum(loss.detach() for loss in losses)) if losses else 0.0], dtype=torch.float64,
                             device=self.device)  # where the backend communicates (NCCL: the GPU)
-        last = self.replica * self.stage.count + self.stage.count - 1  # the global rank of this replica's last stage
-        dist.broadcast(loss, src=last, group=self.pipeline_group)
+        dist.broadcast(loss, group_src=self.stage.count - 1, group=self.pipeline_group)  # from the last stage
         if not forward_only and self.replicas > 1:
             dist.all_reduce(loss, group=self.replica_group)
         return float(loss)
@@ -470,10 +557,14 @@ class PipelineTrainer:
         self.step_tokens = max(int(tokens), 1)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._run_schedule(batches)
-        if self.replicas > 1:  # each replica's gradient of its share of the step's token-loss sum: summed
-            for _, parameter in self.stage.named:
+        with torch.no_grad():
+            if self.replicas > 1:  # each replica's gradient of its share of the step's token-loss sum: summed
+                for _, parameter in self.stage.named:
+                    if parameter.grad is not None:
+                        dist.all_reduce(local(parameter.grad), group=self.replica_group)
+            for parameter in self.stage.summed_over_tp:  # each TP rank's heads' share of a whole weight's gradient
                 if parameter.grad is not None:
-                    dist.all_reduce(parameter.grad, group=self.replica_group)
+                    dist.all_reduce(parameter.grad, group=self.tensor_group)
         if self.stage.tied is not None and self.stage.tied.grad is not None:
             dist.all_reduce(self.stage.tied.grad, group=self.tied_group)
         norm = self._clip()
@@ -528,14 +619,27 @@ class PipelineTrainer:
 
     def _clip(self) -> float:
         """The gradient norm over every stage, and clipping by it, with torch's own pieces of `clip_grad_norm_`: each
-        stage's norm, summed in squares over the stages."""
+        stage's norm, summed in squares over the stages. Under TP a split gradient's slices are summed in squares
+        over the TP group (each slice once) and a whole one, the same on every TP rank, is counted once. torch's
+        `get_total_norm` takes no mix of DTensors and plain tensors (its foreach kernels refuse it), so the slices
+        go in as the local tensors they are."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.experimental import implicit_replication
+
         grads = [parameter.grad for parameter in self.stage.counted_in_norm if parameter.grad is not None]
-        squares = torch.nn.utils.get_total_norm(grads).to(self.device, torch.float64).pow(2).reshape(1)
+        split = self._squares([local(grad) for grad in grads if isinstance(grad, DTensor)])
+        if self.tensor_parallel > 1:
+            dist.all_reduce(split, group=self.tensor_group)
+        squares = split + self._squares([grad for grad in grads if not isinstance(grad, DTensor)])
         dist.all_reduce(squares, group=self.pipeline_group)  # the replicas hold the same gradients by now
         norm = squares.sqrt()[0]  # 0-dim, as clip_grads_with_norm_ takes it
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_([p for _, p in self.stage.named], self.args.max_grad_norm, norm)
+            with implicit_replication():  # the plain norm scales DTensor gradients as a replicated scalar
+                torch.nn.utils.clip_grads_with_norm_([p for _, p in self.stage.named], self.args.max_grad_norm, norm)
         return float(norm)
+
+    def _squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.utils.get_total_norm(grads).to(self.device, torch.float64).pow(2).reshape(1)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -613,14 +717,21 @@ class PipelineTrainer:
                 "train_batch_size": self.args.per_device_train_batch_size}
 
     def save_stage(self, folder: Path, with_state: bool) -> None:
+        """The stage's weights and optimizer states whole (a TP group's slices gathered, `whole`: every rank of the
+        group calls it), written by its tensor rank 0: the files of a stage without TP, which `finetune export` and
+        a resume read whatever the TP size."""
         from safetensors.torch import save_file
 
+        weights = {name: whole(parameter.detach()).to("cpu").contiguous() for name, parameter in self.stage.named}
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {index: {key: whole(value) for key, value in values.items()}
+                              for index, values in optimizer["state"].items()}
+        if self.tensor_rank != 0:
+            return
         folder.mkdir(parents=True, exist_ok=True)
-        weights = {name: parameter.detach().to("cpu").contiguous() for name, parameter in
-                   self.stage.named}
         save_file(weights, str(folder / STAGE_WEIGHTS.format(stage=self.stage.index)), metadata={"format": "pt"})
         if with_state:
-            torch.save({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
+            torch.save({"optimizer": optimizer, "lr_scheduler": self.lr_scheduler.state_dict(),
                         "global_step": self.global_step},
                        folder / STAGE_STATE.format(stage=self.stage.index))
 
@@ -645,8 +756,8 @@ class PipelineTrainer:
 
         final = self.final_dtype()
         return {"world_size": self.world, "strategy": "pipeline", "zero_stage": None,
-                "pipeline_parallel_size": self.stage.count, "pipeline_schedule": self.schedule_name,
-                "pipeline_replicas": self.replicas,
+                "pipeline_parallel_size": self.stage.count, "tensor_parallel_size": self.tensor_parallel,
+                "pipeline_schedule": self.schedule_name, "pipeline_replicas": self.replicas,
                 "sequences_per_step": self.args.per_device_train_batch_size * self.micro_batches * self.replicas,
                 "final_weights_dtype": final and dtype_name(final)}  # what `finetune export` writes by default
 
@@ -656,8 +767,13 @@ class PipelineTrainer:
         weights = load_file(str(folder / STAGE_WEIGHTS.format(stage=self.stage.index)))
         with torch.no_grad():
             for name, parameter in self.stage.named:
-                parameter.copy_(weights[name])
+                parameter.copy_(placed_like(parameter, weights[name].to(self.device)))
         state = torch.load(folder / STAGE_STATE.format(stage=self.stage.index), weights_only=True)
+        held = [parameter for group in self.optimizer.param_groups for parameter in group["params"]]
+        for index, values in state["optimizer"]["state"].items():  # whole moments, cut as their weights are
+            for key, value in values.items():
+                if torch.is_tensor(value) and value.shape == held[index].shape and value.dim() > 0:
+                    values[key] = placed_like(held[index], value.to(self.device))
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.global_step = int(state["global_step"])
@@ -683,10 +799,14 @@ class PipelineTrainer:
 
         output_dir, dtype = Path(self.args.output_dir), self.final_dtype()
         shard = FINAL_SHARD.format(stage=self.stage.index + 1, stages=self.stage.count)
-        weights = {name: parameter.detach().to("cpu", dtype or parameter.dtype).contiguous()
-                   for name, parameter in self.stage.named
-                   if self.replica == 0 and not (self.stage.index > 0 and parameter is self.stage.tied)}
-        if self.replica == 0:  # the other replicas hold the same stages
+        writes = self.replica == 0 and self.tensor_rank == 0  # the other replicas hold the same stages
+        weights = {}
+        for name, parameter in self.stage.named:  # a TP group gathers one weight at a time, its rank 0 keeps it
+            if self.replica == 0 and not (self.stage.index > 0 and parameter is self.stage.tied):
+                gathered = whole(parameter.detach())
+                if writes:
+                    weights[name] = gathered.to("cpu", dtype or parameter.dtype).contiguous()
+        if writes:
             save_file(weights, str(output_dir / shard), metadata={"format": "pt"})
         written = {name: (shard, tensor.numel() * tensor.element_size()) for name, tensor in weights.items()}
         del weights
@@ -716,9 +836,13 @@ def stage_memory(trainer: PipelineTrainer) -> dict[str, int]:
     parameters = [parameter for _, parameter in trainer.stage.named]
     states = [value for state in trainer.optimizer.state.values() for value in state.values()
               if torch.is_tensor(value) and value.dim() > 0]
-    return {"params_bytes": sum(p.numel() * p.element_size() for p in parameters),
-            "grads_bytes": sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None),
-            "optimizer_bytes": sum(value.numel() * value.element_size() for value in states),
+
+    def held(tensor: torch.Tensor) -> int:  # this rank's slice of a DTensor
+        return local(tensor).numel() * tensor.element_size()
+
+    return {"params_bytes": sum(held(p) for p in parameters),
+            "grads_bytes": sum(held(p.grad) for p in parameters if p.grad is not None),
+            "optimizer_bytes": sum(held(value) for value in states),
             "recv_buffers_bytes": recv_buffer_bytes(trainer.pipe_stage)}
 
 
@@ -738,7 +862,8 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
 
     args = trainer.args
     setup = Setup(strategy="pipeline", num_gpus=trainer.world, pipeline_parallel_size=trainer.stage.count,
-                  pipeline_schedule=trainer.schedule_name, rank=trainer.stage.index,
+                  tensor_parallel_size=trainer.tensor_parallel, pipeline_schedule=trainer.schedule_name,
+                  rank=trainer.stage.index,
                   precision="bf16" if args.bf16 else "fp32",
                   optimizer=optimizer_kind(args.optim) or "adamw", micro_batch_size=args.per_device_train_batch_size,
                   sequence_length=trainer.recipe.data.max_seq_length,
@@ -749,7 +874,8 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
             "host_load_bytes": predicted.host_load_bytes_of_rank(trainer.rank),
             "recv_buffers_bytes": pipeline_recv_buffer_bytes(shape, setup),
             "estimate": {"setup": {key: getattr(setup, key) for key in
-                                   ("strategy", "num_gpus", "pipeline_parallel_size", "pipeline_schedule", "rank")}}}
+                                   ("strategy", "num_gpus", "pipeline_parallel_size", "tensor_parallel_size",
+                                    "pipeline_schedule", "rank")}}}
 
 
 def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | None,
@@ -790,6 +916,7 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
         outputs.write_record(output_dir, outputs.MEMORY_REPORT, {"ranks": ranks})
         bounds = stage_layers(stage.shape.num_layers, size)
         pipeline = {"stages": [[layers.start, layers.stop] for layers in bounds], "schedule": args.pipeline_schedule,
+                    "tensor_parallel_size": trainer.tensor_parallel,
                     "micro_batches": trainer.micro_batches, "replicas": trainer.replicas,
                     "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}
         outputs.write_record(output_dir, outputs.EFFECTIVE_CONFIG, {
@@ -799,7 +926,8 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
             "strategy": {"requested": recipe.strategy.to_dict(), "running": recipe.strategy.to_dict()},
             "pipeline": pipeline})
         outputs.write_record(output_dir, outputs.EVAL_RESULTS, summary)
-        print(f"pipeline: {size} stages (layers {pipeline['stages']}) × {trainer.replicas} replica(s), "
+        split = f", each split over {trainer.tensor_parallel} TP ranks" if trainer.tensor_parallel > 1 else ""
+        print(f"pipeline: {size} stages (layers {pipeline['stages']}){split} × {trainer.replicas} replica(s), "
               f"{args.pipeline_schedule}, "
               f"{trainer.micro_batches} micro-batches a step, bubble {pipeline['bubble_fraction']:.0%}", flush=True)
         if summary.get("after"):
