@@ -477,8 +477,8 @@ def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int
         gradients = result.grads_bytes
         row["cost"] += (f"; the stage's gradients all-reduced over {replicas} replicas: "
                         f"{_size(2 * (replicas - 1) / replicas * gradients)} a GPU a step")
-    row["cost"] += (f"; loads {_size(result.host_load_bytes_per_node)}/node (a stage"
-                    + (f"'s 1/{tensor} a rank)" if tensor > 1 else " a rank)"))
+    row["cost"] += (f"; loads {_size(result.host_load_bytes_per_node)}/node ("
+                    + ("a rank its TP slice of a stage)" if tensor > 1 else "a stage a rank)"))
     if request.token_lengths:  # the loop pads every row to max_seq_length: FLOPs the data's own lengths do not need
         padding = request.sequence_length / (sum(request.token_lengths) / len(request.token_lengths))
         row["padding_factor"] = padding

@@ -291,7 +291,7 @@ def test_the_3d_row_for_llama_70b_on_8_nodes_gives_its_sizes_and_terms(capsys):
     tp_step = 4 * 10 * 64 * 2 * 7 / 8 * 2 * states  # 4 a layer × 10 layers × 64 micro-batches, a ring, bf16
     assert f"TP all-reduces 4 × {2 * states / 1024**2:,.1f} MiB a layer and micro-batch (NVLink): " \
            f"{tp_step / 1024**3:,.1f} GiB a GPU a step" in cost
-    assert f"loads {row['host_load_bytes_per_node'] / 1024**3:,.1f} GiB/node (a stage's 1/8 a rank)" in cost
+    assert f"loads {row['host_load_bytes_per_node'] / 1024**3:,.1f} GiB/node (a rank its TP slice of a stage)" in cost
     assert "all-reduced over" not in cost  # one replica: no data-parallel gradient all-reduce
     assert row["launch_command"] == ("accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 64 "
                                      "-m finetune train RECIPE.yaml --pipeline_parallel_size 8 "
@@ -320,7 +320,7 @@ def test_the_3d_row_takes_the_fewest_stages_that_fit_and_its_replicas_all_reduce
 def test_the_3d_row_is_recommended_when_nothing_simpler_fits(capsys):
     """Nodes of 128 GiB of host RAM: ZeRO-3 (and SP over it) reads the 70B checkpoint on one rank (131 GiB), TP ×
     FSDP2 and the data-parallel strategies on every rank, PP 8 × DP 8 does not fit the GPUs; PP 8 × TP 8 fits both
-    (each rank reads its stage's 1/8)."""
+    (each rank reads its TP slice of its stage)."""
     arguments = [*SEVENTY_ON_EIGHT_NODES, "--seq-len", "1024", "--host-memory", "128"]
     plan = planned(capsys, *arguments, "--json")
     row = three_d_row(plan)
