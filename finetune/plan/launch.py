@@ -126,15 +126,15 @@ def _plan_launch(recipe: str, overrides: list[str], machine: Machine, sections) 
 
     training = sections.training_inputs
     named = training.get("strategy") if training.get("strategy") != "auto" else None
-    axis = _recipe_axis(training)
+    axis = _recipe_axis(sections)
     if axis == "tensor_parallel":  # a model Transformers cannot shard fails on every rank: refused before the launch
         from finetune.launch.parallelism import check_tensor_parallel_model, process_count
         from finetune.memory.shapes import resolve_config
 
         check_tensor_parallel_model(process_count("tensor_parallel_size", training["tensor_parallel_size"],
                                                   "the recipe"), resolve_config(sections.model.model_name_or_path))
-    if axis == "pipeline":  # planned as the loop runs it: each stage's memory, and what a node loads
-        planned = _pipeline_plan(recipe, overrides, machine, sections)
+    for own in sections.axes:  # an axis on the seam plans its own launch (a pipeline: each stage's memory)
+        planned = own.plan_launch(recipe, overrides, machine, sections)
         if planned is not None:
             return _axis_launch(axis, machine), planned, without_option(overrides, "--strategy")
     if axis is not None and not (axis == "sequence_parallel" and (named or training.get("deepspeed"))):
@@ -215,48 +215,6 @@ def _plan_launch(recipe: str, overrides: list[str], machine: Machine, sections) 
     return launch, record, overrides
 
 
-def _pipeline_plan(recipe: str, overrides: list[str], machine: Machine, sections) -> dict | None:
-    """The plan record of a recipe naming `pipeline_parallel_size`: every stage estimated as the loop runs it (the
-    recipe's micro-batches, rows at `max_seq_length`; the launch's processes over the stages are the replicas), the
-    fullest rank's memory against this machine's GPUs and the node's host RAM at load (each rank reads its stage
-    alone) against its RAM; None where the model's shape cannot be read (launched unplanned, as before)."""
-    from finetune.launch.parallelism import process_count
-    from finetune.memory.shapes import model_shape
-    from finetune.plan.calibration import calibration_for
-    from finetune.plan.decision_tree import context_bytes, pipeline_row
-    from finetune.plan.from_recipe import request_from_recipe
-    from finetune.recipe.batch_plan import plan_from_recipe
-
-    training = sections.training_inputs
-    stages = process_count("pipeline_parallel_size", training["pipeline_parallel_size"], "the recipe")
-    if machine.processes % stages:
-        raise RecipeError(f"`pipeline_parallel_size: {stages}` runs one stage a process, but this launch has "
-                          f"{machine.processes} process(es): launch a multiple of {stages} (each {stages} processes "
-                          "one replica of the pipeline, data parallel across replicas).")
-    replicas = machine.processes // stages
-    batch = plan_from_recipe(training, sections.data.max_seq_length, replicas)  # the replicas share the batch
-    request, _ = request_from_recipe(recipe, machine.processes, machine.memory_gib, machine.gpu, overrides=overrides,
-                                     sections=sections, host_memory_gib=machine.host_memory_gib, nodes=machine.nodes,
-                                     cpu_processes=machine.cpu,
-                                     calibrations=calibration_for(machine.gpu and machine.gpu.name))
-    try:
-        shape = model_shape(request.model)
-    except RecipeError:
-        return None
-    schedule = str(training.get("pipeline_schedule") or "1f1b").lower()
-    row = pipeline_row(request, shape, batch.micro_batch_size, stages, schedule, batch.gradient_accumulation_steps,
-                       replicas=replicas)
-    return {
-        "strategy": "pipeline", "label": row["name"], "chosen_by": "the recipe's pipeline_parallel_size",
-        "device": machine.describe(), "processes": machine.processes, "nodes": machine.nodes,
-        "memory_per_gpu_gib": machine.memory_gib, "memory_source": machine.memory_source,
-        "usable_bytes": int(usable_bytes(machine.memory_gib, context_bytes(request))), "margin": MARGIN,
-        "micro_batch_size": batch.micro_batch_size, "fits": row["fits"], "shortfall": row["shortfall"],
-        "rejected": [], "candidates": [], "predicted": predicted_per_rank(row, machine),
-        "host_load_bytes_per_node": row["estimate"].host_load_bytes_per_node,
-    }
-
-
 def without_option(tokens: list[str], option: str) -> list[str]:
     """`tokens` without `option` and its value (`--key value` or `--key=value`)."""
     kept, skip = [], False
@@ -287,14 +245,14 @@ def predicted_per_rank(row: dict, machine: Machine) -> dict:
     }
 
 
-def _recipe_axis(training: dict) -> str | None:
-    """The parallelism axis a recipe names, read as the run reads it (finetune.launch.parallelism for TP and SP, the
-    pipeline's own key), if any."""
-    from finetune.launch.parallelism import process_count, requested
+def _recipe_axis(sections) -> str | None:
+    """The parallelism axis a recipe names, read as the run reads it (an axis on the seam: finetune.recipe.axes;
+    finetune.launch.parallelism for TP and SP), if any."""
+    from finetune.launch.parallelism import requested
 
-    if (process_count("pipeline_parallel_size", training.get("pipeline_parallel_size"), "the recipe") or 1) > 1:
-        return "pipeline"
-    asked, _ = requested(training, environ={})  # the recipe's sizes alone: no launch has exported any yet
+    if sections.axes:
+        return sections.axes[0].name
+    asked, _ = requested(sections.training_inputs, environ={})  # the recipe's sizes alone: none exported yet
     if asked.loads_sharded:
         return "tensor_parallel"
     return "sequence_parallel" if asked.sequence_parallel_size > 1 else None

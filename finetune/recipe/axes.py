@@ -52,6 +52,11 @@ class Axis:
         """How many of the launch's processes work on one batch together (the data-parallel size divides by it)."""
         return self.size
 
+    def plan_launch(self, recipe: str, overrides: list[str], machine, sections) -> dict | None:
+        """The plan record of a self-launch (`finetune train --gpus N`, finetune.plan.launch) of a recipe with this
+        axis on: its memory per rank against `machine`; None to launch it as the recipe names it, unplanned."""
+        return None
+
     def effective_values(self) -> dict[str, Any]:
         """What the run records of the axis in effective_config.json."""
         return dataclasses.asdict(self.settings)

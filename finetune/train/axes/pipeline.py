@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from finetune.errors import RecipeError
 from finetune.recipe.axes import Axis
 
 
@@ -61,3 +62,48 @@ class PipelineParallelism(Axis):
         from finetune.train.pipeline import train_pipeline
 
         return train_pipeline(recipe, model, prepared, tokenizer, data, resume, host_load_bytes=host_load_bytes)
+
+    def plan_launch(self, recipe: str, overrides: list[str], machine, sections) -> dict | None:
+        """The plan record of a self-launch (`finetune train --gpus N`): every stage estimated as the loop runs it
+        (the recipe's micro-batches, rows at `max_seq_length`; the launch's processes over the stages are the
+        replicas), the fullest rank's memory against this machine's GPUs and the node's host RAM at load (each rank
+        reads its stage alone) against its RAM; None where the model's shape cannot be read (launched unplanned)."""
+        from finetune.launch.parallelism import process_count
+        from finetune.memory.shapes import model_shape
+        from finetune.plan.calibration import calibration_for
+        from finetune.plan.decision_tree import context_bytes, pipeline_row, usable_bytes
+        from finetune.plan.from_recipe import request_from_recipe
+        from finetune.plan.launch import MARGIN, predicted_per_rank
+        from finetune.recipe.batch_plan import plan_from_recipe
+
+        training = sections.training_inputs
+        stages = self.size
+        tensor = process_count("tensor_parallel_size", training.get("tensor_parallel_size"), "the recipe") or 1
+        if machine.processes % (stages * tensor):
+            each = f"{stages} × {tensor} = {stages * tensor}" if tensor > 1 else f"{stages}"
+            raise RecipeError(f"`pipeline_parallel_size: {stages}` runs one stage a process"
+                              f"{f' split over `tensor_parallel_size: {tensor}`' if tensor > 1 else ''}, but this "
+                              f"launch has {machine.processes} process(es): launch a multiple of {stages * tensor} "
+                              f"(each {each} processes one replica of the pipeline, data parallel across replicas).")
+        replicas = machine.processes // (stages * tensor)
+        batch = plan_from_recipe(training, sections.data.max_seq_length, replicas)  # the replicas share the batch
+        request, _ = request_from_recipe(recipe, machine.processes, machine.memory_gib, machine.gpu,
+                                         overrides=overrides, sections=sections,
+                                         host_memory_gib=machine.host_memory_gib, nodes=machine.nodes,
+                                         cpu_processes=machine.cpu,
+                                         calibrations=calibration_for(machine.gpu and machine.gpu.name))
+        try:
+            shape = model_shape(request.model)
+        except RecipeError:
+            return None
+        row = pipeline_row(request, shape, batch.micro_batch_size, stages, self.settings.pipeline_schedule,
+                           batch.gradient_accumulation_steps, replicas=replicas, tensor=tensor)
+        return {
+            "strategy": "pipeline", "label": row["name"], "chosen_by": "the recipe's pipeline_parallel_size",
+            "device": machine.describe(), "processes": machine.processes, "nodes": machine.nodes,
+            "memory_per_gpu_gib": machine.memory_gib, "memory_source": machine.memory_source,
+            "usable_bytes": int(usable_bytes(machine.memory_gib, context_bytes(request))), "margin": MARGIN,
+            "micro_batch_size": batch.micro_batch_size, "fits": row["fits"], "shortfall": row["shortfall"],
+            "rejected": [], "candidates": [], "predicted": predicted_per_rank(row, machine),
+            "host_load_bytes_per_node": row["estimate"].host_load_bytes_per_node,
+        }
