@@ -4,10 +4,12 @@ with the losses and gradient norms of one process at the same batch, clipping ac
 checkpoint (untied, bf16 safetensors); the stages evaluate with the eval losses of one process, log to TensorBoard
 and stop on a non-finite loss, as Trainer does; each rank holds its stage, as the estimator predicts; a resume from a
 checkpoint's stage files logs the uninterrupted losses; `finetune export` consolidates the stages into the model a
-one-process run trains; what the loop does not run is refused by name."""
+one-process run trains; the same holds for 2 replicas of 2 stages (PP × DP, 4 processes) and for 2 replicas of 2
+stages each split over 2 TP ranks (PP × TP × DP, 8 processes); what the loop does not run is refused by name."""
 
 import json
 import shutil
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -92,48 +94,107 @@ def test_two_stages_train_with_the_losses_of_one_process(runs, name):
 
 
 @pytest.fixture(scope="module")
-def replicated(tmp_path_factory):
-    """PP 2 × DP 2 on 4 processes from a hub-shaped bf16 checkpoint, its one-process twin at the same global batch
-    (4 × 4 micro-batches × 2 replicas = 4 × 8 accumulated), and the run resumed from its step-3 checkpoint."""
+def two_replicas_twin(tmp_path_factory):
+    """A hub-shaped bf16 checkpoint (4 heads, 2 key/value heads, MLP width 128: split 2 ways whole) and its
+    one-process run at the global batch of 2 replicas (4 × 4 micro-batches × 2 replicas = 4 × 8 accumulated)."""
     hub = save_hub_model(tmp_path_factory.mktemp("hub_replicated"))
-    pipeline, one, resumed = (tmp_path_factory.mktemp(name) for name in ("pp2_dp2", "pp2_dp2_one", "pp2_dp2_resumed"))
-    model = ["--model_name_or_path", str(hub), "--save_dtype", "float32"]  # the fp32 masters, to compare exactly
-    assert_succeeded(launch_demo(DDP_ON_CPU, pipeline, *RUN, *PIPELINE, *model, num_processes=4))
-    assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN, *model, "--gradient_accumulation_steps",
-                 "8"]) == 0
+    one = tmp_path_factory.mktemp("two_replicas_one")
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN, *held_whole(hub),
+                 "--gradient_accumulation_steps", "8"]) == 0
+    return hub, one
+
+
+def held_whole(hub) -> list[str]:
+    return ["--model_name_or_path", str(hub), "--save_dtype", "float32"]  # the fp32 masters, to compare exactly
+
+
+def launch_and_resume(tmp_path_factory, name: str, hub, processes: int, *extra: str) -> dict:
+    """A pipeline launch of `processes` from `hub` and the same launch resumed from its step-3 checkpoint, with the
+    first launch's wall time (seconds)."""
+    pipeline, resumed = (tmp_path_factory.mktemp(f"{name}{suffix}") for suffix in ("", "_resumed"))
+    started = time.monotonic()
+    assert_succeeded(launch_demo(DDP_ON_CPU, pipeline, *RUN, *PIPELINE, *held_whole(hub), *extra,
+                                 num_processes=processes))
+    wall = time.monotonic() - started
     shutil.copytree(pipeline / "checkpoint-3", resumed / "checkpoint-3")
-    assert_succeeded(launch_demo(DDP_ON_CPU, resumed, *RUN, *PIPELINE, *model, "--resume_from_checkpoint", "auto",
-                                 num_processes=4))
-    return {"pipeline": pipeline, "one": one, "resumed": resumed}
+    assert_succeeded(launch_demo(DDP_ON_CPU, resumed, *RUN, *PIPELINE, *held_whole(hub), *extra,
+                                 "--resume_from_checkpoint", "auto", num_processes=processes))
+    return {"pipeline": pipeline, "resumed": resumed, "wall_seconds": wall}
 
 
-@pytest.mark.distributed
-def test_two_replicas_of_two_stages_train_with_the_losses_of_one_process(replicated, tmp_path):
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory, two_replicas_twin):
+    """PP 2 × DP 2 on 4 processes, beside its one-process twin, and resumed from its step-3 checkpoint."""
+    hub, one = two_replicas_twin
+    return {**launch_and_resume(tmp_path_factory, "pp2_dp2", hub, 4), "one": one}
+
+
+@pytest.fixture(scope="module")
+def three_d(tmp_path_factory, two_replicas_twin):
+    """PP 2 × TP 2 × DP 2 on 8 processes (each stage's layers split over 2 ranks), beside the same one-process twin,
+    and resumed from its step-3 checkpoint."""
+    hub, one = two_replicas_twin
+    return {**launch_and_resume(tmp_path_factory, "pp2_tp2_dp2", hub, 8, "--tensor_parallel_size", "2"), "one": one}
+
+
+def assert_trains_as_one_process(runs, tmp_path, ranks_layers, **recorded):
+    """Losses and gradient norms (clipping active) of the one-process twin; each rank's memory as planned; a resume
+    from step 3 logging the uninterrupted losses; `finetune export` of checkpoint-6 giving the final save's logits
+    and the one-process model's."""
     from transformers import AutoModelForCausalLM
 
-    staged, one = history(replicated["pipeline"]), history(replicated["one"])
+    staged, one = history(runs["pipeline"]), history(runs["one"])
     assert [entry["step"] for entry in staged] == list(range(1, STEPS + 1))
     for a, b in zip(staged, one, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # over the stages, after the replicas' sum
         assert a["grad_norm"] > 1.0  # clipping active at every step
-    effective = json.loads((replicated["pipeline"] / outputs.EFFECTIVE_CONFIG).read_text())
-    assert effective["pipeline"]["replicas"] == 2 and effective["values"]["world_size"]["value"] == 4
-    report = json.loads((replicated["pipeline"] / outputs.MEMORY_REPORT).read_text())["ranks"]
-    assert [rank["layers"] for rank in report] == [[0, 1], [1, 2], [0, 1], [1, 2]]  # replica r: ranks 2r, 2r + 1
+    effective = json.loads((runs["pipeline"] / outputs.EFFECTIVE_CONFIG).read_text())
+    assert effective["pipeline"]["replicas"] == 2
+    for key, value in recorded.items():
+        assert effective["pipeline"][key] == value, key
+    assert effective["values"]["world_size"]["value"] == len(ranks_layers)
+    report = json.loads((runs["pipeline"] / outputs.MEMORY_REPORT).read_text())["ranks"]
+    assert [rank["layers"] for rank in report] == ranks_layers
     for rank in report:
         for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "recv_buffers_bytes"):
             assert rank["measured"][key] == rank["predicted"][key], (rank["rank"], key)
-    resumed = history(replicated["resumed"])
+    resumed = history(runs["resumed"])
     assert [entry["loss"] for entry in resumed[3:]] == pytest.approx([entry["loss"] for entry in staged[3:]],
                                                                      abs=1e-6)
-    assert main(["export", str(replicated["pipeline"] / "checkpoint-6"), str(tmp_path / "exported")]) == 0
+    assert main(["export", str(runs["pipeline"] / "checkpoint-6"), str(tmp_path / "exported")]) == 0
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
     exported, final, alone = (AutoModelForCausalLM.from_pretrained(path)(ids).logits.detach()
-                              for path in (tmp_path / "exported", replicated["pipeline"], replicated["one"]))
+                              for path in (tmp_path / "exported", runs["pipeline"], runs["one"]))
     # the stages' fp32 masters, not rounded to the bf16 the checkpoint's config names: the run's own final save
     assert exported.dtype == torch.float32 and torch.equal(exported, final)
     assert torch.allclose(exported, alone, atol=1e-4)
+    return report
+
+
+@pytest.mark.distributed
+def test_two_replicas_of_two_stages_train_with_the_losses_of_one_process(replicated, tmp_path):
+    # replica r: ranks 2r, 2r + 1
+    assert_trains_as_one_process(replicated, tmp_path, [[0, 1], [1, 2], [0, 1], [1, 2]], tensor_parallel_size=1)
+
+
+@pytest.mark.distributed
+def test_two_replicas_of_two_stages_split_over_two_tp_ranks_train_with_the_losses_of_one_process(three_d, tmp_path):
+    """PP 2 × TP 2 × DP 2: rank 4r + 2s + k is tensor rank k of stage s in replica r. Each rank holds its stage's
+    layer matrices (and q, k, v biases) halved, the norms, embedding and head whole, as the plan says; the
+    checkpoint's stage files hold the weights whole, as without TP. (One launch of 8 processes on 2 CPU cores takes
+    about 80 s here.)"""
+    from safetensors import safe_open
+
+    stages = [[0, 1], [0, 1], [1, 2], [1, 2]]
+    report = assert_trains_as_one_process(three_d, tmp_path, stages * 2, tensor_parallel_size=2)
+    assert all(rank["predicted"]["estimate"]["setup"]["tensor_parallel_size"] == 2 for rank in report)
+    whole = json.loads((three_d["one"] / outputs.MEMORY_REPORT).read_text())["ranks"][0]["measured"]["params_bytes"]
+    assert sum(rank["measured"]["params_bytes"] for rank in report[:4]) > whole  # the ends are held on both TP ranks
+    assert sum(rank["measured"]["params_bytes"] for rank in report[:4:2]) < whole  # the layers are split
+    with safe_open(str(three_d["pipeline"] / "checkpoint-3" / "pipeline_stage_00.safetensors"), "pt") as stage:
+        assert stage.get_slice("model.layers.0.self_attn.q_proj.weight").get_shape() == [64, 64]
+        assert stage.get_slice("model.layers.0.mlp.down_proj.weight").get_shape() == [64, 128]
 
 
 def evaluations(output_dir) -> list[tuple[int, float]]:
@@ -231,7 +292,10 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
         (asked, {"data": SimpleNamespace(packing=True, padding_free=False, streaming=False)}, "packed"),
         ({**asked, "gradient_accumulation_steps": 1}, {}, "needs at least 2 micro-batches"),
         ({**asked, "pipeline_schedule": "interleaved"}, {}, "not one of gpipe, 1f1b"),
-        (asked, {"parallelism": Parallelism(tensor_parallel_size=2)}, "tensor_parallel_size 2 beside it"),
+        (asked, {"parallelism": Parallelism(sequence_parallel_size=2)}, "sequence_parallel_size 2 beside it"),
+        (asked, {"parallelism": Parallelism(context_parallel_size=2)}, "context_parallel_size 2 beside it"),
+        (asked, {"parallelism": Parallelism(tensor_parallel_size=2)},
+         "launch has 2 process.*multiple of 2 × tensor_parallel_size 2 = 4"),
         ({**asked, "torch_compile": True}, {}, "`torch_compile` \\(its stages run eagerly\\)"),
         ({**asked, "save_on_preemption": True}, {}, "`save_on_preemption`"),
         ({**asked, "save_on_each_node": True}, {}, "`save_on_each_node`.*nodes must share"),
@@ -242,6 +306,25 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
         with pytest.raises(RecipeError, match=message):
             check_pipeline(dict(inputs), call["data"], call["use_lora"], call["method"], call["parallelism"],
                            call["strategy"])
+    monkeypatch.setenv("WORLD_SIZE", "8")  # 2 replicas of 2 stages, each split over 2 TP ranks
+    split = check_pipeline(dict(asked), data, False, "sft", Parallelism(tensor_parallel_size=2), ddp)
+    assert (split.kind, split.pipeline_parallel_size, split.tensor_parallel_size) == ("pipeline", 2, 2)
+
+
+def test_a_tp_size_the_stages_cannot_split_is_refused_by_name(tmp_path):
+    """Beside a pipeline the TP size is checked against the model before any process group: whole heads and key/value
+    heads on each rank, and an even cut of the MLP's width; what is accepted loads nothing sharded."""
+    from finetune.recipe.preflight import check_parallelism
+
+    model = SimpleNamespace(model_name_or_path=str(save_hub_model(tmp_path / "hub", num_attention_heads=4,
+                                                                  num_key_value_heads=4, intermediate_size=130)))
+    ddp = Strategy("ddp")
+    for tensor, message in ((3, "does not divide the model's num_attention_heads \\(4\\)"),
+                            (4, "does not divide the model's MLP width \\(intermediate_size 130\\)")):
+        with pytest.raises(RecipeError, match=f"`tensor_parallel_size: {tensor}` {message}"):
+            check_parallelism({"tensor_parallel_size": tensor}, model, False, ddp, inside_stages=True)
+    parallelism, strategy = check_parallelism({"tensor_parallel_size": 2}, model, False, ddp, inside_stages=True)
+    assert parallelism.tensor_parallel_size == 2 and parallelism.dp_shard_size == 1 and strategy == ddp
 
 
 def test_the_estimator_gives_each_stage_its_layers_and_ends():
