@@ -30,14 +30,25 @@ What it does as Trainer does, through Trainer's own callbacks (`CallbackHandler`
 on the final weights (the run summary's before/after), its loss the answer tokens' summed loss over their count, run
 through the stages forward only (torch's `eval`) in batches of the training step's shape.
 
-Data parallelism beside it: a launch of r × p processes runs r replicas of the p-stage pipeline on a (`dp`, `pp`)
-device mesh. Each replica takes every r-th micro-batch, as DDP's ranks do, the step's answer tokens are counted over
-all of them, and each stage's gradients are summed over its replicas before clipping, so the update is one process's
-at the same global batch. Replica 0 writes the checkpoints and the final model.
+Tensor and data parallelism beside it (3D): a launch of r × p × t processes (`tensor_parallel_size` t) runs r
+replicas of the p-stage pipeline, each stage split over t ranks, on a (`dp`, `pp`, `tp`) device mesh, TP innermost.
+Within a stage the decoder layers are tensor parallel as the model's TP plan names each linear
+(`base_model_tp_plan`), with torch's DTensor styles (`ColwiseParallel`, `RowwiseParallel`: Megatron-LM's split, as
+torchtitan composes it with pipelining); the embedding, norms and head stay whole on every TP rank, so the stages
+pass whole hidden states between ranks of the same tensor rank, as plain tensors. Each rank reads only its slices
+of the checkpoint. Each replica takes every r-th micro-batch, as DDP's ranks do, the step's answer tokens are
+counted over all of them, and each stage's gradients (a TP rank's slices) are summed over its replicas before
+clipping; the gradient norm counts each slice once and each whole weight once. The update is one process's at the
+same global batch. Tensor rank 0 of replica 0 writes the checkpoints and the final model, whole (the slices
+gathered, `DTensor.full_tensor`), so a checkpoint, its resume and `finetune export` do not depend on t.
 
-Not supported here (refused before training starts): LoRA/QLoRA, DeepSpeed or FSDP configs, tensor or sequence
-parallelism beside the pipeline, packing and padding-free batches, methods other than SFT, `torch_compile`. The
-generation exact match (`generation_eval_samples`) is not run.
+Not supported here (refused before training starts): LoRA/QLoRA, DeepSpeed or FSDP configs, sequence or context
+parallelism and data-shard sizes beside the pipeline (they need their own engines), a TP size that does not split
+every head, key-value head and the MLP's width evenly, a TP plan style other than colwise/rowwise (or Qwen3's whole
+q/k norms), packing and padding-free batches, methods other than SFT, `torch_compile` (dynamo cannot trace the
+DTensor weights: pytorch/pytorch#119071), interleaved and zero-bubble schedules (one stage a rank). The generation
+exact match (`generation_eval_samples`) is not run. The embedding and head are not vocab-parallel, and the norms
+and the hidden states between layers are not sequence parallel: every TP rank holds them whole.
 """
 
 from __future__ import annotations
@@ -481,7 +492,8 @@ class PipelineTrainer:
 
         decay = set(Trainer.get_decay_parameter_names(None, self.model))
         # TP slices and whole weights in groups of their own: torch's fused and foreach kernels take no mix of
-        # DTensors and plain tensors in one call
+        # DTensors and plain tensors in one call ("got mixed torch.Tensor and DTensor"; fused Adam's tensors must
+        # share one mesh: pytorch/pytorch#153268)
         groups = [{"params": [p for n, p in self.stage.named
                               if (n in decay) == decayed and isinstance(p, DTensor) == split],
                    "weight_decay": self.args.weight_decay if decayed else 0.0}

@@ -182,8 +182,8 @@ def test_two_replicas_of_two_stages_train_with_the_losses_of_one_process(replica
 def test_two_replicas_of_two_stages_split_over_two_tp_ranks_train_with_the_losses_of_one_process(three_d, tmp_path):
     """PP 2 × TP 2 × DP 2: rank 4r + 2s + k is tensor rank k of stage s in replica r. Each rank holds its stage's
     layer matrices (and q, k, v biases) halved, the norms, embedding and head whole, as the plan says; the
-    checkpoint's stage files hold the weights whole, as without TP. (One launch of 8 processes on 2 CPU cores takes
-    about 80 s here.)"""
+    checkpoint's stage files hold the weights whole, as without TP. (On 2 CPU cores one launch of 8 processes takes
+    about 50 s; the fixture, with the one-process twin and the resume, 86 s.)"""
     from safetensors import safe_open
 
     stages = [[0, 1], [0, 1], [1, 2], [1, 2]]
