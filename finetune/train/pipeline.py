@@ -776,6 +776,7 @@ class PipelineTrainer:
     def _load(self, folder: Path) -> None:
         from safetensors.torch import load_file
 
+        self.check_resumed_layout(folder)
         weights = load_file(str(folder / STAGE_WEIGHTS.format(stage=self.stage.index)))
         with torch.no_grad():
             for name, parameter in self.stage.named:
@@ -791,6 +792,21 @@ class PipelineTrainer:
         self.global_step = int(state["global_step"])
         history = json.loads((folder / "trainer_state.json").read_text())
         self.log_history = [entry for entry in history["log_history"] if entry.get("step", 0) <= self.global_step]
+
+    def check_resumed_layout(self, folder: Path) -> None:
+        """A checkpoint's stages are this run's: as many, split as many ways. Its weights and moments are whole, but
+        each stage's optimizer file lists them in the order of the stage's parameter groups, which the TP split
+        shapes (`_optimizer_and_schedule`): another split would load the moments onto the wrong weights."""
+        from finetune.checkpoints.complete import read_marker
+
+        saved = read_marker(folder)
+        was = (saved.get("pipeline_parallel_size", self.stage.count), saved.get("tensor_parallel_size", 1))
+        now = (self.stage.count, self.tensor_parallel)
+        if was != now:
+            raise RecipeError(f"{folder} holds {was[0]} stage(s) split over {was[1]} TP rank(s), and this run has "
+                              f"{now[0]} split over {now[1]}: resume with `pipeline_parallel_size: {was[0]}` and "
+                              f"`tensor_parallel_size: {was[1]}`, or start afresh from its weights (`finetune export "
+                              f"{folder} WEIGHTS_DIR`, then `model_name_or_path: WEIGHTS_DIR`).")
 
     def final_dtype(self) -> torch.dtype | None:
         """The dtype the final model is written in (`save_dtype`: `auto` is the checkpoint's own); None keeps fp32."""

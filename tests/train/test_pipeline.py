@@ -429,3 +429,16 @@ def test_each_stage_reads_its_own_tensors_from_the_checkpoint_held_in_fp32(tmp_p
     assert held[0] | held[1] == set(whole) and (held[0] & held[1]) == ({"model.embed_tokens.weight"} if tied else set())
     if tied:
         assert stage.module.lm_head.weight is stage.tied
+
+
+def test_a_resume_under_another_stage_count_or_tp_split_is_refused_by_name(tmp_path):
+    """Each stage's optimizer file lists the moments in the order its TP split groups the parameters: a checkpoint
+    resumes only under its own stages and split (a whole-model export starts afresh under any)."""
+    from finetune.train.pipeline import PipelineTrainer
+
+    (tmp_path / COMPLETE_MARKER).write_text(json.dumps({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}))
+    for stages, tensor in ((2, 1), (4, 2)):
+        trainer = SimpleNamespace(stage=SimpleNamespace(count=stages), tensor_parallel=tensor)
+        with pytest.raises(RecipeError, match="holds 2 stage.* split over 2 TP.*`tensor_parallel_size: 2`"):
+            PipelineTrainer.check_resumed_layout(trainer, tmp_path)
+    PipelineTrainer.check_resumed_layout(SimpleNamespace(stage=SimpleNamespace(count=2), tensor_parallel=2), tmp_path)
