@@ -734,11 +734,17 @@ class PipelineTrainer:
         a resume read whatever the TP size."""
         from safetensors.torch import save_file
 
-        weights = {name: whole(parameter.detach()).to("cpu").contiguous() for name, parameter in self.stage.named}
+        writes = self.tensor_rank == 0
+
+        def kept(tensor: torch.Tensor) -> torch.Tensor | None:  # gathered one at a time, kept by the writer only
+            gathered = whole(tensor.detach())
+            return gathered.to("cpu").contiguous() if writes else None
+
+        weights = {name: kept(parameter) for name, parameter in self.stage.named}
         optimizer = self.optimizer.state_dict()
-        optimizer["state"] = {index: {key: whole(value) for key, value in values.items()}
+        optimizer["state"] = {index: {key: kept(value) for key, value in values.items()}
                               for index, values in optimizer["state"].items()}
-        if self.tensor_rank != 0:
+        if not writes:
             return
         folder.mkdir(parents=True, exist_ok=True)
         save_file(weights, str(folder / STAGE_WEIGHTS.format(stage=self.stage.index)), metadata={"format": "pt"})
