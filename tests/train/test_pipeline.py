@@ -183,7 +183,7 @@ def test_two_replicas_of_two_stages_split_over_two_tp_ranks_train_with_the_losse
     """PP 2 × TP 2 × DP 2: rank 4r + 2s + k is tensor rank k of stage s in replica r. Each rank holds its stage's
     layer matrices (and q, k, v biases) halved, the norms, embedding and head whole, as the plan says; the
     checkpoint's stage files hold the weights whole, as without TP. (On 2 CPU cores one launch of 8 processes takes
-    about 50 s; the fixture, with the one-process twin and the resume, 86 s.)"""
+    35 to 50 s; the fixture's two launches 67 s, 86 s with the one-process twin.)"""
     from safetensors import safe_open
 
     stages = [[0, 1], [0, 1], [1, 2], [1, 2]]
