@@ -442,3 +442,18 @@ def test_a_resume_under_another_stage_count_or_tp_split_is_refused_by_name(tmp_p
         with pytest.raises(RecipeError, match="holds 2 stage.* split over 2 TP.*`tensor_parallel_size: 2`"):
             PipelineTrainer.check_resumed_layout(trainer, tmp_path)
     PipelineTrainer.check_resumed_layout(SimpleNamespace(stage=SimpleNamespace(count=2), tensor_parallel=2), tmp_path)
+
+
+def test_a_tp_plan_style_the_stages_do_not_run_is_refused_by_name():
+    """The stages split layers with torch's column- and row-parallel linears (and keep Qwen3's q/k norms whole, their
+    gradients summed); another style of the model's TP plan is named, before any weight is split."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.train.pipeline import build_stage, split_layers
+
+    config = AutoConfig.for_model("qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=2, head_dim=16, vocab_size=128)
+    stage = build_stage(AutoModelForCausalLM.from_config(config), 0, 2)
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.gate_proj": "local_colwise"}
+    with pytest.raises(RecipeError, match="splits `layers.\\*.mlp.gate_proj` as `local_colwise`"):
+        split_layers(stage, None, config)
