@@ -484,7 +484,7 @@ def files_a_resume_needs(folder: Path, rank: int | None = None) -> list[list[str
     elif kind == "tensor_parallel":  # the gathered weights, and the slices a resume loads (checkpoints.sharded_state)
         needs += [["model.safetensors", "model.safetensors.index.json"], [f"{STATE_FOLDER}/.metadata"],
                   ["scheduler.pt"]]
-    elif kind == "pipeline":  # each stage's weights and optimizer (finetune.train.pipeline)
+    elif kind == "pipeline":  # each stage's weights and optimizer (finetune.train.axes.pipeline.loop)
         needs += [[name] for stage in range(marker.get("pipeline_parallel_size", world_size))
                   for name in (f"pipeline_stage_{stage:02d}.safetensors", f"pipeline_stage_{stage:02d}_state.pt")]
         needs = [need for need in needs if not need[0].startswith("rng_state")]

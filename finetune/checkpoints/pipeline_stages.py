@@ -1,5 +1,6 @@
-"""A pipeline-parallel run's checkpoint files (finetune.train.pipeline): each stage's weights, named as in the whole
-model, and its optimizer and learning-rate schedule; and the whole model's weights put back together from them."""
+"""A pipeline-parallel run's checkpoint files (finetune.train.axes.pipeline.loop): each stage's weights, named as in
+the whole model, and its optimizer and learning-rate schedule; and the whole model's weights put back together from
+them."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from finetune.errors import RecipeError
 from finetune.launch.commands import Launch
 
 # The generator's names (single, ddp, deepspeed, fsdp, tensor_parallel), and pipeline: plain processes, one a stage,
-# run by the toolkit's own loop (finetune.train.pipeline)
+# run by the toolkit's own loop (finetune.train.axes.pipeline.loop)
 KINDS = (*STRATEGIES, "pipeline")
 # Where the optimizer steps the model's own tensors, so `pure_bf16` means what it says (DeepSpeed keeps fp32 masters of
 # its own, Accelerate's FSDP path upcasts trainable parameters).
@@ -56,7 +56,7 @@ class Strategy:
     # deepspeed: each sequence split over this many ranks (DeepSpeed Ulysses, finetune.launch.parallelism); a recipe
     # may name it under any DeepSpeed config, so it is not part of which engine ran
     sequence_parallel_size: int = field(default=1, compare=False)
-    # pipeline: the model's layers in this many stages, one a process (finetune.train.pipeline)
+    # pipeline: the model's layers in this many stages, one a process (finetune.train.axes.pipeline.loop)
     pipeline_parallel_size: int = 1
     # DeepSpeed's bucket settings the estimator counts: elements, or None for "auto" (Trainer fills hidden²).
     reduce_bucket_size: int | None = field(default=None, compare=False)

@@ -190,7 +190,7 @@ class Setup:
     @property
     def applied_kernels(self) -> FusedKernels:
         """The fused kernels the forward really runs: Trainer applies Liger's at the start of `train`, which the
-        pipeline loop never calls (finetune.train.pipeline), so a pipeline runs PyTorch's own."""
+        pipeline loop never calls (finetune.train.axes.pipeline.loop), so a pipeline runs PyTorch's own."""
         return FusedKernels() if self.strategy == "pipeline" else self.kernels
 
     @property
@@ -387,7 +387,7 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
 def pipeline_stage_layers(num_layers: int, stages: int) -> list[range]:
     """Consecutive decoder layers for each pipeline stage, as even as whole layers go (earlier stages take the
     remainder: the last stage also holds the norm, the head and the loss). The split the pipeline loop cuts
-    (finetune.train.pipeline) and the estimator counts."""
+    (finetune.train.axes.pipeline.loop) and the estimator counts."""
     base, extra = divmod(num_layers, stages)
     sizes = [base + (1 if stage < extra else 0) for stage in range(stages)]
     starts = [sum(sizes[:stage]) for stage in range(stages)]
@@ -416,11 +416,11 @@ def pipeline_stage_elements(shape: ModelShape, setup: Setup) -> int:
 
 
 def pipeline_loaded_stage_bytes(shape: ModelShape, setup: Setup) -> tuple[int, ...]:
-    """Host RAM each pipeline rank takes to load its stage (finetune.train.pipeline: `fill_from_checkpoint`), by
-    stage: the model is built on the meta device and cut, then only the stage's tensors are read, each cast to its
-    fp32 master as it is read: the stage in fp32 (a rank's TP share of it under tensor parallelism) and, at most, the
-    largest tensor as stored (the half dtype under mixed precision) twice beside its cast (the file's pages mapped
-    while it is read, and the tensor read whole from them before it is split)."""
+    """Host RAM each pipeline rank takes to load its stage (`fill_from_checkpoint` in
+    finetune.train.axes.pipeline.loop), by stage: the model is built on the meta device and cut, then only the stage's
+    tensors are read, each cast to its fp32 master as it is read: the stage in fp32 (a rank's TP share of it under
+    tensor parallelism) and, at most, the largest tensor as stored (the half dtype under mixed precision) twice beside
+    its cast (the file's pages mapped while it is read, and the tensor read whole from them before it is split)."""
     stored = _half_or_fp32(setup)
     return tuple(int(4 * pipeline_stage_elements(shape, replace(setup, rank=stage))
                      + 2 * stored * shape.largest_layer_parameters)

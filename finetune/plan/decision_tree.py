@@ -448,11 +448,12 @@ def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
 
 def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int, schedule: str,
                  micro_batches: int, replicas: int = 1, tensor: int = 1) -> dict:
-    """The pipeline's row: every stage estimated as the loop runs it (finetune.train.pipeline), the fullest shown, and
-    what it costs: the bubble, and the host RAM a node takes to load its stages (each rank reads only its own). With
-    `replicas`, that many pipelines, data parallel (a launch of `replicas` × `stages` processes): each rank holds its
-    stage as in one pipeline, and each step all-reduces every stage's gradients across the replicas. With `tensor`
-    (PP × TP × DP, 3D parallelism), each stage is a TP group of that many GPUs within a node (`parallel_3d_row`)."""
+    """The pipeline's row: every stage estimated as the loop runs it (finetune.train.axes.pipeline.loop), the fullest
+    shown, and what it costs: the bubble, and the host RAM a node takes to load its stages (each rank reads only its
+    own). With `replicas`, that many pipelines, data parallel (a launch of `replicas` × `stages` processes): each rank
+    holds its stage as in one pipeline, and each step all-reduces every stage's gradients across the replicas. With
+    `tensor` (PP × TP × DP, 3D parallelism), each stage is a TP group of that many GPUs within a node
+    (`parallel_3d_row`)."""
     options = {"strategy": "pipeline", "pipeline_parallel_size": stages, "pipeline_schedule": schedule,
                "tensor_parallel_size": tensor}
     bubble = pipeline_bubble_fraction(stages, micro_batches)

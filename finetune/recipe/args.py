@@ -530,19 +530,6 @@ class FinetuneTrainingArguments(TrainingArguments):
         metadata={"help": "Split each sequence's attention over this many GPUs (PyTorch ring attention, FSDP2); GPUs "
                           "only: refused on CPU processes."},
     )
-    pipeline_parallel_size: int | None = field(
-        default=None,
-        metadata={"help": "Split the model's layers into this many consecutive stages, one a process (pipeline "
-                          "parallelism on torch.distributed.pipelining), each step's batch flowing through them in "
-                          "`gradient_accumulation_steps` micro-batches. Launched as plain processes, one a stage; "
-                          "a multiple of it runs that many replicas of the pipeline, data parallel. Full fine-tuning "
-                          "with SFT."},
-    )
-    pipeline_schedule: str = field(
-        default="1f1b",
-        metadata={"help": "With pipeline_parallel_size: gpipe (every micro-batch's forward, then the backwards) or "
-                          "1f1b (one forward, one backward: fewer micro-batches' activations held at once)."},
-    )
     save_calibration: bool = field(
         default=True,
         metadata={"help": "On GPUs, a finished run stores how far its peak exceeded the prediction, as a share of "

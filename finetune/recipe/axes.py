@@ -34,6 +34,9 @@ class Axis:
     """The key giving how many processes the axis spans (`pipeline_parallel_size`)."""
     runs_the_steps: ClassVar[bool] = False
     """Whether the axis runs its own loop (`run`), because Trainer cannot drive it."""
+    splits_tensor_parallelism: ClassVar[bool] = False
+    """Whether `tensor_parallel_size` splits the layers inside this axis's own units (a pipeline's stages) rather than
+    through Transformers' sharded loading (finetune.recipe.preflight.check_parallelism's `inside_stages`)."""
 
     def __init__(self, settings: Any):
         self.settings = settings

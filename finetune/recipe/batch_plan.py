@@ -56,10 +56,10 @@ class BatchPlan:
 
 
 def data_parallel_size(args) -> int:
-    """Processes that see different batches: the world size over the tensor, sequence, context and pipeline parallel
-    sizes (the ranks of one such group share a batch), as Trainer's `get_dp_world_size` counts them."""
+    """Processes that see different batches under Trainer: the world size over the tensor, sequence and context
+    parallel sizes (the ranks of one such group share a batch), as Trainer's `get_dp_world_size` counts them."""
     shared = 1
-    for key in ("tensor_parallel_size", "sequence_parallel_size", "context_parallel_size", "pipeline_parallel_size"):
+    for key in ("tensor_parallel_size", "sequence_parallel_size", "context_parallel_size"):
         shared *= int(getattr(args, key, None) or 1)
     return args.world_size // shared
 

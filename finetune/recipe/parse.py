@@ -188,9 +188,9 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     model, data, lora, training_inputs, sources = (sections.model, sections.data, sections.lora,
                                                    sections.training_inputs, sections.sources)
     strategy, deepspeed_config = preflight_launch(training_inputs)
-    pipeline = any(axis.name == "pipeline" for axis in sections.axes)  # its stages split their own layers
+    inside = any(axis.splits_tensor_parallelism for axis in sections.axes)  # a pipeline's stages split their layers
     parallelism, strategy = check_parallelism(training_inputs, model, lora.use_lora or lora.use_qlora, strategy,
-                                              inside_stages=pipeline)
+                                              inside_stages=inside)
     check_context_parallel_rows(parallelism, data)
     check_sequence_parallel_loss(training_inputs, sources, parallelism)
     if parallelism.named:  # the resolved sizes, whoever named them, are what TrainingArguments carries
@@ -222,7 +222,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
         print(f"warning: {warning}")
     training_type, method_inputs = sections.method.training_arguments(data)  # TRL's config, where the method has one
     training = _build(training_type, {**training_inputs, **method_inputs}, sections.values, sections.overrides)
-    if pipeline:  # the stages split their layers themselves (strategy.tensor_parallel_size): nothing loads sharded
+    if inside:  # the stages split their layers themselves (strategy.tensor_parallel_size): nothing loads sharded
         parallelism = Parallelism()
     parallelism = replace(parallelism, bf16=bool(training.bf16))  # the precision FSDP2 gathers TP slices in
     return Recipe(model=model, data=data, lora=lora, training=training, method=sections.method,

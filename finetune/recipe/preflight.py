@@ -25,7 +25,6 @@ from finetune.launch.parallelism import (
     check,
     check_tensor_parallel_model,
     describe_as_accelerate,
-    process_count,
     requested,
     requested_on,
 )
@@ -77,7 +76,7 @@ def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: boo
                       strategy: Strategy, inside_stages: bool = False) -> tuple[Parallelism, Strategy]:
     """The parallelism axes the recipe or the launch names, checked against the launch and the model; the strategy
     becomes tensor parallel when the model is to be loaded sharded. `inside_stages`: a pipeline runs, whose stages
-    split their own layers over `tensor_parallel_size` ranks (finetune.train.pipeline): the sizes are checked
+    split their own layers over `tensor_parallel_size` ranks (finetune.train.axes.pipeline.loop): the sizes are checked
     against the model and returned as asked, for `check_pipeline` to place on its mesh; nothing is loaded sharded."""
     from finetune.memory.shapes import resolve_config
 
@@ -201,10 +200,6 @@ def check_context_parallel_rows(parallelism: Parallelism, data_args) -> None:
                               "`context_parallel_size`.")
 
 
-# torch.distributed.pipelining's single-stage schedules a recipe may name (finetune.train.pipeline)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
-
-
 def check_stage_split(tensor: int, model_config) -> None:
     """A pipeline stage's layers split over `tensor` ranks as the model's TP plan says (`base_model_tp_plan`): whole
     attention and key-value heads on each rank, and the MLP's width cut evenly."""
@@ -214,54 +209,6 @@ def check_stage_split(tensor: int, model_config) -> None:
         raise RecipeError(f"`tensor_parallel_size: {tensor}` does not divide the model's MLP width "
                           f"(intermediate_size {width}): each rank holds an equal slice of it. Choose a size "
                           f"that divides {width}.")
-
-
-def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, method: str,
-                   parallelism: Parallelism, strategy: Strategy) -> Strategy:
-    """`pipeline_parallel_size` against the launch and the rest of the recipe (finetune.train.pipeline says what the
-    pipeline loop runs); the strategy becomes the pipeline when one is asked for."""
-    size = process_count("pipeline_parallel_size", training_inputs.get("pipeline_parallel_size"), "the recipe")
-    if size in (None, 1):
-        return strategy
-    schedule = str(training_inputs.get("pipeline_schedule") or "1f1b").lower()
-    if schedule not in PIPELINE_SCHEDULES:
-        raise RecipeError(f"`pipeline_schedule: {schedule}` is not one of {', '.join(PIPELINE_SCHEDULES)}.")
-    training_inputs["pipeline_schedule"] = schedule
-    world_size, tensor = int(os.environ.get("WORLD_SIZE", "1")), parallelism.tensor_parallel_size
-    if world_size % (size * tensor):
-        ranks = f"{size} × tensor_parallel_size {tensor} = {size * tensor}" if tensor > 1 else f"{size}"
-        raise RecipeError(f"`pipeline_parallel_size: {size}` runs one stage a process, but the launch has "
-                          f"{world_size} process(es): launch a multiple of {ranks} (each {size * tensor} processes "
-                          "one replica of the pipeline, data parallel across replicas).")
-    if strategy.kind not in ("ddp", "single"):
-        raise RecipeError(f"`pipeline_parallel_size: {size}` under {strategy.describe()}: the pipeline loop runs "
-                          "its stages as plain processes (accelerate_configs/ddp.yaml, or `finetune train --gpus "
-                          f"{size} --strategy ddp`), not under a DeepSpeed or FSDP config.")
-    # tensor parallelism runs inside each stage; the other axes need their own engines (Ulysses under DeepSpeed,
-    # context parallelism under FSDP2) or shard what the stage's replicas hold whole
-    others = replace(parallelism, tensor_parallel_size=1)
-    refused = [(others != Parallelism(), f"{others.describe()} beside it"), (use_lora, "LoRA or QLoRA"),
-               (method != "sft", f"`method: {method}` (supervised fine-tuning only)"),
-               (data_args.packing or data_args.padding_free, "packed or padding-free batches"),
-               (data_args.streaming, "streamed data"),
-               (is_true(training_inputs.get("gradient_checkpointing")), "gradient checkpointing"),
-               (is_true(training_inputs.get("fp16")), "fp16 (use bf16 or fp32)"),
-               (is_true(training_inputs.get("torch_compile")), "`torch_compile` (its stages run eagerly)"),
-               (is_true(training_inputs.get("save_on_preemption")),
-                "`save_on_preemption` (SIGTERM ends it at its newest complete checkpoint)"),
-               (is_true(training_inputs.get("save_on_each_node")),
-                "`save_on_each_node` (every stage writes its part of the model into one output_dir, which the nodes "
-                "must share)")]
-    for asked, what in refused:
-        if asked:
-            raise RecipeError(f"`pipeline_parallel_size: {size}` with {what}: the pipeline loop does not run it; "
-                              "drop it, or train without pipeline parallelism.")
-    micro_batches = int(training_inputs.get("gradient_accumulation_steps") or 1)
-    if schedule == "1f1b" and micro_batches < size:
-        raise RecipeError(f"`pipeline_schedule: 1f1b` over {size} stages needs at least {size} micro-batches a step "
-                          f"(`gradient_accumulation_steps`, now {micro_batches}): raise it, or use gpipe.")
-    return Strategy("pipeline", pipeline_parallel_size=size, tensor_parallel_size=tensor, nodes=strategy.nodes,
-                    source="the recipe")
 
 
 def check_named_strategy(name: str | None, launched: Strategy, world_size: int, from_command_line: bool) -> None:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from support import CPU_LAUNCHES, FSDP_ON_CPU, assert_succeeded, launch_demo
 
 from finetune import outputs
-from finetune.train.pipeline import FINAL_INDEX
+from finetune.train.axes.pipeline.loop import FINAL_INDEX
 
 pytestmark = pytest.mark.distributed
 MiB = 1024**2

@@ -205,8 +205,8 @@ def test_plan_prints_the_parallelism_axes_and_picks_sequence_parallelism_for_a_l
 
 def test_a_pipeline_plans_each_rank_reading_only_its_stage_at_load(capsys):
     """Llama-3-70B, PP 8 on one node of H100s: each rank builds the model on the meta device and reads its stage in
-    fp32 (finetune.train.pipeline), so the node's host RAM at load is the model once in fp32 (plus one tensor being
-    cast on each rank), not 8 × the model loaded and upcast (6 bytes a parameter on every rank: 3.4 TB)."""
+    fp32 (finetune.train.axes.pipeline.loop), so the node's host RAM at load is the model once in fp32 (plus one
+    tensor being cast on each rank), not 8 × the model loaded and upcast (6 bytes a parameter on every rank: 3.4 TB)."""
     plan = planned(capsys, "--model", "llama-3-70b", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096", "--json")
     pipeline = next(row for row in plan["axes"] if row["name"] == "PP 8 (1F1B)")
     shape = model_shape("llama-3-70b")

@@ -1,10 +1,10 @@
-"""Pipeline parallelism on torch.distributed.pipelining (finetune.train.pipeline): 2 stages on 2 CPU processes train
-with the losses and gradient norms of one process at the same batch, clipping active, under 1F1B on the tiny preset
-(its head tied to the embedding, which the first and the last stage both hold) and under GPipe on a hub-shaped
-checkpoint (untied, bf16 safetensors); the stages evaluate with the eval losses of one process, log to TensorBoard
-and stop on a non-finite loss, as Trainer does; each rank holds its stage, as the estimator predicts; a resume from a
-checkpoint's stage files logs the uninterrupted losses; `finetune export` consolidates the stages into the model a
-one-process run trains; the same holds for 2 replicas of 2 stages (PP × DP, 4 processes) and for 2 replicas of 2
+"""Pipeline parallelism on torch.distributed.pipelining (finetune.train.axes.pipeline.loop): 2 stages on 2 CPU
+processes train with the losses and gradient norms of one process at the same batch, clipping active, under 1F1B on the
+tiny preset (its head tied to the embedding, which the first and the last stage both hold) and under GPipe on a
+hub-shaped checkpoint (untied, bf16 safetensors); the stages evaluate with the eval losses of one process, log to
+TensorBoard and stop on a non-finite loss, as Trainer does; each rank holds its stage, as the estimator predicts; a
+resume from a checkpoint's stage files logs the uninterrupted losses; `finetune export` consolidates the stages into the
+model a one-process run trains; the same holds for 2 replicas of 2 stages (PP × DP, 4 processes) and for 2 replicas of 2
 stages each split over 2 TP ranks (PP × TP × DP, 8 processes); what the loop does not run is refused by name."""
 
 import json
@@ -31,8 +31,8 @@ from finetune.memory.estimate import (
     pipeline_stage_elements,
     saved_per_layer_bytes,
 )
-from finetune.recipe.preflight import check_pipeline
-from finetune.train.pipeline import stage_layers
+from finetune.train.axes.pipeline import check_pipeline
+from finetune.train.axes.pipeline.loop import stage_layers
 
 STEPS = 6
 # 4 micro-batches of 4 a step (global batch 16), the gradient norm (2.4 to 5.8) clipped to 1.0 at every step,
@@ -384,7 +384,7 @@ def test_the_plans_pipeline_row_pads_to_max_seq_length_without_checkpointing(cap
 def test_a_decoder_the_stages_cannot_rerun_is_refused_by_name():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.train.pipeline import build_stage
+    from finetune.train.axes.pipeline.loop import build_stage
 
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 128}
@@ -406,7 +406,7 @@ def test_each_stage_reads_its_own_tensors_from_the_checkpoint_held_in_fp32(tmp_p
     from transformers import AutoModelForCausalLM
 
     from finetune.models.loading import hold_trainable_parameters, load_model
-    from finetune.train.pipeline import cut_stage, loads_stage_only
+    from finetune.train.axes.pipeline.loop import cut_stage, loads_stage_only
 
     hub = save_hub_model(tmp_path, tie_word_embeddings=tied, num_hidden_layers=3)
     whole = dict(AutoModelForCausalLM.from_pretrained(hub, dtype="auto").named_parameters())
@@ -434,7 +434,7 @@ def test_each_stage_reads_its_own_tensors_from_the_checkpoint_held_in_fp32(tmp_p
 def test_a_resume_under_another_stage_count_or_tp_split_is_refused_by_name(tmp_path):
     """Each stage's optimizer file lists the moments in the order its TP split groups the parameters: a checkpoint
     resumes only under its own stages and split (a whole-model export starts afresh under any)."""
-    from finetune.train.pipeline import PipelineTrainer
+    from finetune.train.axes.pipeline.loop import PipelineTrainer
 
     (tmp_path / COMPLETE_MARKER).write_text(json.dumps({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}))
     for stages, tensor in ((2, 1), (4, 2)):
@@ -449,7 +449,7 @@ def test_a_tp_plan_style_the_stages_do_not_run_is_refused_by_name():
     gradients summed); another style of the model's TP plan is named, before any weight is split."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.train.pipeline import build_stage, split_layers
+    from finetune.train.axes.pipeline.loop import build_stage, split_layers
 
     config = AutoConfig.for_model("qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=2, num_key_value_heads=2, head_dim=16, vocab_size=128)

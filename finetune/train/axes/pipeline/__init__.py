@@ -1,12 +1,20 @@
-"""Pipeline parallelism's home on the axis seam: its recipe keys and checks, and at run time the stage each rank
-holds and the loop that trains it (finetune.train.pipeline: neither Trainer nor Accelerate drive a pipeline)."""
+"""Pipeline parallelism's home on the axis seam: its recipe keys and their checks, the plan of its self-launch, and
+at run time the stage each rank holds and the loop that trains it (`loop`: neither Trainer nor Accelerate drive a
+pipeline). Tensor parallelism beside it runs inside each stage (3D: pipeline × tensor × data)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from finetune.errors import RecipeError
+from finetune.launch.parallelism import Parallelism, process_count
+from finetune.launch.strategies import Strategy, is_true
 from finetune.recipe.axes import Axis
+
+# torch.distributed.pipelining's single-stage schedules a recipe may name
+SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass
@@ -16,8 +24,9 @@ class PipelineArguments:
         metadata={"help": "Split the model's layers into this many consecutive stages, one a process (pipeline "
                           "parallelism on torch.distributed.pipelining), each step's batch flowing through them in "
                           "`gradient_accumulation_steps` micro-batches. Launched as plain processes, one a stage; "
-                          "a multiple of it runs that many replicas of the pipeline, data parallel. Full fine-tuning "
-                          "with SFT."},
+                          "a multiple of it runs that many replicas of the pipeline, data parallel; with "
+                          "tensor_parallel_size each stage's layers are split over that many processes (PP × TP × "
+                          "DP). Full fine-tuning with SFT."},
     )
     pipeline_schedule: str = field(
         default="1f1b",
@@ -32,10 +41,9 @@ class PipelineParallelism(Axis):
     arguments = PipelineArguments
     size_key = "pipeline_parallel_size"
     runs_the_steps = True
+    splits_tensor_parallelism = True  # each stage's layers over the mesh's tp ranks (3D)
 
     def check(self, sections, parallelism, strategy):
-        from finetune.recipe.preflight import check_pipeline
-
         keys = {**sections.training_inputs, "pipeline_parallel_size": self.settings.pipeline_parallel_size,
                 "pipeline_schedule": self.settings.pipeline_schedule}
         strategy = check_pipeline(keys, sections.data, sections.lora.use_lora or sections.lora.use_qlora,
@@ -44,24 +52,25 @@ class PipelineParallelism(Axis):
         return strategy
 
     def before_loading(self, recipe) -> None:
-        from finetune.train.pipeline import check_shared_output_dir
+        from finetune.train.axes.pipeline.loop import check_shared_output_dir
 
         check_shared_output_dir(recipe.training.output_dir)  # every stage writes there: all ranks must see it
 
     def loads_shapes_only(self, recipe) -> bool:
-        from finetune.train.pipeline import loads_stage_only
+        from finetune.train.axes.pipeline.loop import loads_stage_only
 
         return loads_stage_only(recipe.model)
 
     def prepare_model(self, recipe, model):
-        from finetune.train.pipeline import cut_stage
+        from finetune.train.axes.pipeline.loop import cut_stage
 
         return cut_stage(recipe, model)  # this rank's stage, the only weights it reads
 
     def run(self, recipe, model, prepared, tokenizer, data, resume, host_load_bytes):
-        from finetune.train.pipeline import train_pipeline
+        from finetune.train.axes.pipeline.loop import train_pipeline
 
-        return train_pipeline(recipe, model, prepared, tokenizer, data, resume, host_load_bytes=host_load_bytes)
+        return train_pipeline(recipe, model, prepared, tokenizer, data, resume, self.settings.pipeline_schedule,
+                              host_load_bytes=host_load_bytes)
 
     def plan_launch(self, recipe: str, overrides: list[str], machine, sections) -> dict | None:
         """The plan record of a self-launch (`finetune train --gpus N`): every stage estimated as the loop runs it
@@ -107,3 +116,51 @@ class PipelineParallelism(Axis):
             "rejected": [], "candidates": [], "predicted": predicted_per_rank(row, machine),
             "host_load_bytes_per_node": row["estimate"].host_load_bytes_per_node,
         }
+
+
+def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, method: str,
+                   parallelism: Parallelism, strategy: Strategy) -> Strategy:
+    """`pipeline_parallel_size` against the launch and the rest of the recipe (`loop` says what the pipeline loop
+    runs); the strategy becomes the pipeline when one is asked for."""
+    size = process_count("pipeline_parallel_size", training_inputs.get("pipeline_parallel_size"), "the recipe")
+    if size in (None, 1):
+        return strategy
+    schedule = str(training_inputs.get("pipeline_schedule") or "1f1b").lower()
+    if schedule not in SCHEDULES:
+        raise RecipeError(f"`pipeline_schedule: {schedule}` is not one of {', '.join(SCHEDULES)}.")
+    training_inputs["pipeline_schedule"] = schedule
+    world_size, tensor = int(os.environ.get("WORLD_SIZE", "1")), parallelism.tensor_parallel_size
+    if world_size % (size * tensor):
+        ranks = f"{size} × tensor_parallel_size {tensor} = {size * tensor}" if tensor > 1 else f"{size}"
+        raise RecipeError(f"`pipeline_parallel_size: {size}` runs one stage a process, but the launch has "
+                          f"{world_size} process(es): launch a multiple of {ranks} (each {size * tensor} processes "
+                          "one replica of the pipeline, data parallel across replicas).")
+    if strategy.kind not in ("ddp", "single"):
+        raise RecipeError(f"`pipeline_parallel_size: {size}` under {strategy.describe()}: the pipeline loop runs "
+                          "its stages as plain processes (accelerate_configs/ddp.yaml, or `finetune train --gpus "
+                          f"{size} --strategy ddp`), not under a DeepSpeed or FSDP config.")
+    # tensor parallelism runs inside each stage; the other axes need their own engines (Ulysses under DeepSpeed,
+    # context parallelism under FSDP2) or shard what the stage's replicas hold whole
+    others = replace(parallelism, tensor_parallel_size=1)
+    refused = [(others != Parallelism(), f"{others.describe()} beside it"), (use_lora, "LoRA or QLoRA"),
+               (method != "sft", f"`method: {method}` (supervised fine-tuning only)"),
+               (data_args.packing or data_args.padding_free, "packed or padding-free batches"),
+               (data_args.streaming, "streamed data"),
+               (is_true(training_inputs.get("gradient_checkpointing")), "gradient checkpointing"),
+               (is_true(training_inputs.get("fp16")), "fp16 (use bf16 or fp32)"),
+               (is_true(training_inputs.get("torch_compile")), "`torch_compile` (its stages run eagerly)"),
+               (is_true(training_inputs.get("save_on_preemption")),
+                "`save_on_preemption` (SIGTERM ends it at its newest complete checkpoint)"),
+               (is_true(training_inputs.get("save_on_each_node")),
+                "`save_on_each_node` (every stage writes its part of the model into one output_dir, which the nodes "
+                "must share)")]
+    for asked, what in refused:
+        if asked:
+            raise RecipeError(f"`pipeline_parallel_size: {size}` with {what}: the pipeline loop does not run it; "
+                              "drop it, or train without pipeline parallelism.")
+    micro_batches = int(training_inputs.get("gradient_accumulation_steps") or 1)
+    if schedule == "1f1b" and micro_batches < size:
+        raise RecipeError(f"`pipeline_schedule: 1f1b` over {size} stages needs at least {size} micro-batches a step "
+                          f"(`gradient_accumulation_steps`, now {micro_batches}): raise it, or use gpipe.")
+    return Strategy("pipeline", pipeline_parallel_size=size, tensor_parallel_size=tensor, nodes=strategy.nodes,
+                    source="the recipe")

@@ -70,9 +70,7 @@ from finetune import outputs, presets
 from finetune.checkpoints.pipeline_stages import STAGE_STATE, STAGE_WEIGHTS
 from finetune.errors import RecipeError
 from finetune.memory.estimate import pipeline_stage_layers
-from finetune.recipe.preflight import PIPELINE_SCHEDULES
 
-SCHEDULES = PIPELINE_SCHEDULES
 FINAL_SHARD = "model-{stage:05d}-of-{stages:05d}.safetensors"  # the final model: one shard a stage, as Transformers
 # names the shards of a sharded save; its index and single-file names are Transformers' own
 
@@ -912,7 +910,7 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
                                     "pipeline_schedule", "rank")}}}
 
 
-def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | None,
+def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | None, schedule: str = "1f1b",
                    host_load_bytes: int | None = None) -> dict:
     """The whole run of this rank's stage (`cut_stage`): train, checkpoint, write the final model into output_dir;
     rank 0 writes the records a Trainer run writes (trainer_state.json, effective_config.json, memory_report.json,
@@ -931,7 +929,7 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
     if save_on_preemption(args) and rank == 0:  # on by default under SLURM: said, not silently skipped
         print("warning: pipeline parallelism does not save on SIGTERM: a preempted run resumes from its newest "
               "complete checkpoint (`save_steps`).", flush=True)
-    trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, args.pipeline_schedule, resume)
+    trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, schedule, resume)
     result = trainer.train()
     final_evaluation = trainer.evaluate() if data.eval is not None else None  # "after" is of the final weights
     measured, predicted = stage_memory(trainer), predicted_memory(trainer, stage.shape)
@@ -949,7 +947,7 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
         output_dir = Path(args.output_dir)
         outputs.write_record(output_dir, outputs.MEMORY_REPORT, {"ranks": ranks})
         bounds = stage_layers(stage.shape.num_layers, size)
-        pipeline = {"stages": [[layers.start, layers.stop] for layers in bounds], "schedule": args.pipeline_schedule,
+        pipeline = {"stages": [[layers.start, layers.stop] for layers in bounds], "schedule": schedule,
                     "tensor_parallel_size": trainer.tensor_parallel,
                     "micro_batches": trainer.micro_batches, "replicas": trainer.replicas,
                     "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}
@@ -962,7 +960,7 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
         outputs.write_record(output_dir, outputs.EVAL_RESULTS, summary)
         split = f", each split over {trainer.tensor_parallel} TP ranks" if trainer.tensor_parallel > 1 else ""
         print(f"pipeline: {size} stages (layers {pipeline['stages']}){split} × {trainer.replicas} replica(s), "
-              f"{args.pipeline_schedule}, "
+              f"{schedule}, "
               f"{trainer.micro_batches} micro-batches a step, bubble {pipeline['bubble_fraction']:.0%}", flush=True)
         if summary.get("after"):
             print_before_after(summary)
