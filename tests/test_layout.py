@@ -214,3 +214,21 @@ def test_train_has_no_axis_branches():
     assert "axis.run(" in ast.unparse(train) or "runner.run(" in ast.unparse(train)  # the runner is asked
     assert not {name for name in imported_modules(PACKAGE / "train" / "run.py") if ".axes." in name
                 or name.endswith(".pipeline")}, "run.py imports an axis's home"
+
+
+# The pipeline axis's home and the registry that names it (finetune.recipe.axes), and the places its keys have not
+# left yet: the launch model's kind (`Strategy`), the checkpoint layout a resume reads and the estimator's stage terms.
+PIPELINE_HOME = ("finetune/train/axes/pipeline/", "finetune/recipe/axes.py")
+PIPELINE_NOT_YET_HOME = {"finetune/launch/strategies.py", "finetune/checkpoints/complete.py",
+                         "finetune/memory/estimate.py"}
+
+
+def test_the_pipelines_keys_are_named_only_in_its_axis_home():
+    """As DPO for methods: a new file naming `pipeline_parallel_size` or `pipeline_schedule` fails here, and a file
+    that stops naming them must leave PIPELINE_NOT_YET_HOME (the list only shrinks)."""
+    keys = re.compile(r"pipeline_parallel_size|pipeline_schedule")
+    named = {str(path.relative_to(PROJECT_ROOT)) for path in PACKAGE.rglob("*.py") if keys.search(path.read_text())}
+    outside = {path for path in named if not path.startswith(PIPELINE_HOME)}
+    assert outside <= PIPELINE_NOT_YET_HOME, f"the pipeline's keys outside its home: {outside - PIPELINE_NOT_YET_HOME}"
+    assert outside == PIPELINE_NOT_YET_HOME, f"no longer named there: drop {PIPELINE_NOT_YET_HOME - outside}"
+    assert "finetune/train/axes/pipeline/__init__.py" in named

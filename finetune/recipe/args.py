@@ -506,7 +506,7 @@ class FinetuneTrainingArguments(TrainingArguments):
         metadata={"help": "Split each layer's matrices over this many processes (tensor parallelism: the model's own "
                           "TP plan, loaded sharded through Transformers' DistributedConfig); keep it within a node. "
                           "Must divide the attention and key-value heads. Launched as plain processes, not under a "
-                          "DeepSpeed or FSDP config. Beside pipeline_parallel_size it splits each stage's layers "
+                          "DeepSpeed or FSDP config. Beside pipeline parallelism it splits each stage's layers "
                           "(PP × TP × DP: a multiple of pipeline × tensor processes; it must divide the MLP width "
                           "too)."},
     )

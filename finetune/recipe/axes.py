@@ -31,7 +31,7 @@ class Axis:
     arguments: ClassVar[type]
     """Its recipe keys: a dataclass, documented field by field; `size_key` is one of them."""
     size_key: ClassVar[str]
-    """The key giving how many processes the axis spans (`pipeline_parallel_size`)."""
+    """The key giving how many processes the axis spans (a pipeline's: how many stages)."""
     runs_the_steps: ClassVar[bool] = False
     """Whether the axis runs its own loop (`run`), because Trainer cannot drive it."""
     splits_tensor_parallelism: ClassVar[bool] = False
@@ -54,6 +54,12 @@ class Axis:
     def ranks_sharing_a_batch(self) -> int:
         """How many of the launch's processes work on one batch together (the data-parallel size divides by it)."""
         return self.size
+
+    @classmethod
+    def plan_rows(cls, request, shape, micro_batch_size: int) -> list[dict]:
+        """Its rows in `finetune plan`'s axes table (finetune.plan.decision_tree.axis_rows) for `request` on a model
+        of `shape`: each with its memory per GPU and what it costs; none where it cannot run."""
+        return []
 
     def plan_launch(self, recipe: str, overrides: list[str], machine, sections) -> dict | None:
         """The plan record of a self-launch (`finetune train --gpus N`, finetune.plan.launch) of a recipe with this

@@ -72,6 +72,12 @@ class PipelineParallelism(Axis):
         return train_pipeline(recipe, model, prepared, tokenizer, data, resume, self.settings.pipeline_schedule,
                               host_load_bytes=host_load_bytes)
 
+    @classmethod
+    def plan_rows(cls, request, shape, micro_batch_size: int) -> list[dict]:
+        from finetune.train.axes.pipeline.plan import plan_rows
+
+        return plan_rows(request, shape, micro_batch_size)
+
     def plan_launch(self, recipe: str, overrides: list[str], machine, sections) -> dict | None:
         """The plan record of a self-launch (`finetune train --gpus N`): every stage estimated as the loop runs it
         (the recipe's micro-batches, rows at `max_seq_length`; the launch's processes over the stages are the
@@ -80,10 +86,11 @@ class PipelineParallelism(Axis):
         from finetune.launch.parallelism import process_count
         from finetune.memory.shapes import model_shape
         from finetune.plan.calibration import calibration_for
-        from finetune.plan.decision_tree import context_bytes, pipeline_row, usable_bytes
+        from finetune.plan.decision_tree import context_bytes, usable_bytes
         from finetune.plan.from_recipe import request_from_recipe
         from finetune.plan.launch import MARGIN, predicted_per_rank
         from finetune.recipe.batch_plan import plan_from_recipe
+        from finetune.train.axes.pipeline.plan import pipeline_row
 
         training = sections.training_inputs
         stages = self.size
