@@ -117,8 +117,9 @@ class Strategy:
                         (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)) if value]
             sequence = [f"sp{self.sequence_parallel_size}"] if self.sequence_parallel_size > 1 else []
             return "+".join([f"deepspeed_zero{self.zero_stage}", *offloads, *sequence])
-        if self.kind == "pipeline":
-            return f"pp{self.pipeline_parallel_size}"
+        if self.kind == "pipeline":  # tensor parallelism inside its stages: `pp2_tp2`
+            tensor = self.tensor_parallel_size
+            return f"pp{self.pipeline_parallel_size}" + (f"_tp{tensor}" if tensor > 1 else "")
         if self.kind == "tensor_parallel":
             return "".join([f"tp{self.tensor_parallel_size}",
                             f"_fsdp{self.dp_shard_size}" if self.dp_shard_size > 1 else "",
@@ -132,7 +133,9 @@ class Strategy:
             sequence = self.sequence_parallel_size
             return f"DeepSpeed ZeRO-{self.zero_stage}" + (f" × sequence parallel {sequence}" if sequence > 1 else "")
         if self.kind == "pipeline":
-            return f"pipeline parallel {self.pipeline_parallel_size}"
+            tensor = self.tensor_parallel_size
+            return f"pipeline parallel {self.pipeline_parallel_size}" + (
+                f" × tensor parallel {tensor} inside each stage" if tensor > 1 else "")
         if self.kind == "tensor_parallel":
             return " × ".join([f"tensor parallel {self.tensor_parallel_size}",
                                *([f"FSDP2 {self.dp_shard_size}"] if self.dp_shard_size > 1 else []),
@@ -154,6 +157,8 @@ class Strategy:
                           dp_replicate_size=self.dp_replicate_size)
         if self.kind == "pipeline":
             record["pipeline_parallel_size"] = self.pipeline_parallel_size
+            if self.tensor_parallel_size > 1:
+                record["tensor_parallel_size"] = self.tensor_parallel_size
         if self.source is not None:
             record["source"] = self.source
         return record
@@ -171,7 +176,8 @@ class Strategy:
         if self.kind == "tensor_parallel":
             options.update(tensor_parallel_size=self.tensor_parallel_size, dp_shard_size=self.dp_shard_size)
         if self.kind == "pipeline":
-            options["pipeline_parallel_size"] = self.pipeline_parallel_size
+            options.update(pipeline_parallel_size=self.pipeline_parallel_size,
+                           tensor_parallel_size=self.tensor_parallel_size)
         return options
 
 

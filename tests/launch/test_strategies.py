@@ -182,3 +182,13 @@ def test_unreadable_or_unsupported_configs_are_user_errors(tmp_path):
     with pytest.raises(RecipeError, match="did you mean `zero2`"):
         shipped("zero_2")
     assert shipped("zero3") is SHIPPED_BY_NAME["zero3"]
+
+
+def test_a_pipeline_with_tensor_parallelism_inside_its_stages_is_named_and_recorded_with_both_sizes():
+    alone = Strategy("pipeline", pipeline_parallel_size=2)
+    split = Strategy("pipeline", pipeline_parallel_size=2, tensor_parallel_size=4)
+    assert (alone.label, alone.describe(), alone.to_dict()) == (
+        "pp2", "pipeline parallel 2", {"strategy": "pipeline", "pipeline_parallel_size": 2})
+    assert (split.label, split.describe()) == ("pp2_tp4", "pipeline parallel 2 × tensor parallel 4 inside each stage")
+    assert split.to_dict() == {"strategy": "pipeline", "pipeline_parallel_size": 2, "tensor_parallel_size": 4}
+    assert split.estimator_options() == {"strategy": "pipeline", "pipeline_parallel_size": 2, "tensor_parallel_size": 4}
