@@ -445,3 +445,29 @@ def test_a_pipeline_self_launch_on_more_gpus_than_stages_runs_replicas(monkeypat
                     host_memory_gib=64)
     with pytest.raises(RecipeError, match=r"this launch has 3 process\(es\): launch a multiple of 2"):
         plan_launch("recipes/demo.yaml", pipeline, three)
+
+
+def test_a_pipeline_self_launch_with_tensor_parallel_stages_plans_the_3d_split(monkeypatch, tmp_path):
+    """8 GPUs, `pipeline_parallel_size: 2` and `tensor_parallel_size: 2` on a hub-shaped checkpoint: 2 replicas of a
+    pipeline whose stages are split over 2 GPUs each, planned as the loop runs it (the row's TP terms); 6 GPUs cannot
+    be split into groups of 2 × 2 and are refused before the launch, naming both sizes."""
+    from hub_fixtures import save_hub_model
+
+    from finetune.launch.devices import KNOWN_GPUS
+    from finetune.launch.self_launch import Machine
+    from finetune.plan.launch import plan_launch
+
+    hub = save_hub_model(tmp_path / "hub")
+    recipe = ["--model_name_or_path", str(hub), "--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
+              "--gradient_accumulation_steps", "2"]
+    simulate_gpus(monkeypatch, A100, count=8, memory_gib=80)
+    eight = Machine(processes_per_node=8, gpu=KNOWN_GPUS["a100"], memory_gib=80, memory_source="the GPU",
+                    host_memory_gib=64)
+    _, record, _ = plan_launch("recipes/demo.yaml", recipe, eight)
+    assert record["label"] == "PP 2 × TP 2 × DP 2 (1F1B)" and record["processes"] == 8 and record["fits"]
+    simulate_gpus(monkeypatch, A100, count=6, memory_gib=80)
+    six = Machine(processes_per_node=6, gpu=KNOWN_GPUS["a100"], memory_gib=80, memory_source="the GPU",
+                  host_memory_gib=64)
+    with pytest.raises(RecipeError, match=r"split over `tensor_parallel_size: 2`, but this launch has 6 process\(es\): "
+                                          r"launch a multiple of 4 \(each 2 × 2 = 4 processes one replica"):
+        plan_launch("recipes/demo.yaml", recipe, six)
