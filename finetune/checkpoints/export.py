@@ -6,6 +6,8 @@
 - An FSDP checkpoint (a sharded state dict, `pytorch_model_fsdp_0/`) is consolidated with Accelerate's
   `merge_fsdp_weights` into the model the run's `config.json` describes (the checkpoint's, or its output_dir's);
   under LoRA the shards hold the adapters only, loaded into the base its `adapter_config.json` names.
+- A pipeline checkpoint (`pipeline_stage_NN.safetensors`) is consolidated into the model its `config.json`
+  describes; under LoRA the stages hold the adapters, put onto the base its `adapter_config.json` names.
 - A LoRA adapter (`adapter_config.json`) is merged into its base (`--merge-lora`) or saved as a standalone
   adapter. The base is `--base-model`, else the adapter's `base_model_name_or_path`; the `tiny` preset is
   rebuilt from `--seed`, else from the seed the run recorded (its effective_config.json).
@@ -123,6 +125,8 @@ def load_for_export(source: Path, merge_lora: bool, base_model: str | None, seed
     check_checkpoint_files(source, skip_checkpoints=True)  # before anything is unpickled: DeepSpeed's shards in full
     if (source / FSDP_MODEL_SHARDS).is_dir():
         return _merged_fsdp_model(source, merge_lora, base_model, seed)
+    if (source / "adapter_config.json").is_file() and any(source.glob("pipeline_stage_[0-9][0-9].safetensors")):
+        return _pipeline_adapters(source, merge_lora, base_model, seed)
     if (source / "adapter_config.json").is_file():
         from peft import PeftModel
 
@@ -179,6 +183,24 @@ def _merged_fsdp_model(source: Path, merge_lora: bool, base_model: str | None, s
         raise RecipeError(f"{source} holds FSDP shards but no config.json, nor does {source.parent}: export the run's "
                           "output_dir after training finished, or copy its config.json next to the shards.")
     return _model_from_state(state, config_dir, f"the FSDP shards in {source}"), False
+
+
+def _pipeline_adapters(source: Path, merge_lora: bool, base_model: str | None, seed: int | None):
+    """`(model, is_adapter)` from a pipeline LoRA checkpoint: each stage's file holds its adapters, named as in the
+    whole adapted model, put onto the base its `adapter_config.json` names; merged (`--merge-lora`) or written as
+    the one adapter file peft loads."""
+    from peft import PeftConfig, get_peft_model
+
+    from finetune.checkpoints.pipeline_stages import consolidated_state
+
+    config = PeftConfig.from_pretrained(source)
+    model = get_peft_model(_base_model(base_model or config.base_model_name_or_path, seed, source), config)
+    missing, unexpected = model.load_state_dict(consolidated_state(source), strict=False)
+    adapters = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    if unexpected or adapters & set(missing):
+        raise RecipeError(f"the pipeline stages in {source} do not match its adapter_config.json "
+                          f"(missing {sorted(adapters & set(missing))[:3]}, unexpected {sorted(unexpected)[:3]}).")
+    return (model.merge_and_unload(), False) if merge_lora else (model, True)
 
 
 def _model_from_state(state: dict, config_dir: Path, what: str):

@@ -356,7 +356,11 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     if setup.strategy == "deepspeed":
         params, grads, optimizer, offloaded = _deepspeed_states(trainable, frozen_bytes, setup,
                                                                 shape.largest_layer_parameters)
-    elif setup.strategy == "pipeline":  # full fine-tuning only (finetune.recipe.preflight.check_pipeline)
+    elif setup.strategy == "pipeline" and setup.lora_rank:  # the stage's base frozen, its layers' adapters trained
+        params, grads, optimizer, offloaded = _torch_states(
+            pipeline_stage_adapters(shape, setup), pipeline_stage_elements(shape, setup) * _half_or_fp32(setup),
+            setup, shard_degree=1)
+    elif setup.strategy == "pipeline":  # full fine-tuning
         params, grads, optimizer, offloaded = _torch_states(pipeline_stage_elements(shape, setup), 0, setup,
                                                             shard_degree=1)
     elif setup.strategy == "tensor_parallel":  # full fine-tuning only (finetune.launch.parallelism refuses LoRA)
@@ -413,6 +417,19 @@ def pipeline_stage_elements(shape: ModelShape, setup: Setup) -> int:
         norm = shape.num_parameters - blocks - embedding * (1 if shape.tied_embeddings else 2)
         elements += norm + embedding
     return elements
+
+
+def pipeline_stage_adapters(shape: ModelShape, setup: Setup) -> int:
+    """LoRA parameters `setup.rank`'s pipeline stage trains: r·(d_in + d_out) for each adapted matrix of its layers
+    (`lora_trainable_parameters`' count, by layer; the stages refuse DoRA and `modules_to_save`). A linear's layer is
+    the first index in its name (`model.layers.3.mlp.up_proj`)."""
+    import re
+
+    layers = pipeline_stage_layers(shape.num_layers, setup.pipeline_parallel_size)[setup.rank]
+    targets = lora_target_names(shape, setup.lora_target_modules)
+    return sum(setup.lora_rank * (linear.in_features + linear.out_features) for linear in shape.linears
+               if linear.in_layers and (targets is None or linear.name.rsplit(".", 1)[-1] in targets)
+               and int(re.search(r"\.(\d+)\.", f".{linear.name}.").group(1)) in layers)
 
 
 def pipeline_loaded_stage_bytes(shape: ModelShape, setup: Setup) -> tuple[int, ...]:

@@ -197,6 +197,107 @@ def test_two_replicas_of_two_stages_split_over_two_tp_ranks_train_with_the_losse
         assert stage.get_slice("model.layers.0.mlp.down_proj.weight").get_shape() == [64, 128]
 
 
+# LoRA (rank 16 on every linear of the blocks, no dropout: its masks are drawn per rank) on the bf16 checkpoint read
+# in fp32, clipped at 0.5 (its gradient norms run 0.77 to 1.2 at 1.0)
+LORA = ["--use_lora", "true", "--lora_dropout", "0", "--torch_dtype", "float32", "--max_grad_norm", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """LoRA on 2 stages (2 processes), resumed from its step-3 checkpoint, beside its one-process twin at the same
+    global batch (4 micro-batches of 4)."""
+    hub = save_hub_model(tmp_path_factory.mktemp("hub_lora"))
+    one = tmp_path_factory.mktemp("lora_one")
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN, *held_whole(hub), *LORA]) == 0
+    return {**launch_and_resume(tmp_path_factory, "pp2_lora", hub, 2, *LORA), "one": one, "hub": hub}
+
+
+def adapted_logits(hub, adapter_dir) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir)(torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])).logits.detach()
+
+
+@pytest.mark.distributed
+def test_lora_on_two_stages_trains_saves_resumes_and_exports_as_one_process(lora_runs, tmp_path):
+    """The adapters' losses and gradient norms (clipping active) are one process's; each rank holds its stage's
+    frozen base and trains its adapters, as planned; the final save is the adapter a one-process run writes, for the
+    whole model; a resume from the stages' checkpoint logs the uninterrupted losses; `finetune export --merge-lora`
+    of a stage checkpoint gives the one-process model merged."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    staged, one = history(lora_runs["pipeline"]), history(lora_runs["one"])
+    assert [entry["step"] for entry in staged] == list(range(1, STEPS + 1))
+    for a, b in zip(staged, one, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["grad_norm"] > 0.5  # clipping active at every step
+    assert staged[-1]["loss"] < staged[0]["loss"]
+    resumed = history(lora_runs["resumed"])
+    assert [entry["loss"] for entry in resumed[3:]] == pytest.approx([entry["loss"] for entry in staged[3:]],
+                                                                     abs=1e-6)
+    report = json.loads((lora_runs["pipeline"] / outputs.MEMORY_REPORT).read_text())["ranks"]
+    assert [rank["layers"] for rank in report] == [[0, 1], [1, 2]]
+    for rank in report:
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "recv_buffers_bytes"):
+            assert rank["measured"][key] == rank["predicted"][key], (rank["rank"], key)
+        # fp32 adapters of r 16 on one layer: q, o (64 → 64), k, v (64 → 32), gate, up, down (64 ↔ 128)
+        assert rank["measured"]["grads_bytes"] == 4 * 16 * (2 * 128 + 2 * 96 + 3 * 192)
+    with safe_open(str(lora_runs["pipeline"] / "checkpoint-3" / "pipeline_stage_01.safetensors"), "pt") as stage:
+        assert stage.keys() and all(".lora_" in name and "layers.1." in name for name in stage.keys())
+    final = lora_runs["pipeline"]
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {path.name for path in final.iterdir()}
+    assert not list(final.glob("model*.safetensors*"))
+    assert torch.allclose(adapted_logits(lora_runs["hub"], final), adapted_logits(lora_runs["hub"], lora_runs["one"]),
+                          atol=1e-4)
+    for source, out in ((final / "checkpoint-6", "staged"), (lora_runs["one"], "alone")):
+        assert main(["export", str(source), str(tmp_path / out), "--merge-lora"]) == 0
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    staged_merged, alone_merged = (AutoModelForCausalLM.from_pretrained(tmp_path / out)(ids).logits.detach()
+                                   for out in ("staged", "alone"))
+    assert not any((tmp_path / "staged").glob("adapter_*"))  # merged: a plain model
+    assert torch.allclose(staged_merged, alone_merged, atol=1e-4)
+
+
+def test_lora_adapters_of_a_stage_built_on_the_meta_device_start_as_one_process(tmp_path):
+    """peft draws every adapter on the CPU and drops the values on the meta device: each stage draws them again, so
+    its adapters (bf16-rounded as peft casts them to a bf16 base) and its base weights are the whole model's."""
+    from transformers import set_seed
+
+    from finetune.models.loading import hold_trainable_parameters, load_model
+    from finetune.models.lora import apply_lora
+    from finetune.train.axes.pipeline.loop import build_stage, fill_from_checkpoint, initialise_adapters
+
+    hub = save_hub_model(tmp_path / "hub")
+    model_args = SimpleNamespace(model_name_or_path=str(hub), torch_dtype="auto", attn_implementation="sdpa",
+                                 trust_remote_code=False)
+    lora = SimpleNamespace(lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=None, use_dora=False,
+                           use_rslora=False, modules_to_save=None)
+
+    def adapted(shapes_only: bool):
+        set_seed(3)
+        model = apply_lora(load_model(model_args, None, shapes_only=shapes_only), lora)
+        hold_trainable_parameters(model, torch.float32)
+        return model
+
+    whole = dict(adapted(False).named_parameters())
+    for index in (0, 1):
+        model = adapted(True)
+        stage = build_stage(model, index, 2)
+        initialise_adapters(model, stage, 3)
+        fill_from_checkpoint(stage, str(hub))
+        assert len(stage.trained) == 14 and all(".lora_" in name for name, _ in stage.trained)
+        for name, parameter in stage.named:
+            assert parameter.dtype == whole[name].dtype and torch.equal(parameter, whole[name]), name
+    with pytest.raises(RuntimeError, match="random generator was used"):
+        model = adapted(True)
+        torch.rand(1)
+        initialise_adapters(model, build_stage(model, 0, 2), 3)
+
+
 def evaluations(output_dir) -> list[tuple[int, float]]:
     return [(entry["step"], entry["eval_loss"]) for entry in
             json.loads((output_dir / "trainer_state.json").read_text())["log_history"] if "eval_loss" in entry]
@@ -284,10 +385,14 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
     ddp = Strategy("ddp")
     asked = {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 4}
     assert check_pipeline(dict(asked), data, False, "sft", Parallelism(), ddp).label == "pp2"
+    lora = SimpleNamespace(use_lora=True, use_qlora=False, use_dora=False, modules_to_save=None)
+    assert check_pipeline(dict(asked), data, True, "sft", Parallelism(), ddp, lora=lora).label == "pp2"
     refusals = [
         ({**asked, "pipeline_parallel_size": 4}, {}, "launch has 2 process.*launch a multiple of 4"),
         (asked, {"strategy": Strategy("deepspeed", zero_stage=2)}, "not under a DeepSpeed or FSDP config"),
-        (asked, {"use_lora": True}, "with LoRA or QLoRA"),
+        (asked, {"lora": SimpleNamespace(**{**vars(lora), "use_qlora": True})}, "with QLoRA \\(its 4-bit base"),
+        (asked, {"lora": SimpleNamespace(**{**vars(lora), "use_dora": True})}, "with `use_dora`"),
+        (asked, {"lora": SimpleNamespace(**{**vars(lora), "modules_to_save": ["lm_head"]})}, "with `modules_to_save`"),
         (asked, {"method": "dpo"}, "`method: dpo`"),
         (asked, {"data": SimpleNamespace(packing=True, padding_free=False, streaming=False)}, "packed"),
         ({**asked, "gradient_accumulation_steps": 1}, {}, "needs at least 2 micro-batches"),
@@ -301,14 +406,16 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
         ({**asked, "save_on_each_node": True}, {}, "`save_on_each_node`.*nodes must share"),
     ]
     for inputs, changes, message in refusals:
-        call = {"data": data, "use_lora": False, "method": "sft", "parallelism": Parallelism(), "strategy": ddp,
+        call = {"data": data, "method": "sft", "parallelism": Parallelism(), "strategy": ddp, "lora": None,
                 **changes}
         with pytest.raises(RecipeError, match=message):
-            check_pipeline(dict(inputs), call["data"], call["use_lora"], call["method"], call["parallelism"],
-                           call["strategy"])
+            check_pipeline(dict(inputs), call["data"], call["lora"] is not None, call["method"],
+                           call["parallelism"], call["strategy"], lora=call["lora"])
     monkeypatch.setenv("WORLD_SIZE", "8")  # 2 replicas of 2 stages, each split over 2 TP ranks
     split = check_pipeline(dict(asked), data, False, "sft", Parallelism(tensor_parallel_size=2), ddp)
     assert (split.kind, split.pipeline_parallel_size, split.tensor_parallel_size) == ("pipeline", 2, 2)
+    with pytest.raises(RecipeError, match="with LoRA and `tensor_parallel_size`"):
+        check_pipeline(dict(asked), data, True, "sft", Parallelism(tensor_parallel_size=2), ddp, lora=lora)
 
 
 def test_a_tp_size_the_stages_cannot_split_is_refused_by_name(tmp_path):

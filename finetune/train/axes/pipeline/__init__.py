@@ -26,7 +26,8 @@ class PipelineArguments:
                           "`gradient_accumulation_steps` micro-batches. Launched as plain processes, one a stage; "
                           "a multiple of it runs that many replicas of the pipeline, data parallel; with "
                           "tensor_parallel_size each stage's layers are split over that many processes (PP × TP × "
-                          "DP). Full fine-tuning with SFT."},
+                          "DP). SFT, full fine-tuning or LoRA (`use_lora`: PP × DP; not QLoRA, DoRA, "
+                          "modules_to_save, nor LoRA with tensor_parallel_size)."},
     )
     pipeline_schedule: str = field(
         default="1f1b",
@@ -47,7 +48,7 @@ class PipelineParallelism(Axis):
         keys = {**sections.training_inputs, "pipeline_parallel_size": self.settings.pipeline_parallel_size,
                 "pipeline_schedule": self.settings.pipeline_schedule}
         strategy = check_pipeline(keys, sections.data, sections.lora.use_lora or sections.lora.use_qlora,
-                                  sections.method.name, parallelism, strategy)
+                                  sections.method.name, parallelism, strategy, lora=sections.lora)
         self.settings.pipeline_schedule = keys["pipeline_schedule"]  # as the loop names it
         return strategy
 
@@ -126,9 +127,10 @@ class PipelineParallelism(Axis):
 
 
 def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, method: str,
-                   parallelism: Parallelism, strategy: Strategy) -> Strategy:
+                   parallelism: Parallelism, strategy: Strategy, lora=None) -> Strategy:
     """`pipeline_parallel_size` against the launch and the rest of the recipe (`loop` says what the pipeline loop
-    runs); the strategy becomes the pipeline when one is asked for."""
+    runs); the strategy becomes the pipeline when one is asked for. `lora`: the recipe's LoRA section, whose
+    variants the stages do not run are refused by name (without it `use_lora` is taken as plain LoRA)."""
     size = process_count("pipeline_parallel_size", training_inputs.get("pipeline_parallel_size"), "the recipe")
     if size in (None, 1):
         return strategy
@@ -149,7 +151,20 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
     # tensor parallelism runs inside each stage; the other axes need their own engines (Ulysses under DeepSpeed,
     # context parallelism under FSDP2) or shard what the stage's replicas hold whole
     others = replace(parallelism, tensor_parallel_size=1)
-    refused = [(others != Parallelism(), f"{others.describe()} beside it"), (use_lora, "LoRA or QLoRA"),
+    qlora, dora = bool(getattr(lora, "use_qlora", False)), bool(getattr(lora, "use_dora", False))
+    refused = [(others != Parallelism(), f"{others.describe()} beside it"),
+               # its 4-bit base is quantized while the whole model loads onto each GPU (bitsandbytes), where the
+               # stages build the model on the meta device and read their own tensors
+               (qlora, "QLoRA (its 4-bit base loads whole on every GPU; the stages read their own tensors: use "
+                       "`use_lora` on the bf16 base)"),
+               # torch's ColwiseParallel/RowwiseParallel split nn.Linear and nn.Embedding only, not peft's LoraLayer
+               # wrapping them, and peft's own TP path is Transformers' `tp_plan` loading, not a stage's mesh
+               (use_lora and tensor > 1, "LoRA and `tensor_parallel_size` (torch's TP styles split plain linears, "
+                                         "not peft's adapted ones)"),
+               (use_lora and dora, "`use_dora` (its magnitudes come from base weights a stage reads after peft "
+                                   "builds the adapters on the meta device)"),
+               (use_lora and bool(getattr(lora, "modules_to_save", None)),
+                "`modules_to_save` (its trained copies are not in the checkpoint the stages read)"),
                (method != "sft", f"`method: {method}` (supervised fine-tuning only)"),
                (data_args.packing or data_args.padding_free, "packed or padding-free batches"),
                (data_args.streaming, "streamed data"),

@@ -93,7 +93,10 @@ PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 def decoder_parts(model) -> tuple[nn.Module, nn.Module]:
     """`(decoder, head)`: the Transformers layout every decoder-only model of the Llama family has (embed_tokens,
-    layers, norm, rotary_emb under `model.model`; `lm_head`)."""
+    layers, norm, rotary_emb under `model.model`; `lm_head`), under peft's wrapper too (LoRA: the adapters live in the
+    decoder's own linears)."""
+    if hasattr(model, "get_base_model"):  # a PeftModel: its `model` attribute is peft's tuner, not the decoder
+        model = model.get_base_model()
     model_type = getattr(model.config, "model_type", None)
     if model_type not in PIPELINE_MODEL_TYPES:
         raise RecipeError(f"pipeline parallelism cuts {', '.join(PIPELINE_MODEL_TYPES)} decoders into stages; this "
@@ -180,6 +183,12 @@ class Stage:
         return [(self.names[key], parameter) for key, parameter in unique.items()]
 
     @cached_property
+    def trained(self) -> list[tuple[str, nn.Parameter]]:
+        """What the optimizer steps, the checkpoints hold and a resume reads: every parameter in full fine-tuning,
+        the adapters under LoRA (the frozen base is read again from the model's checkpoint)."""
+        return [(name, parameter) for name, parameter in self.named if parameter.requires_grad]
+
+    @cached_property
     def counted_in_norm(self) -> list[nn.Parameter]:
         """What this stage adds to the gradient norm over all stages: the tied weight is counted on the first only."""
         return [parameter for _, parameter in self.named if not (self.index > 0 and parameter is self.tied)]
@@ -255,7 +264,7 @@ def split_layers(stage: Stage, mesh, config) -> None:
     stage.summed_over_tp = [parameter for path, parameter in held.items()
                             if any(fnmatch(path, f"{pattern}.*") for pattern in summed)]
     stage.tensor_parallel = mesh.size()
-    for cached in ("named", "counted_in_norm"):  # the split parameters are new objects
+    for cached in ("named", "trained", "counted_in_norm"):  # the split parameters are new objects
         stage.__dict__.pop(cached, None)
 
 def build_stage(model, stage: int, stages: int) -> Stage:
@@ -286,10 +295,12 @@ def cut_stage(recipe, model, rank: int | None = None) -> Stage:
     """The stage global rank `rank` holds (this process's by default), `rank` mod the stages, of `model` (as
     `finetune.models.loading.load_model` gave it, on the meta device where `loads_stage_only`), its weights read from
     the checkpoint and held as the method holds them (fp32 masters)."""
-    from finetune.memory.shapes import shape_of
+    from finetune.memory.shapes import model_shape, shape_of
 
     check_attention(model, recipe.data.max_seq_length)
-    shape = shape_of(model)  # the whole model's, before the other stages' weights are freed
+    # the whole model's, before the other stages' weights are freed; under LoRA the base's, from its config (peft's
+    # adapters and `base_layer` names are no part of the model the estimator counts)
+    shape = model_shape(recipe.model.model_name_or_path) if hasattr(model, "peft_config") else shape_of(model)
     rank = dist.get_rank() if rank is None else rank
     size, tensor = recipe.strategy.pipeline_parallel_size, getattr(recipe.strategy, "tensor_parallel_size", 1) or 1
     stage = build_stage(model, rank // tensor % size, size)  # on the (dp, pp, tp) mesh, TP innermost
@@ -298,9 +309,63 @@ def cut_stage(recipe, model, rank: int | None = None) -> Stage:
         stage.mesh = pipeline_mesh(recipe.training.device.type, size, tensor)
     if tensor > 1:  # before reading: each rank keeps only its slices
         split_layers(stage, stage.mesh["tp"], model.config)
+    if any(parameter.is_meta for _, parameter in stage.trained) and hasattr(model, "peft_config"):
+        initialise_adapters(model, stage, recipe.training.seed)
     if any(parameter.is_meta for _, parameter in stage.named):
         fill_from_checkpoint(stage, recipe.model.model_name_or_path)
     return stage
+
+
+def initialise_adapters(model, stage: Stage, seed: int) -> None:
+    """The stage's LoRA adapters with the values a one-process run gives them. peft builds and initialises every
+    adapter on the CPU from the global generator, then moves it to its base layer's device: on the meta device the
+    draws are made (the same ones, in the same order) and the values dropped. So they are drawn again here, from the
+    generator as the run's seed left it before the adapters were added (loading draws nothing), by peft's own
+    `reset_lora_parameters` on adapters built as `update_layer` builds them (A: Kaiming-uniform, B: zeros) and cast
+    as it casts them (the base layer's dtype, then the dtype they are held in), layer by layer in the whole model's
+    order; the stage keeps its own. That the replay consumed what peft consumed is checked:
+    the generator must end where peft left it."""
+    from peft.tuners.lora import LoraLayer
+
+    wanted = {id(parameter): parameter for _, parameter in stage.trained if parameter.is_meta}
+    left_by_peft = torch.get_rng_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            for adapter, config in model.peft_config.items():
+                if adapter not in module.lora_A:
+                    continue
+                held = module.lora_A[adapter], module.lora_B[adapter]
+                module.lora_A[adapter] = nn.Linear(held[0].in_features, held[0].out_features, bias=False)
+                module.lora_B[adapter] = nn.Linear(held[1].in_features, held[1].out_features,
+                                                   bias=held[1].bias is not None)
+                module.reset_lora_parameters(adapter, config.init_lora_weights)
+                # then cast to the base layer's dtype, as peft does before upcasting adapters to fp32 (its
+                # `autocast_adapter_dtype`): a bf16 base's adapters start bf16-rounded
+                module._move_adapter_to_device_of_base_layer(adapter, device=torch.device("cpu"))
+                drawn = module.lora_A[adapter], module.lora_B[adapter]
+                module.lora_A[adapter], module.lora_B[adapter] = held
+                with torch.no_grad():
+                    for old, new in zip((*held[0].parameters(), *held[1].parameters()),
+                                        (*drawn[0].parameters(), *drawn[1].parameters()), strict=True):
+                        if id(old) in wanted:
+                            torch.utils.swap_tensors(old, nn.Parameter(new.detach().to(old.dtype)))
+        replayed = torch.get_rng_state()
+    if not torch.equal(replayed, left_by_peft):
+        raise RuntimeError("the pipeline stage's LoRA adapters could not be drawn as a one-process run draws them: "
+                           "the random generator was used between the seed and peft's adapters")
+    if any(parameter.is_meta for parameter in wanted.values()):
+        raise RuntimeError("the pipeline stage holds trainable parameters on the meta device that are no LoRA "
+                           "adapters")
+
+
+def checkpoint_name(name: str) -> str:
+    """A parameter's name in the model's checkpoint: under LoRA peft's wrapper prefix and the adapted linears'
+    `base_layer` dropped (`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` is
+    `model.layers.0.self_attn.q_proj.weight`)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def checkpoint_files(source: str) -> tuple[Path, dict[str, str]]:
@@ -330,7 +395,7 @@ def fill_from_checkpoint(stage: Stage, source: str) -> int:
     elements read. The other stages' tensors are never read."""
     from safetensors import safe_open
 
-    wanted = {name: parameter for name, parameter in stage.named if parameter.is_meta}
+    wanted = {checkpoint_name(name): parameter for name, parameter in stage.named if parameter.is_meta}
     folder, files = checkpoint_files(source)
     missing = sorted(name for name in wanted if name not in files)
     if missing:
@@ -492,7 +557,7 @@ class PipelineTrainer:
         # TP slices and whole weights in groups of their own: torch's fused and foreach kernels take no mix of
         # DTensors and plain tensors in one call ("got mixed torch.Tensor and DTensor"; fused Adam's tensors must
         # share one mesh: pytorch/pytorch#153268)
-        groups = [{"params": [p for n, p in self.stage.named
+        groups = [{"params": [p for n, p in self.stage.trained
                               if (n in decay) == decayed and isinstance(p, DTensor) == split],
                    "weight_decay": self.args.weight_decay if decayed else 0.0}
                   for decayed in (True, False) for split in (False, True)]
@@ -569,7 +634,7 @@ class PipelineTrainer:
         loss = self._run_schedule(batches)
         with torch.no_grad():
             if self.replicas > 1:  # each replica's gradient of its share of the step's token-loss sum: summed
-                for _, parameter in self.stage.named:
+                for _, parameter in self.stage.trained:
                     if parameter.grad is not None:
                         dist.all_reduce(local(parameter.grad), group=self.replica_group)
             for parameter in self.stage.summed_over_tp:  # each TP rank's heads' share of a whole weight's gradient
@@ -645,7 +710,7 @@ class PipelineTrainer:
         norm = squares.sqrt()[0]  # 0-dim, as clip_grads_with_norm_ takes it
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             with implicit_replication():  # the plain norm scales DTensor gradients as a replicated scalar
-                torch.nn.utils.clip_grads_with_norm_([p for _, p in self.stage.named], self.args.max_grad_norm, norm)
+                torch.nn.utils.clip_grads_with_norm_([p for _, p in self.stage.trained], self.args.max_grad_norm, norm)
         return float(norm)
 
     def _squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -738,7 +803,7 @@ class PipelineTrainer:
             gathered = whole(tensor.detach())
             return gathered.to("cpu").contiguous() if writes else None
 
-        weights = {name: kept(parameter) for name, parameter in self.stage.named}
+        weights = {name: kept(parameter) for name, parameter in self.stage.trained}
         optimizer = self.optimizer.state_dict()
         optimizer["state"] = {index: {key: kept(value) for key, value in values.items()}
                               for index, values in optimizer["state"].items()}
@@ -760,6 +825,8 @@ class PipelineTrainer:
         dist.barrier()
         if self.rank == 0:
             self.model.config.save_pretrained(folder)
+            if self.adapted:  # the stage files hold the adapters: `finetune export` rebuilds them on the base
+                self.adapter_config().save_pretrained(folder)
             self.tokenizer.save_pretrained(folder)
             outputs.write_record(folder, "trainer_state.json", self.trainer_state())
             mark_complete(folder, self.global_step, self.layout(), recipe_values(self.recipe),
@@ -783,7 +850,7 @@ class PipelineTrainer:
         self.check_resumed_layout(folder)
         weights = load_file(str(folder / STAGE_WEIGHTS.format(stage=self.stage.index)))
         with torch.no_grad():
-            for name, parameter in self.stage.named:
+            for name, parameter in self.stage.trained:
                 parameter.copy_(placed_like(parameter, weights[name].to(self.device)))
         state = torch.load(folder / STAGE_STATE.format(stage=self.stage.index), weights_only=True)
         held = [parameter for group in self.optimizer.param_groups for parameter in group["params"]]
@@ -812,6 +879,43 @@ class PipelineTrainer:
                               f"`tensor_parallel_size: {was[1]}`, or start afresh from its weights (`finetune export "
                               f"{folder} WEIGHTS_DIR`, then `model_name_or_path: WEIGHTS_DIR`).")
 
+    @property
+    def adapted(self) -> bool:
+        """LoRA: the stages train peft's adapters on a frozen base."""
+        return hasattr(self.model, "peft_config")
+
+    def adapter_config(self):
+        """The adapter's `LoraConfig` as `PeftModel.save_pretrained` writes it: the base it was trained on named, and
+        marked for inference."""
+        from dataclasses import replace
+
+        config = self.model.peft_config["default"]
+        base = config.base_model_name_or_path or self.recipe.model.model_name_or_path
+        return replace(config, base_model_name_or_path=base, inference_mode=True)
+
+    def save_adapters(self) -> None:
+        """The final adapters of every stage in one `adapter_model.safetensors` beside its `adapter_config.json`, as
+        a one-process LoRA run writes them (peft loads them onto the base; `finetune export --merge-lora` merges
+        them): the adapters are a small fraction of the model, so rank 0 gathers them from the stages' first replica
+        and writes them with peft's own names."""
+        from accelerate.utils import gather_object
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        mine = {name: parameter.detach().to("cpu").contiguous() for name, parameter in self.stage.trained} \
+            if self.replica == 0 else {}
+        every = gather_object([mine])
+        if self.rank != 0:
+            return
+        state = {name: tensor for part in every for name, tensor in part.items()}
+        output_dir = Path(self.args.output_dir)
+        saved = get_peft_model_state_dict(self.model, state_dict=state, adapter_name="default")
+        save_file(saved, str(output_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+        self.adapter_config().save_pretrained(output_dir)
+        self.tokenizer.save_pretrained(output_dir)
+        outputs.write_record(output_dir, "trainer_state.json", self.trainer_state())
+        print(f"pipeline: the adapters of {self.stage.count} stages are saved in {output_dir}", flush=True)
+
     def final_dtype(self) -> torch.dtype | None:
         """The dtype the final model is written in (`save_dtype`: `auto` is the checkpoint's own); None keeps fp32."""
         from finetune.models.loading import saved_dtype
@@ -829,6 +933,8 @@ class PipelineTrainer:
         from finetune.models.loading import dtype_name
         from finetune.train.trainer import record_config_dtype
 
+        if self.adapted:
+            return self.save_adapters()
         output_dir, dtype = Path(self.args.output_dir), self.final_dtype()
         shard = FINAL_SHARD.format(stage=self.stage.index + 1, stages=self.stage.count)
         writes = self.replica == 0 and self.tensor_rank == 0  # the other replicas hold the same stages
@@ -892,12 +998,15 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
     from finetune.memory.callback import optimizer_kind
     from finetune.memory.estimate import pipeline_recv_buffer_bytes
 
-    args = trainer.args
+    args, lora = trainer.args, trainer.recipe.lora
     setup = Setup(strategy="pipeline", num_gpus=trainer.world, pipeline_parallel_size=trainer.stage.count,
                   tensor_parallel_size=trainer.tensor_parallel, pipeline_schedule=trainer.schedule_name,
                   rank=trainer.stage.index,
                   precision="bf16" if args.bf16 else "fp32",
                   optimizer=optimizer_kind(args.optim) or "adamw", micro_batch_size=args.per_device_train_batch_size,
+                  lora_rank=lora.lora_r if lora.use_lora else 0,
+                  lora_dropout=lora.lora_dropout if lora.use_lora else 0.0,
+                  lora_target_modules=tuple(lora.lora_target_modules or ()) or None if lora.use_lora else None,
                   sequence_length=trainer.recipe.data.max_seq_length,
                   gradient_accumulation_steps=trainer.micro_batches)
     predicted = estimate(shape, setup)
