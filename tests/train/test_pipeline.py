@@ -253,7 +253,7 @@ def test_lora_on_two_stages_trains_saves_resumes_and_exports_as_one_process(lora
     assert not list(final.glob("model*.safetensors*"))
     assert torch.allclose(adapted_logits(lora_runs["hub"], final), adapted_logits(lora_runs["hub"], lora_runs["one"]),
                           atol=1e-4)
-    for source, out in ((final / "checkpoint-6", "staged"), (lora_runs["one"], "alone")):
+    for source, out in ((final / "checkpoint-6", "staged"), (lora_runs["one"] / "checkpoint-6", "alone")):
         assert main(["export", str(source), str(tmp_path / out), "--merge-lora"]) == 0
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
     staged_merged, alone_merged = (AutoModelForCausalLM.from_pretrained(tmp_path / out)(ids).logits.detach()

@@ -30,6 +30,16 @@ What it does as Trainer does, through Trainer's own callbacks (`CallbackHandler`
 on the final weights (the run summary's before/after), its loss the answer tokens' summed loss over their count, run
 through the stages forward only (torch's `eval`) in batches of the training step's shape.
 
+LoRA (`use_lora`, PP alone or PP × DP): peft wraps the model before it is cut, so each stage holds its layers'
+adapted linears, trains their adapters only (fp32, as the one-process run holds them) and keeps its frozen base in the
+dtype it was loaded in, read from the checkpoint under the base's own names (peft's `base_model.model.` prefix and
+`base_layer` dropped). peft draws every adapter on the CPU and drops the values on the meta device, so each stage
+draws them again from the run's seed in the whole model's order (`initialise_adapters`): the adapters start as a
+one-process run's. Checkpoints hold each stage's adapters and their optimizer states (a resume reads the base again);
+the final save is one `adapter_model.safetensors` for the whole model beside its `adapter_config.json`, gathered on
+rank 0 (the adapters are small), and `finetune export --merge-lora` merges a stage checkpoint into its base. With
+`lora_dropout` the masks are drawn per rank, so the losses are not a one-process run's to the last digit.
+
 Tensor and data parallelism beside it (3D): a launch of r × p × t processes (`tensor_parallel_size` t) runs r
 replicas of the p-stage pipeline, each stage split over t ranks, on a (`dp`, `pp`, `tp`) device mesh, TP innermost.
 Within a stage the decoder layers are tensor parallel as the model's TP plan names each linear
@@ -42,13 +52,16 @@ clipping; the gradient norm counts each slice once and each whole weight once. T
 same global batch. Tensor rank 0 of replica 0 writes the checkpoints and the final model, whole (the slices
 gathered, `DTensor.full_tensor`), so a checkpoint, its resume and `finetune export` do not depend on t.
 
-Not supported here (refused before training starts): LoRA/QLoRA, DeepSpeed or FSDP configs, sequence or context
-parallelism and data-shard sizes beside the pipeline (they need their own engines), a TP size that does not split
-every head, key-value head and the MLP's width evenly, a TP plan style other than colwise/rowwise (or Qwen3's whole
-q/k norms), packing and padding-free batches, methods other than SFT, `torch_compile` (dynamo cannot trace the
-DTensor weights: pytorch/pytorch#119071), interleaved and zero-bubble schedules (one stage a rank). The generation
-exact match (`generation_eval_samples`) is not run. The embedding and head are not vocab-parallel, and the norms
-and the hidden states between layers are not sequence parallel: every TP rank holds them whole.
+Not supported here (refused before training starts): QLoRA (its 4-bit base is quantized while the whole model loads
+onto each GPU), DoRA (its magnitudes come from base weights a stage reads only after peft builds the adapters),
+LoRA's `modules_to_save`, LoRA with TP inside the stages (torch's TP styles split plain linears, not peft's wrappers),
+DeepSpeed or FSDP configs, sequence or context parallelism and data-shard sizes beside the pipeline (they need their
+own engines), a TP size that does not split every head, key-value head and the MLP's width evenly, a TP plan style
+other than colwise/rowwise (or Qwen3's whole q/k norms), packing and padding-free batches, methods other than SFT,
+`torch_compile` (dynamo cannot trace the DTensor weights: pytorch/pytorch#119071), interleaved and zero-bubble
+schedules (one stage a rank). The generation exact match (`generation_eval_samples`) is not run. The embedding and
+head are not vocab-parallel, and the norms and the hidden states between layers are not sequence parallel: every TP
+rank holds them whole.
 """
 
 from __future__ import annotations
