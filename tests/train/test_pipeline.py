@@ -262,6 +262,30 @@ def test_lora_on_two_stages_trains_saves_resumes_and_exports_as_one_process(lora
     assert torch.allclose(staged_merged, alone_merged, atol=1e-4)
 
 
+@pytest.mark.distributed
+def test_lora_on_two_replicas_of_two_stages_trains_as_one_process(lora_runs, tmp_path_factory):
+    """PP 2 × DP 2 (4 processes): each stage's adapter gradients summed over its replicas before clipping, beside the
+    one-process run at the global batch of both replicas (4 × 4 micro-batches × 2); each rank's ledger as planned."""
+    hub = lora_runs["hub"]
+    one, pipeline = tmp_path_factory.mktemp("lora_dp_one"), tmp_path_factory.mktemp("pp2_dp2_lora")
+    assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN, *held_whole(hub), *LORA,
+                 "--gradient_accumulation_steps", "8", "--save_strategy", "no"]) == 0
+    assert_succeeded(launch_demo(DDP_ON_CPU, pipeline, *RUN, *PIPELINE, *held_whole(hub), *LORA, "--save_strategy",
+                                 "no", num_processes=4))
+    staged, alone = history(pipeline), history(one)
+    assert [entry["step"] for entry in staged] == list(range(1, STEPS + 1))
+    for a, b in zip(staged, alone, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["grad_norm"] > 0.5
+    report = json.loads((pipeline / outputs.MEMORY_REPORT).read_text())["ranks"]
+    assert [rank["layers"] for rank in report] == [[0, 1], [1, 2]] * 2
+    for rank in report:
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "recv_buffers_bytes"):
+            assert rank["measured"][key] == rank["predicted"][key], (rank["rank"], key)
+    assert (pipeline / "adapter_model.safetensors").is_file()
+
+
 def test_lora_adapters_of_a_stage_built_on_the_meta_device_start_as_one_process(tmp_path):
     """peft draws every adapter on the CPU and drops the values on the meta device: each stage draws them again, so
     its adapters (bf16-rounded as peft casts them to a bf16 base) and its base weights are the whole model's."""
