@@ -5,7 +5,9 @@ hub-shaped checkpoint (untied, bf16 safetensors); the stages evaluate with the e
 TensorBoard and stop on a non-finite loss, as Trainer does; each rank holds its stage, as the estimator predicts; a
 resume from a checkpoint's stage files logs the uninterrupted losses; `finetune export` consolidates the stages into the
 model a one-process run trains; the same holds for 2 replicas of 2 stages (PP × DP, 4 processes) and for 2 replicas of 2
-stages each split over 2 TP ranks (PP × TP × DP, 8 processes); what the loop does not run is refused by name."""
+stages each split over 2 TP ranks (PP × TP × DP, 8 processes); LoRA on 2 stages and on 2 replicas of them trains as
+one process does, its final save the adapter a one-process run writes, its stage checkpoints resumed and exported
+merged; what the loop does not run is refused by name."""
 
 import json
 import shutil
