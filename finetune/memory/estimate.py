@@ -437,10 +437,17 @@ def pipeline_loaded_stage_bytes(shape: ModelShape, setup: Setup) -> tuple[int, .
     finetune.train.axes.pipeline.loop), by stage: the model is built on the meta device and cut, then only the stage's
     tensors are read, each cast to its fp32 master as it is read: the stage in fp32 (a rank's TP share of it under
     tensor parallelism) and, at most, the largest tensor as stored (the half dtype under mixed precision) twice beside
-    its cast (the file's pages mapped while it is read, and the tensor read whole from them before it is split)."""
+    its cast (the file's pages mapped while it is read, and the tensor read whole from them before it is split). Under
+    LoRA the frozen base is held as loaded (not cast) and the stage's adapters in fp32 beside it."""
     stored = _half_or_fp32(setup)
-    return tuple(int(4 * pipeline_stage_elements(shape, replace(setup, rank=stage))
-                     + 2 * stored * shape.largest_layer_parameters)
+
+    def held(stage: int) -> int:
+        elements = pipeline_stage_elements(shape, replace(setup, rank=stage))
+        if setup.lora_rank:
+            return stored * elements + 4 * pipeline_stage_adapters(shape, replace(setup, rank=stage))
+        return 4 * elements
+
+    return tuple(int(held(stage) + 2 * stored * shape.largest_layer_parameters)
                  for stage in range(setup.pipeline_parallel_size))
 
 

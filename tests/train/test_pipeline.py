@@ -30,6 +30,7 @@ from finetune.memory import Setup, estimate, model_shape
 from finetune.memory.estimate import (
     layer_weight_cast_bytes,
     pipeline_layer_bytes,
+    pipeline_stage_adapters,
     pipeline_stage_elements,
     saved_per_layer_bytes,
 )
@@ -478,6 +479,18 @@ def test_the_estimator_gives_each_stage_its_layers_and_ends():
     assert casts == 2 * shape.layer_parameters - 2 * 2 * shape.hidden_size  # every weight but the 2 norms', in bf16
     per_micro_batch = 8 * (saved_per_layer_bytes(shape, setup) - casts)  # stage 1 holds 8 layers
     assert gpipe.activations_bytes - one.activations_bytes == pytest.approx((8 - 3) * per_micro_batch)
+
+
+def test_the_estimator_gives_each_lora_stage_its_frozen_base_and_its_layers_adapters():
+    shape = model_shape("llama-3-8b")  # 32 layers, 7 linears each
+    setups = [Setup(strategy="pipeline", pipeline_parallel_size=4, rank=rank, lora_rank=16) for rank in range(4)]
+    adapters = [pipeline_stage_adapters(shape, setup) for setup in setups]
+    assert sum(adapters) == shape.lora_parameters(16) and adapters[1] == adapters[0]  # 8 layers each
+    stage = estimate(shape, setups[1])
+    assert stage.params_bytes == 2 * pipeline_stage_elements(shape, setups[1]) + 4 * adapters[1]  # bf16 base, fp32
+    assert (stage.grads_bytes, stage.optimizer_bytes) == (4 * adapters[1], 8 * adapters[1])  # adapters; Adam's 2
+    full = estimate(shape, replace(setups[1], lora_rank=0))
+    assert stage.loaded_stage_bytes[1] < full.loaded_stage_bytes[1]  # the base is not cast to fp32 masters
 
 
 def test_the_pipeline_holds_one_cast_of_each_weight_for_every_micro_batch_in_flight():
