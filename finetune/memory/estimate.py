@@ -434,7 +434,7 @@ def pipeline_stage_adapters(shape: ModelShape, setup: Setup) -> int:
 
 def pipeline_loaded_stage_bytes(shape: ModelShape, setup: Setup) -> tuple[int, ...]:
     """Host RAM each pipeline rank takes to load its stage (`fill_from_checkpoint` in
-    finetune.train.axes.pipeline.loop), by stage: the model is built on the meta device and cut, then only the stage's
+    finetune.train.axes.pipeline.stages), by stage: the model is built on the meta device and cut, then only the stage's
     tensors are read, each cast to its fp32 master as it is read: the stage in fp32 (a rank's TP share of it under
     tensor parallelism) and, at most, the largest tensor as stored (the half dtype under mixed precision) twice beside
     its cast (the file's pages mapped while it is read, and the tensor read whole from them before it is split). Under

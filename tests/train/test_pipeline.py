@@ -35,7 +35,7 @@ from finetune.memory.estimate import (
     saved_per_layer_bytes,
 )
 from finetune.train.axes.pipeline import check_pipeline
-from finetune.train.axes.pipeline.loop import stage_layers
+from finetune.train.axes.pipeline.stages import stage_layers
 
 STEPS = 6
 # 4 micro-batches of 4 a step (global batch 16), the gradient norm (2.4 to 5.8) clipped to 1.0 at every step,
@@ -296,7 +296,7 @@ def test_lora_adapters_of_a_stage_built_on_the_meta_device_start_as_one_process(
 
     from finetune.models.loading import hold_trainable_parameters, load_model
     from finetune.models.lora import apply_lora
-    from finetune.train.axes.pipeline.loop import build_stage, fill_from_checkpoint, initialise_adapters
+    from finetune.train.axes.pipeline.stages import build_stage, fill_from_checkpoint, initialise_adapters
 
     hub = save_hub_model(tmp_path / "hub")
     model_args = SimpleNamespace(model_name_or_path=str(hub), torch_dtype="auto", attn_implementation="sdpa",
@@ -530,7 +530,7 @@ def test_the_plans_pipeline_row_pads_to_max_seq_length_without_checkpointing(cap
 def test_a_decoder_the_stages_cannot_rerun_is_refused_by_name():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.train.axes.pipeline.loop import build_stage
+    from finetune.train.axes.pipeline.stages import build_stage
 
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 128}
@@ -552,7 +552,7 @@ def test_each_stage_reads_its_own_tensors_from_the_checkpoint_held_in_fp32(tmp_p
     from transformers import AutoModelForCausalLM
 
     from finetune.models.loading import hold_trainable_parameters, load_model
-    from finetune.train.axes.pipeline.loop import cut_stage, loads_stage_only
+    from finetune.train.axes.pipeline.stages import cut_stage, loads_stage_only
 
     hub = save_hub_model(tmp_path, tie_word_embeddings=tied, num_hidden_layers=3)
     whole = dict(AutoModelForCausalLM.from_pretrained(hub, dtype="auto").named_parameters())
@@ -595,7 +595,7 @@ def test_a_tp_plan_style_the_stages_do_not_run_is_refused_by_name():
     gradients summed); another style of the model's TP plan is named, before any weight is split."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.train.axes.pipeline.loop import build_stage, split_layers
+    from finetune.train.axes.pipeline.stages import build_stage, split_layers
 
     config = AutoConfig.for_model("qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=2, num_key_value_heads=2, head_dim=16, vocab_size=128)

@@ -58,12 +58,12 @@ class PipelineParallelism(Axis):
         check_shared_output_dir(recipe.training.output_dir)  # every stage writes there: all ranks must see it
 
     def loads_shapes_only(self, recipe) -> bool:
-        from finetune.train.axes.pipeline.loop import loads_stage_only
+        from finetune.train.axes.pipeline.stages import loads_stage_only
 
         return loads_stage_only(recipe.model)
 
     def prepare_model(self, recipe, model):
-        from finetune.train.axes.pipeline.loop import cut_stage
+        from finetune.train.axes.pipeline.stages import cut_stage
 
         return cut_stage(recipe, model)  # this rank's stage, the only weights it reads
 
