@@ -427,24 +427,26 @@ def test_a_pipeline_self_launch_plans_each_stage_and_the_nodes_host_ram_at_load(
     assert not starved["fits"] and starved["shortfall"] == "host load"
 
 
+def a100_node(monkeypatch, count: int):
+    """A node of `count` simulated 80 GiB A100s with 64 GiB of host RAM, as the self-launch reads it."""
+    from finetune.launch.devices import KNOWN_GPUS
+    from finetune.launch.self_launch import Machine
+
+    simulate_gpus(monkeypatch, A100, count=count, memory_gib=80)
+    return Machine(processes_per_node=count, gpu=KNOWN_GPUS["a100"], memory_gib=80, memory_source="the GPU",
+                   host_memory_gib=64)
+
+
 def test_a_pipeline_self_launch_on_more_gpus_than_stages_runs_replicas(monkeypatch):
     """4 GPUs and `pipeline_parallel_size: 2`: two replicas of the pipeline, data parallel, planned as such (each rank
     its stage as in one pipeline); 3 GPUs cannot be split into pipelines of 2 and are refused before the launch."""
-    from finetune.launch.devices import KNOWN_GPUS
-    from finetune.launch.self_launch import Machine
     from finetune.plan.launch import plan_launch
 
     pipeline = ["--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2"]
-    simulate_gpus(monkeypatch, A100, count=4, memory_gib=80)
-    four = Machine(processes_per_node=4, gpu=KNOWN_GPUS["a100"], memory_gib=80, memory_source="the GPU",
-                   host_memory_gib=64)
-    _, record, _ = plan_launch("recipes/demo.yaml", pipeline, four)
+    _, record, _ = plan_launch("recipes/demo.yaml", pipeline, a100_node(monkeypatch, 4))
     assert record["label"] == "PP 2 × DP 2 (1F1B)" and record["processes"] == 4 and record["fits"]
-    simulate_gpus(monkeypatch, A100, count=3, memory_gib=80)
-    three = Machine(processes_per_node=3, gpu=KNOWN_GPUS["a100"], memory_gib=80, memory_source="the GPU",
-                    host_memory_gib=64)
     with pytest.raises(RecipeError, match=r"this launch has 3 process\(es\): launch a multiple of 2"):
-        plan_launch("recipes/demo.yaml", pipeline, three)
+        plan_launch("recipes/demo.yaml", pipeline, a100_node(monkeypatch, 3))
 
 
 def test_a_pipeline_self_launch_with_tensor_parallel_stages_plans_the_3d_split(monkeypatch, tmp_path):
@@ -453,21 +455,13 @@ def test_a_pipeline_self_launch_with_tensor_parallel_stages_plans_the_3d_split(m
     be split into groups of 2 × 2 and are refused before the launch, naming both sizes."""
     from hub_fixtures import save_hub_model
 
-    from finetune.launch.devices import KNOWN_GPUS
-    from finetune.launch.self_launch import Machine
     from finetune.plan.launch import plan_launch
 
     hub = save_hub_model(tmp_path / "hub")
     recipe = ["--model_name_or_path", str(hub), "--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
               "--gradient_accumulation_steps", "2"]
-    simulate_gpus(monkeypatch, A100, count=8, memory_gib=80)
-    eight = Machine(processes_per_node=8, gpu=KNOWN_GPUS["a100"], memory_gib=80, memory_source="the GPU",
-                    host_memory_gib=64)
-    _, record, _ = plan_launch("recipes/demo.yaml", recipe, eight)
+    _, record, _ = plan_launch("recipes/demo.yaml", recipe, a100_node(monkeypatch, 8))
     assert record["label"] == "PP 2 × TP 2 × DP 2 (1F1B)" and record["processes"] == 8 and record["fits"]
-    simulate_gpus(monkeypatch, A100, count=6, memory_gib=80)
-    six = Machine(processes_per_node=6, gpu=KNOWN_GPUS["a100"], memory_gib=80, memory_source="the GPU",
-                  host_memory_gib=64)
     with pytest.raises(RecipeError, match=r"split over `tensor_parallel_size: 2`, but this launch has 6 process\(es\): "
                                           r"launch a multiple of 4 \(each 2 × 2 = 4 processes one replica"):
-        plan_launch("recipes/demo.yaml", recipe, six)
+        plan_launch("recipes/demo.yaml", recipe, a100_node(monkeypatch, 6))
