@@ -216,11 +216,11 @@ def test_train_has_no_axis_branches():
                 or name.endswith(".pipeline")}, "run.py imports an axis's home"
 
 
-# The pipeline axis's home and the registry that names it (finetune.recipe.axes), and the places its keys have not
-# left yet: the launch model's kind (`Strategy`), the checkpoint layout a resume reads and the estimator's stage terms.
-PIPELINE_HOME = ("finetune/train/axes/pipeline/", "finetune/recipe/axes.py")
-PIPELINE_NOT_YET_HOME = {"finetune/launch/strategies.py", "finetune/checkpoints/complete.py",
-                         "finetune/memory/estimate.py"}
+# The pipeline axis's home (with its checkpoint files, in the checkpoints layer) and the registry that names it
+# (finetune.recipe.axes), and the places its keys have not left yet: the launch model's kind (`Strategy`) and the
+# estimator's stage terms.
+PIPELINE_HOME = ("finetune/train/axes/pipeline/", "finetune/checkpoints/pipeline_stages.py", "finetune/recipe/axes.py")
+PIPELINE_NOT_YET_HOME = {"finetune/launch/strategies.py", "finetune/memory/estimate.py"}
 
 
 def test_the_pipelines_keys_are_named_only_in_its_axis_home():

@@ -10,6 +10,7 @@ auto` takes the newest folder that has the marker and holds every file a resume 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune import outputs
+from finetune.checkpoints.pipeline_stages import stage_checkpoint_files
 from finetune.checkpoints.sharded_state import STATE_FOLDER
 from finetune.checkpoints.untrusted_files import (  # noqa: F401 (check_checkpoint_files: resume and export call it from here)
     CHECKPOINT_NAME,
@@ -290,11 +292,15 @@ def check_explicit_checkpoint(path: str) -> None:
                           "use auto to pick the newest whole one.")
 
 
+# The process counts of the parallelism axes a layout may record, as `Strategy` names them
+PARALLEL_SIZES = tuple(field.name for field in dataclasses.fields(Strategy)
+                       if field.name.endswith("_parallel_size") or field.name.startswith("dp_"))
+
+
 def layout_strategy(layout: dict) -> Strategy:
     """The strategy a checkpoint layout records (markers written before FSDP was recorded: from the ZeRO stage)."""
     kind = layout.get("strategy") or ("ddp" if layout.get("zero_stage") is None else "deepspeed")
-    sizes = {key: layout[key] for key in ("tensor_parallel_size", "dp_shard_size", "dp_replicate_size",
-                                          "pipeline_parallel_size") if key in layout}
+    sizes = {key: layout[key] for key in PARALLEL_SIZES if key in layout}
     return Strategy(kind, zero_stage=layout.get("zero_stage"), fsdp_sharding=layout.get("fsdp_sharding"), **sizes)
 
 
@@ -484,10 +490,8 @@ def files_a_resume_needs(folder: Path, rank: int | None = None) -> list[list[str
     elif kind == "tensor_parallel":  # the gathered weights, and the slices a resume loads (checkpoints.sharded_state)
         needs += [["model.safetensors", "model.safetensors.index.json"], [f"{STATE_FOLDER}/.metadata"],
                   ["scheduler.pt"]]
-    elif kind == "pipeline":  # each stage's weights and optimizer (finetune.train.axes.pipeline.loop)
-        needs += [[name] for stage in range(marker.get("pipeline_parallel_size", world_size))
-                  for name in (f"pipeline_stage_{stage:02d}.safetensors", f"pipeline_stage_{stage:02d}_state.pt")]
-        needs = [need for need in needs if not need[0].startswith("rng_state")]
+    elif kind == "pipeline":  # each stage's weights and optimizer: the stages' own files, no RNG state
+        needs = [["trainer_state.json"], *stage_checkpoint_files(marker, world_size)]
     elif kind == "fsdp":
         # Accelerate's `save_fsdp_model`/`save_fsdp_optimizer`: a distributed checkpoint folder (sharded state
         # dicts, the shipped configs) or `.bin` files (full or local state dicts)

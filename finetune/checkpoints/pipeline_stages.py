@@ -14,6 +14,13 @@ STAGE_WEIGHTS = "pipeline_stage_{stage:02d}.safetensors"
 STAGE_STATE = "pipeline_stage_{stage:02d}_state.pt"
 
 
+def stage_checkpoint_files(marker: dict, world_size: int) -> list[list[str]]:
+    """The files a complete checkpoint of a pipeline holds (its completeness marker's `pipeline_parallel_size` stages,
+    else one a rank): each stage's weights and its optimizer and schedule, each a list of one name."""
+    stages = marker.get("pipeline_parallel_size", world_size)
+    return [[name.format(stage=stage)] for stage in range(stages) for name in (STAGE_WEIGHTS, STAGE_STATE)]
+
+
 def stage_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("pipeline_stage_[0-9][0-9].safetensors"))
 
