@@ -135,7 +135,11 @@ def test_the_gathered_weights_and_their_export_are_the_one_process_model(runs, n
     for source in (name, f"{name}_one"):
         assert main(["export", str(runs[source] / "checkpoint-6"), str(tmp_path / source)]) == 0
         logits[source] = AutoModelForCausalLM.from_pretrained(tmp_path / source, dtype=torch.float32)(inputs).logits
-    assert torch.allclose(logits[name], logits[f"{name}_one"], atol=1e-4)  # the same training, on one process
+    # the same training, on one process; each export rounds the fp32 masters to the checkpoint's dtype (bf16 for the
+    # hub-shaped one), where masters 1e-7 apart can fall on neighbouring bf16 values: measured on one CPU, a largest
+    # logit gap of 1.6e-4 against a mean of 4e-7
+    gap = (logits[name] - logits[f"{name}_one"]).abs()
+    assert gap.max() < 5e-4 and gap.mean() < 1e-5
     final = AutoModelForCausalLM.from_pretrained(runs[name], dtype=torch.float32)(inputs).logits
     stored = json.loads((runs[name] / "config.json").read_text())["dtype"]
     assert stored == ("float32" if name == "tp" else "bfloat16")

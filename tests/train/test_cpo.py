@@ -22,10 +22,10 @@ from finetune.train.methods.cpo import ContrastivePreferenceOptimization, trl_cp
 from finetune.train.methods.orpo import OddsRatioPreferenceOptimization
 
 DEMO = "recipes/demo.yaml"
-# SimPO: 60 optimizer steps of 2 x 8 pairs; the 300 held-out pairs evaluated before and after in batches of 2 x 50
-# (TRL averages its reward metrics over the eval batches unweighted: equal batches make them the pairs' mean).
+# SimPO: 60 optimizer steps of 2 x 8 pairs at 1e-4; the 300 held-out pairs evaluated before and after in batches of 2 x
+# 50 (TRL averages its reward metrics over the eval batches unweighted: equal batches make them the pairs' mean).
 SIMPO_RUN = ["--method", "cpo", "--cpo_loss_type", "simpo", "--cpo_alpha", "0", "--beta", "2", "--simpo_gamma", "0.5",
-             "--max_steps", "60", "--per_device_train_batch_size", "8", "--learning_rate", "3e-4", "--warmup_steps",
+             "--max_steps", "60", "--per_device_train_batch_size", "8", "--learning_rate", "1e-4", "--warmup_steps",
              "0", "--logging_steps", "20", "--eval_on_start", "true", "--max_eval_samples", "300",
              "--per_device_eval_batch_size", "50", "--generation_eval_samples", "0", "--save_strategy", "no",
              "--report_to", "none", "--disable_tqdm", "true"]
@@ -50,7 +50,9 @@ def test_simpo_under_zero3_raises_the_held_out_reward_accuracy(simpo_run):
     # 0.867 -> 0.903, eval loss 0.284 -> 0.237, margin 9.24 -> 9.47; 100 or 150 steps reach no more than 0.90 (the
     # pairs still lost are sums the tiny model gets wrong). On another CPU, whose demo run ends elsewhere, 0.870 ->
     # 0.873, eval loss 0.285 -> 0.251, margin 9.00 -> 9.27: the accuracy is near its ceiling from the start, so the
-    # loss and the margin carry the proof that it learned, and the accuracy must not fall.
+    # loss and the margin carry the proof that it learned, and the accuracy must not fall. On a third CPU the demo
+    # model starts at 0.953, and 3e-4 overshoots it (0.953 -> 0.930, eval loss 0.180 -> 0.207); at 1e-4: 0.953 ->
+    # 0.957, eval loss 0.180 -> 0.153, margin 9.21 -> 9.42.
     assert before["step"] == 0 and after["step"] == 60
     assert after["reward_accuracy"] >= before["reward_accuracy"], (before, after)
     assert after["eval_loss"] < before["eval_loss"] - 0.02 and after["reward_margin"] > before["reward_margin"]

@@ -61,8 +61,11 @@ def test_grpo_raises_the_held_out_and_training_rewards(grpo_run):
     # (0.066 → 0.095 from the demo model trained with the full-logits loss, whose rounding differs); TRL's logged
     # reward on the training prompts 0.10 at step 25, 0.15 over steps 225-300. Greedy exact match on 100 prompts has
     # a standard error of about 0.035 at these rates: 0.16 → 0.14 here, 0.12 → 0.15 before; asserted only not to
-    # collapse. Faster rates (3e-4, 5e-4) raised the training prompts' reward and lost held-out ones.
-    assert before["exact_match"]["add"] <= 0.2 and after["exact_match"]["add"] >= before["exact_match"]["add"] - 0.05
+    # collapse. Faster rates (3e-4, 5e-4) raised the training prompts' reward and lost held-out ones. On another CPU,
+    # whose demo run ends elsewhere (its SFT'd model already gets `add` 7 times in 10 greedily): sampled 0.42 → 0.465,
+    # greedy 0.70 → 0.68, training reward 0.44 at step 25, 0.51 over steps 225-300; so how good the starting model is
+    # at `add` is not asserted, only that GRPO raises the rewards from wherever it starts.
+    assert after["exact_match"]["add"] >= before["exact_match"]["add"] - 0.05
     assert after["rewards"]["exact_match"] >= before["rewards"]["exact_match"] + 0.01
     history = json.loads((grpo_run.output_dir / "trainer_state.json").read_text())["log_history"]
     rewards = [entry["reward"] for entry in history if "reward" in entry]
