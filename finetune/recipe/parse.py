@@ -77,7 +77,8 @@ class Recipe:
     @property
     def sections(self) -> tuple:
         method = MethodArguments(method=self.method.name)
-        return self.model, self.data, self.lora, method, *filter(None, [self.method.settings]), self.training
+        return (self.model, self.data, self.lora, method, *filter(None, [self.method.settings]),
+                *(axis.settings for axis in self.axes), self.training)
 
     @property
     def planned_keys(self) -> set[str]:

@@ -149,3 +149,12 @@ def test_two_axes_that_each_run_their_own_loop_are_refused(toys_registered, monk
     with pytest.raises(RecipeError, match=r"^`toy_loop_size` and `toy_frozen_size` each run their own training loop: "
                                           r"keep one of them\.$"):
         parse_recipe(DEMO, ["--toy_loop_size", "2", "--toy_frozen_size", "2"])
+
+
+def test_an_axis_keys_are_recorded_with_the_recipe_a_checkpoint_compares_on_resume(toys_registered, tmp_path):
+    from finetune.checkpoints.complete import recipe_values
+
+    recipe = parse_recipe(DEMO, ["--toy_loop_size", "2", "--toy_loop_learning_rate", "0.02", "--output_dir",
+                                 str(tmp_path), *COMMON])
+    values = recipe_values(recipe)
+    assert values["toy_loop_size"] == "2" and values["toy_loop_learning_rate"] == "0.02"
