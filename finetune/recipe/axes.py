@@ -9,7 +9,6 @@ checks, never its runner. Adding an axis is its home plus one line in `AXES`.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from typing import Any, ClassVar
 
@@ -65,10 +64,6 @@ class Axis:
         """The plan record of a self-launch (`finetune train --gpus N`, finetune.plan.launch) of a recipe with this
         axis on: its memory per rank against `machine`; None to launch it as the recipe names it, unplanned."""
         return None
-
-    def effective_values(self) -> dict[str, Any]:
-        """What the run records of the axis in effective_config.json."""
-        return dataclasses.asdict(self.settings)
 
     # --- the run (finetune.train.run.train calls these in order)
     def before_loading(self, recipe) -> None:
