@@ -217,18 +217,37 @@ def test_train_has_no_axis_branches():
 
 
 # The pipeline axis's home (with its checkpoint files, in the checkpoints layer) and the registry that names it
-# (finetune.recipe.axes), and the places its keys have not left yet: the launch model's kind (`Strategy`) and the
-# estimator's stage terms.
+# (finetune.recipe.axes). The launch's strategy and the estimator carry its layout as their `axis`
+# (finetune.train.axes.pipeline.layout) and ask it what they need, without naming it.
 PIPELINE_HOME = ("finetune/train/axes/pipeline/", "finetune/checkpoints/pipeline_stages.py", "finetune/recipe/axes.py")
-PIPELINE_NOT_YET_HOME = {"finetune/launch/strategies.py", "finetune/memory/estimate.py"}
 
 
-def test_the_pipelines_keys_are_named_only_in_its_axis_home():
-    """As DPO for methods: a new file naming `pipeline_parallel_size` or `pipeline_schedule` fails here, and a file
-    that stops naming them must leave PIPELINE_NOT_YET_HOME (the list only shrinks)."""
+def compared_axis_names(path, names) -> list[str]:
+    """Comparisons in `path` against an axis's name (`kind == "pipeline"`, `strategy in ("pipeline", ...)`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            constants = {item.value for item in ast.walk(node) if isinstance(item, ast.Constant)}
+            found += [ast.unparse(node) for name in names if name in constants]
+    return found
+
+
+def test_the_pipeline_is_named_only_in_its_axis_home():
+    """As DPO for methods: a file outside the pipeline's home naming `pipeline_parallel_size` or `pipeline_schedule`,
+    or branching on the axis's name, fails here."""
+    from finetune.recipe.axes import AXES
+
     keys = re.compile(r"pipeline_parallel_size|pipeline_schedule")
     named = {str(path.relative_to(PROJECT_ROOT)) for path in PACKAGE.rglob("*.py") if keys.search(path.read_text())}
-    outside = {path for path in named if not path.startswith(PIPELINE_HOME)}
-    assert outside <= PIPELINE_NOT_YET_HOME, f"the pipeline's keys outside its home: {outside - PIPELINE_NOT_YET_HOME}"
-    assert outside == PIPELINE_NOT_YET_HOME, f"no longer named there: drop {PIPELINE_NOT_YET_HOME - outside}"
-    assert "finetune/train/axes/pipeline/__init__.py" in named
+    outside_keys = {path for path in named if not path.startswith(PIPELINE_HOME)}
+    assert outside_keys == set(), f"the pipeline's keys outside its home: {outside_keys}"
+    branches = {str(path.relative_to(PROJECT_ROOT)): compared_axis_names(path, AXES) for path in PACKAGE.rglob("*.py")}
+    outside = {path: found for path, found in branches.items() if found and not path.startswith(PIPELINE_HOME)}
+    assert outside == {}, f"branches on an axis's name outside its home: {outside}"
+    assert "finetune/train/axes/pipeline/__init__.py" in named  # the rule reads the files it means
+
+
+def test_the_axis_rule_finds_a_planted_branch(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text('def f(strategy):\n    return strategy.kind in ("ddp", "pipeline")\n')
+    assert compared_axis_names(planted, ["pipeline"]) == ['strategy.kind in (\'ddp\', \'pipeline\')']

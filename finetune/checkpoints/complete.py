@@ -21,7 +21,6 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune import outputs
-from finetune.checkpoints.pipeline_stages import stage_checkpoint_files
 from finetune.checkpoints.sharded_state import STATE_FOLDER
 from finetune.checkpoints.untrusted_files import (  # noqa: F401 (check_checkpoint_files: resume and export call it from here)
     CHECKPOINT_NAME,
@@ -32,7 +31,7 @@ from finetune.checkpoints.untrusted_files import (  # noqa: F401 (check_checkpoi
     files_loaders_open,
 )
 from finetune.errors import RecipeError, launched_rank
-from finetune.launch.strategies import Strategy, loaded_sharded, prepared_strategy
+from finetune.launch.strategies import STRATEGIES, Strategy, loaded_sharded, prepared_strategy
 from finetune.memory.ledger import optimizer_chain
 from finetune.outputs import CHECKPOINT_COMPLETE as COMPLETE_MARKER
 
@@ -305,7 +304,12 @@ def layout_strategy(layout: dict) -> Strategy:
 
 
 def describe_layout(layout: dict) -> str:
-    return f"{layout_strategy(layout).describe()} on {layout['world_size']} rank(s)"
+    """`DeepSpeed ZeRO-2 on 4 rank(s)`; an axis's own loop with the sizes its marker records (`pipeline
+    (pipeline_parallel_size 2, tensor_parallel_size 2) on 8 rank(s)`)."""
+    strategy = layout_strategy(layout)
+    sizes = [f"{key} {value}" for key, value in layout.items() if key.endswith("_parallel_size")]
+    recorded = f" ({', '.join(sizes)})" if strategy.kind not in STRATEGIES and sizes else ""
+    return f"{strategy.describe()}{recorded} on {layout['world_size']} rank(s)"
 
 
 def resume_needs_universal(checkpoint: Path, now: dict) -> bool:
@@ -490,8 +494,8 @@ def files_a_resume_needs(folder: Path, rank: int | None = None) -> list[list[str
     elif kind == "tensor_parallel":  # the gathered weights, and the slices a resume loads (checkpoints.sharded_state)
         needs += [["model.safetensors", "model.safetensors.index.json"], [f"{STATE_FOLDER}/.metadata"],
                   ["scheduler.pt"]]
-    elif kind == "pipeline":  # each stage's weights and optimizer: the stages' own files, no RNG state
-        needs = [["trainer_state.json"], *stage_checkpoint_files(marker, world_size)]
+    elif kind not in STRATEGIES:  # an axis's own loop (a pipeline's stages): the files its marker lists, no RNG state
+        needs = [["trainer_state.json"], *([name] for name in marker.get("files", ()) if Path(name).name == name)]
     elif kind == "fsdp":
         # Accelerate's `save_fsdp_model`/`save_fsdp_optimizer`: a distributed checkpoint folder (sharded state
         # dicts, the shipped configs) or `.bin` files (full or local state dicts)

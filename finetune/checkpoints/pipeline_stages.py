@@ -14,11 +14,10 @@ STAGE_WEIGHTS = "pipeline_stage_{stage:02d}.safetensors"
 STAGE_STATE = "pipeline_stage_{stage:02d}_state.pt"
 
 
-def stage_checkpoint_files(marker: dict, world_size: int) -> list[list[str]]:
-    """The files a complete checkpoint of a pipeline holds (its completeness marker's `pipeline_parallel_size` stages,
-    else one a rank): each stage's weights and its optimizer and schedule, each a list of one name."""
-    stages = marker.get("pipeline_parallel_size", world_size)
-    return [[name.format(stage=stage)] for stage in range(stages) for name in (STAGE_WEIGHTS, STAGE_STATE)]
+def stage_checkpoint_files(stages: int) -> list[str]:
+    """The files a complete checkpoint of `stages` stages holds, which its completeness marker lists (`files`,
+    finetune.checkpoints.complete.files_a_resume_needs): each stage's weights and its optimizer and schedule."""
+    return [name.format(stage=stage) for stage in range(stages) for name in (STAGE_WEIGHTS, STAGE_STATE)]
 
 
 def stage_files(folder: Path) -> list[Path]:

@@ -25,9 +25,6 @@ from finetune.configs.deepspeed import NVME_PATH_PLACEHOLDER, deepspeed_config
 from finetune.errors import RecipeError
 from finetune.launch.commands import Launch
 
-# The generator's names (single, ddp, deepspeed, fsdp, tensor_parallel), and pipeline: plain processes, one a stage,
-# run by the toolkit's own loop (finetune.train.axes.pipeline.loop)
-KINDS = (*STRATEGIES, "pipeline")
 # Where the optimizer steps the model's own tensors, so `pure_bf16` means what it says (DeepSpeed keeps fp32 masters of
 # its own, Accelerate's FSDP path upcasts trainable parameters).
 PURE_BF16_KINDS = ("single", "ddp")
@@ -38,7 +35,8 @@ _FSDP1_SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "h
 
 @dataclass(frozen=True)
 class Strategy:
-    """What a launch runs. `kind` is single, ddp, deepspeed, fsdp or tensor_parallel; the other fields apply to
+    """What a launch runs. `kind` is single, ddp, deepspeed, fsdp or tensor_parallel (the generator's names), or the
+    name of an axis that runs its own loop (finetune.recipe.axes), whose layout is `axis`; the other fields apply to
     their kind."""
 
     kind: str = "single"
@@ -56,8 +54,9 @@ class Strategy:
     # deepspeed: each sequence split over this many ranks (DeepSpeed Ulysses, finetune.launch.parallelism); a recipe
     # may name it under any DeepSpeed config, so it is not part of which engine ran
     sequence_parallel_size: int = field(default=1, compare=False)
-    # pipeline: the model's layers in this many stages, one a process (finetune.train.axes.pipeline.loop)
-    pipeline_parallel_size: int = 1
+    # an axis that runs its own loop on plain processes (a pipeline: finetune.train.axes.pipeline): its layout, which
+    # names, describes and records it (`label`, `describe`, `record`) and sizes it for the estimator
+    axis: Any = None
     # DeepSpeed's bucket settings the estimator counts: elements, or None for "auto" (Trainer fills hidden²).
     reduce_bucket_size: int | None = field(default=None, compare=False)
     overlap_comm: bool = field(default=False, compare=False)
@@ -117,9 +116,8 @@ class Strategy:
                         (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)) if value]
             sequence = [f"sp{self.sequence_parallel_size}"] if self.sequence_parallel_size > 1 else []
             return "+".join([f"deepspeed_zero{self.zero_stage}", *offloads, *sequence])
-        if self.kind == "pipeline":  # tensor parallelism inside its stages: `pp2_tp2`
-            tensor = self.tensor_parallel_size
-            return f"pp{self.pipeline_parallel_size}" + (f"_tp{tensor}" if tensor > 1 else "")
+        if self.axis is not None:  # `pp2_tp2`
+            return self.axis.label(self)
         if self.kind == "tensor_parallel":
             return "".join([f"tp{self.tensor_parallel_size}",
                             f"_fsdp{self.dp_shard_size}" if self.dp_shard_size > 1 else "",
@@ -132,14 +130,14 @@ class Strategy:
         if self.kind == "deepspeed":
             sequence = self.sequence_parallel_size
             return f"DeepSpeed ZeRO-{self.zero_stage}" + (f" × sequence parallel {sequence}" if sequence > 1 else "")
-        if self.kind == "pipeline":
-            tensor = self.tensor_parallel_size
-            return f"pipeline parallel {self.pipeline_parallel_size}" + (
-                f" × tensor parallel {tensor} inside each stage" if tensor > 1 else "")
+        if self.axis is not None:
+            return self.axis.describe(self)
         if self.kind == "tensor_parallel":
             return " × ".join([f"tensor parallel {self.tensor_parallel_size}",
                                *([f"FSDP2 {self.dp_shard_size}"] if self.dp_shard_size > 1 else []),
                                *([f"{self.dp_replicate_size} replicas"] if self.dp_replicate_size > 1 else [])])
+        if self.kind not in STRATEGIES:  # an axis's own loop, as a checkpoint's marker records it (no layout)
+            return self.kind
         return f"FSDP {self.fsdp_sharding}" if self.kind == "fsdp" else "DDP or one process"
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,10 +153,8 @@ class Strategy:
         if self.kind == "tensor_parallel":
             record.update(tensor_parallel_size=self.tensor_parallel_size, dp_shard_size=self.dp_shard_size,
                           dp_replicate_size=self.dp_replicate_size)
-        if self.kind == "pipeline":
-            record["pipeline_parallel_size"] = self.pipeline_parallel_size
-            if self.tensor_parallel_size > 1:
-                record["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.axis is not None:
+            record.update(self.axis.record(self))
         if self.source is not None:
             record["source"] = self.source
         return record
@@ -175,9 +171,8 @@ class Strategy:
             options["fsdp_sharding"] = self.fsdp_sharding
         if self.kind == "tensor_parallel":
             options.update(tensor_parallel_size=self.tensor_parallel_size, dp_shard_size=self.dp_shard_size)
-        if self.kind == "pipeline":
-            options.update(pipeline_parallel_size=self.pipeline_parallel_size,
-                           tensor_parallel_size=self.tensor_parallel_size)
+        if self.axis is not None:
+            options.update(axis=self.axis, tensor_parallel_size=self.tensor_parallel_size)
         return options
 
 

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from finetune.configs.deepspeed import BUCKET_SIZE, partition_elements
 from finetune.errors import RecipeError
-from finetune.launch.strategies import FSDP_SHARDING, KINDS, PURE_BF16_KINDS
+from finetune.launch.strategies import FSDP_SHARDING, PURE_BF16_KINDS, STRATEGIES
 from finetune.memory.shapes import ModelShape
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -153,8 +154,9 @@ class Setup:
     dp_shard_size: int = 1                    # tensor_parallel: FSDP2 over this many GPUs of the rest
     sequence_parallel_size: int = 1           # deepspeed: each sequence split over this many GPUs (Ulysses); ZeRO
                                               # still shards over every GPU
-    pipeline_parallel_size: int = 1           # pipeline: the layers in this many stages, one a GPU (`rank`'s stage)
-    pipeline_schedule: str = "1f1b"           # pipeline: gpipe holds every micro-batch's activations, 1f1b fewer
+    axis: Any = None                          # an axis that runs its own loop (finetune.recipe.axes): its layout
+                                              # (a pipeline's stages, `rank`'s among them), which answers for its
+                                              # model states, activations and loading; `strategy` is its name
     rank: int = 0                             # the global rank predicted, where ranks hold unequal shares (TP)
     precision: str = "bf16"                   # "fp32", or mixed "bf16"/"fp16"
     pure_bf16: bool = False                   # trainable weights, gradients and Adam states in bf16 (no fp32 master)
@@ -190,8 +192,9 @@ class Setup:
     @property
     def applied_kernels(self) -> FusedKernels:
         """The fused kernels the forward really runs: Trainer applies Liger's at the start of `train`, which the
-        pipeline loop never calls (finetune.train.axes.pipeline.loop), so a pipeline runs PyTorch's own."""
-        return FusedKernels() if self.strategy == "pipeline" else self.kernels
+        own loop of an axis never calls (a pipeline's: finetune.train.axes.pipeline.loop), so it runs PyTorch's
+        own."""
+        return FusedKernels() if self.axis is not None else self.kernels
 
     @property
     def liger_loss(self) -> str | None:
@@ -233,7 +236,8 @@ class Setup:
         return 1
 
     def check(self) -> None:
-        choices = {"strategy": (self.strategy, KINDS), "precision": (self.precision, PRECISIONS),
+        kinds = (*STRATEGIES, self.axis.name) if self.axis is not None else STRATEGIES
+        choices = {"strategy": (self.strategy, kinds), "precision": (self.precision, PRECISIONS),
                    "optimizer": (self.optimizer, tuple(OPTIMIZER_STATE_BYTES)),
                    "fsdp_sharding": (self.fsdp_sharding, FSDP_SHARDING)}
         for key, (value, allowed) in choices.items():
@@ -276,7 +280,8 @@ class MemoryEstimate:
     offloaded: dict = field(default_factory=dict)
     grads_between_micro_steps_bytes: int = 0  # on the GPU between two micro-steps of one accumulation window
     loaded_model_bytes: int = 0               # the whole model as a rank that loads it holds it (host RAM)
-    loaded_stage_bytes: tuple = ()            # pipeline: each stage as its rank loads it (host RAM), by stage
+    loaded_rank_bytes: tuple = ()             # an axis whose ranks load unequal parts (a pipeline's stages): what
+                                              # each global rank loads (host RAM), by rank
     reference_bytes: int = 0                  # a preference method's frozen reference model on this GPU
     generation_bytes: int = 0                 # online RL: one generation round's KV cache and logits on this GPU
     reward_models_bytes: int = 0              # online RL: its frozen reward models on this GPU
@@ -301,16 +306,14 @@ class MemoryEstimate:
     @property
     def host_load_bytes_per_node(self) -> int:
         """Host RAM the busiest node needs while the model loads, before sharding."""
-        if self.loaded_stage_bytes:  # a pipeline: the stages its ranks hold, one a rank (t ranks a stage under TP)
-            per_node = self.setup.gpus_per_node or self.setup.num_gpus
-            t = self.setup.tensor_parallel_size
-            ranks = [stage for stage in self.loaded_stage_bytes for _ in range(t)]  # the mesh's order: TP innermost
+        if self.loaded_rank_bytes:  # each rank its own part (a pipeline's stage): the node's ranks together
+            per_node, ranks = self.setup.gpus_per_node or self.setup.num_gpus, self.loaded_rank_bytes
             return max(sum(ranks[start:start + per_node]) for start in range(0, len(ranks), per_node))
         return int(host_load_bytes_per_node(self.loaded_model_bytes, self.setup))
 
     def host_load_bytes_of_rank(self, rank: int, device_is_host: bool = False) -> int:
-        if self.loaded_stage_bytes:  # global rank → its stage on the (dp, pp, tp) mesh, TP innermost
-            return self.loaded_stage_bytes[rank // self.setup.tensor_parallel_size % len(self.loaded_stage_bytes)]
+        if self.loaded_rank_bytes:
+            return self.loaded_rank_bytes[rank % len(self.loaded_rank_bytes)]
         return int(host_load_bytes_of_rank(self.loaded_model_bytes, self.setup, rank, device_is_host))
 
     @property
@@ -356,13 +359,8 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     if setup.strategy == "deepspeed":
         params, grads, optimizer, offloaded = _deepspeed_states(trainable, frozen_bytes, setup,
                                                                 shape.largest_layer_parameters)
-    elif setup.strategy == "pipeline" and setup.lora_rank:  # the stage's base frozen, its layers' adapters trained
-        params, grads, optimizer, offloaded = _torch_states(
-            pipeline_stage_adapters(shape, setup), pipeline_stage_elements(shape, setup) * _half_or_fp32(setup),
-            setup, shard_degree=1)
-    elif setup.strategy == "pipeline":  # full fine-tuning
-        params, grads, optimizer, offloaded = _torch_states(pipeline_stage_elements(shape, setup), 0, setup,
-                                                            shard_degree=1)
+    elif setup.axis is not None:  # an axis's own loop: what `setup.rank` holds of the model (a pipeline's stage)
+        params, grads, optimizer, offloaded = setup.axis.model_states(shape, setup)
     elif setup.strategy == "tensor_parallel":  # full fine-tuning only (finetune.launch.parallelism refuses LoRA)
         params, grads, optimizer, offloaded = _torch_states(tensor_parallel_elements(shape, setup), 0, setup,
                                                             shard_degree=1)
@@ -375,109 +373,17 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         params_bytes=int(params),
         grads_bytes=int(grads),
         optimizer_bytes=int(optimizer),
-        activations_bytes=int(pipeline_activation_bytes(shape, setup) if setup.strategy == "pipeline"
+        activations_bytes=int(setup.axis.activations_bytes(shape, setup) if setup.axis is not None
                               else activation_bytes(shape, sequence_share(setup))),
         temporary_bytes=int(temporary_bytes(shape, setup, trainable)),
         offloaded={key: int(value) for key, value in offloaded.items() if value},
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
         loaded_model_bytes=int(loaded_model_bytes(trainable, frozen_bytes, setup) + reference_load_bytes(shape, setup)),
-        loaded_stage_bytes=pipeline_loaded_stage_bytes(shape, setup) if setup.strategy == "pipeline" else (),
+        loaded_rank_bytes=setup.axis.loaded_rank_bytes(shape, setup) if setup.axis is not None else (),
         reference_bytes=int(reference_model_bytes(shape, setup)),
         generation_bytes=int(generation_bytes(shape, setup)),
         reward_models_bytes=int(frozen_model_bytes(setup.method.reward_model_parameters, setup)),
     )
-
-
-def pipeline_stage_layers(num_layers: int, stages: int) -> list[range]:
-    """Consecutive decoder layers for each pipeline stage, as even as whole layers go (earlier stages take the
-    remainder: the last stage also holds the norm, the head and the loss). The split the pipeline loop cuts
-    (finetune.train.axes.pipeline.loop) and the estimator counts."""
-    base, extra = divmod(num_layers, stages)
-    sizes = [base + (1 if stage < extra else 0) for stage in range(stages)]
-    starts = [sum(sizes[:stage]) for stage in range(stages)]
-    return [range(start, start + size) for start, size in zip(starts, sizes)]
-
-
-def pipeline_stage_elements(shape: ModelShape, setup: Setup) -> int:
-    """Parameters one rank of `setup.rank`'s pipeline stage holds: its layers (`pipeline_stage_layers`), the input
-    embedding on the first stage, the final norm and the output head on the last; a tied head is a second copy of the
-    embedding there. With tensor parallelism inside the stage (`tensor_parallel_size` t) each layer's linear matrices
-    are split t ways as the model's TP plan splits them (q, k, v, gate, up by output rows, o and down by input
-    columns: Megatron-LM's column- and row-parallel layers, Shoeybi et al. 2019), while the norms, the embedding and
-    the head stay whole on every rank of the stage."""
-    p, stage = setup.pipeline_parallel_size, setup.rank
-    layers = len(pipeline_stage_layers(shape.num_layers, p)[stage])
-    embedding = shape.vocab_size * shape.hidden_size
-    split = layer_split_parameters(shape)  # a layer's matrices (and column-parallel biases) t ways; its norms whole
-    elements = layers * (shape.layer_parameters - split + split // stage_tensor_parallel(shape, setup))
-    if stage == 0:
-        elements += embedding
-    if stage == p - 1:
-        blocks = shape.num_layers * shape.layer_parameters
-        norm = shape.num_parameters - blocks - embedding * (1 if shape.tied_embeddings else 2)
-        elements += norm + embedding
-    return elements
-
-
-def pipeline_stage_adapters(shape: ModelShape, setup: Setup) -> int:
-    """LoRA parameters `setup.rank`'s pipeline stage trains: r·(d_in + d_out) for each adapted matrix of its layers
-    (`lora_trainable_parameters`' count, by layer; the stages refuse DoRA and `modules_to_save`). A linear's layer is
-    the first index in its name (`model.layers.3.mlp.up_proj`)."""
-    import re
-
-    layers = pipeline_stage_layers(shape.num_layers, setup.pipeline_parallel_size)[setup.rank]
-    targets = lora_target_names(shape, setup.lora_target_modules)
-    return sum(setup.lora_rank * (linear.in_features + linear.out_features) for linear in shape.linears
-               if linear.in_layers and (targets is None or linear.name.rsplit(".", 1)[-1] in targets)
-               and int(re.search(r"\.(\d+)\.", f".{linear.name}.").group(1)) in layers)
-
-
-def pipeline_loaded_stage_bytes(shape: ModelShape, setup: Setup) -> tuple[int, ...]:
-    """Host RAM each pipeline rank takes to load its stage (`fill_from_checkpoint` in
-    finetune.train.axes.pipeline.stages), by stage: the model is built on the meta device and cut, then only the stage's
-    tensors are read, each cast to its fp32 master as it is read: the stage in fp32 (a rank's TP share of it under
-    tensor parallelism) and, at most, the largest tensor as stored (the half dtype under mixed precision) twice beside
-    its cast (the file's pages mapped while it is read, and the tensor read whole from them before it is split). Under
-    LoRA the frozen base is held as loaded (not cast) and the stage's adapters in fp32 beside it."""
-    stored = _half_or_fp32(setup)
-
-    def held(stage: int) -> int:
-        elements = pipeline_stage_elements(shape, replace(setup, rank=stage))
-        if setup.lora_rank:
-            return stored * elements + 4 * pipeline_stage_adapters(shape, replace(setup, rank=stage))
-        return 4 * elements
-
-    return tuple(int(held(stage) + 2 * stored * shape.largest_layer_parameters)
-                 for stage in range(setup.pipeline_parallel_size))
-
-
-def pipeline_activation_bytes(shape: ModelShape, setup: Setup) -> float:
-    """A stage's activations at their peak: its share of the layers' saved activations for each micro-batch in
-    flight (`pipeline_layer_bytes`), and torch's receive buffers (`pipeline_recv_buffer_bytes`). GPipe runs every
-    forward before the first backward (all `gradient_accumulation_steps` micro-batches); 1F1B lets stage s hold
-    p − s of them (the first stage the most). The loss's fp32 logits belong to the last stage, one micro-batch at a
-    time. Rows are padded to `max_seq_length` (`setup.sequence_length`), which the plan's PP row passes."""
-    p, stage, m = setup.pipeline_parallel_size, setup.rank, setup.gradient_accumulation_steps
-    in_flight = m if setup.pipeline_schedule == "gpipe" else min(p - stage, m)
-    layers = len(pipeline_stage_layers(shape.num_layers, p)[stage])
-    blocks = layers * pipeline_layer_bytes(shape, setup, in_flight)
-    if stage == p - 1:
-        tokens = setup.micro_batch_size * setup.sequence_length
-        blocks += saved_outside_layers_bytes(shape, setup) + (8 * tokens * shape.vocab_size
-                                                              if setup.method.logits_held else 0)
-    return blocks + pipeline_recv_buffer_bytes(shape, setup)
-
-
-def pipeline_layer_bytes(shape: ModelShape, setup: Setup, in_flight: int) -> float:
-    """One layer's saved bytes with `in_flight` micro-batches' forwards held: the activations once each, the
-    half-precision casts of its fp32 weights once. With TP inside the stage both are a rank's (`saved_per_layer_bytes`
-    divides the split parts by t as for tensor parallelism alone; the norms' and the linear layers' whole inputs
-    stay). The loop runs a step's whole schedule inside one `torch.autocast`
-    context, and autocast caches the cast of a leaf weight for the life of its outermost context
-    (torch/amp/autocast_mode.py), so every micro-batch's backward reads the same cast (measured on fake tensors at
-    Llama-3-8B width: `finetune.memory.saved.measure(..., micro_batches=m)`)."""
-    casts = layer_weight_cast_bytes(shape, setup)
-    return (saved_per_layer_bytes(shape, setup) - casts) * in_flight + casts
 
 
 def layer_weight_cast_bytes(shape: ModelShape, setup: Setup) -> float:
@@ -507,24 +413,12 @@ def stage_tensor_parallel(shape: ModelShape, setup: Setup) -> int:
     """The ways a decoder layer's matrices are split on one GPU: `tensor_parallel_size` under tensor parallelism and
     inside a pipeline stage (PP × TP), else 1. The split must be even in heads and key/value heads, as the TP plan
     cuts them (finetune.launch.parallelism.check_tensor_parallel_model refuses the rest)."""
-    t = setup.tensor_parallel_size if setup.strategy in ("tensor_parallel", "pipeline") else 1
+    splits = setup.strategy == "tensor_parallel" or getattr(setup.axis, "splits_tensor_parallelism", False)
+    t = setup.tensor_parallel_size if splits else 1
     if t > 1 and (shape.num_attention_heads % t or shape.num_key_value_heads % t):
         raise RecipeError(f"`tensor_parallel_size: {t}` does not divide {shape.name}'s {shape.num_attention_heads} "
                           f"attention heads and {shape.num_key_value_heads} key/value heads.")
     return t
-
-
-def pipeline_recv_buffer_bytes(shape: ModelShape, setup: Setup) -> int:
-    """torch's receive buffers on stage `setup.rank` (each rank of it under TP: the hidden states are whole on every
-    rank of a stage, replicated over its TP group): one per micro-batch for the hidden states arriving from the
-    stage before (every stage but the first) and one for their gradients arriving from the stage after (every stage
-    but the last), allocated once and kept (torch/distributed/pipelining/stage.py: `_create_act_recv_info`,
-    `_create_grad_recv_info`). They are in the hidden states' dtype: fp32 under mixed precision, where the embedding
-    is an fp32 master and the residual stays fp32."""
-    p, stage, m = setup.pipeline_parallel_size, setup.rank, setup.gradient_accumulation_steps
-    directions = (stage > 0) + (stage < p - 1)
-    residual = held_precisions(setup).residual
-    return directions * m * setup.micro_batch_size * setup.sequence_length * shape.hidden_size * residual
 
 
 def sequence_share(setup: Setup) -> Setup:
@@ -1101,11 +995,6 @@ def fsdp_gradient_buffer_bytes(shape: ModelShape, setup: Setup, trainable: int) 
     else:
         whole = (w + 4) * max(block, embedding, head)
     return min(whole, (w + 4) * trainable)
-
-
-def pipeline_bubble_fraction(pipeline_parallel: int, micro_batches: int) -> float:
-    """Idle fraction of a GPipe/1F1B schedule: (p − 1) / (m + p − 1) (Huang et al. 2019, "GPipe")."""
-    return (pipeline_parallel - 1) / (micro_batches + pipeline_parallel - 1)
 
 
 def largest_partition(shape: ModelShape, world_size: int) -> int:

@@ -60,7 +60,8 @@ def unnamed_accelerate_config() -> str | None:
 
 
 def describe_effective_config(trainer, recipe) -> dict:
-    """Every value that decides the run, with its source; `recipe.strategy` is what was asked for."""
+    """Every value that decides the run, with its source; `recipe.strategy` is what was asked for. `trainer`: Trainer,
+    or the loop of an axis Trainer cannot drive (`recipe.runner`: its arguments, model and batch are read alike)."""
     args, sources, requested = trainer.args, recipe.sources, recipe.strategy
     deepspeed = recipe.deepspeed_config or {}
     launcher = "Accelerate config" if launched_by_accelerate() else "launcher"
@@ -75,7 +76,8 @@ def describe_effective_config(trainer, recipe) -> dict:
     add("model_name_or_path", recipe.model.model_name_or_path, sources.get("model_name_or_path", "recipe"))
     add("generation_max_new_tokens", recipe.data.generation_max_new_tokens,
         sources.get("generation_max_new_tokens", "default"))
-    add("strategy", requested.kind, requested.source if requested.kind == "deepspeed" else launcher)
+    add("strategy", requested.kind, requested.source if requested.kind == "deepspeed" or requested.axis is not None
+        else launcher)
     if requested.kind == "deepspeed":
         for key in ("zero_stage", "offload_optimizer", "offload_param"):
             add(key, getattr(requested, key), requested.source)
@@ -105,7 +107,10 @@ def describe_effective_config(trainer, recipe) -> dict:
     if router_weight is not None:  # a model with experts: the load-balancing loss's weight (finetune.models.experts)
         add("router_aux_loss_coef", router_weight, sources.get("router_aux_loss_coef", "the checkpoint's config "
                                                                "(load balancing on, as in TRL)"))
-    add("global_batch_size", BatchPlan.running(args).global_batch_size, "micro-batch × processes × accumulation")
+    if getattr(recipe, "runner", None) is None:
+        add("global_batch_size", BatchPlan.running(args).global_batch_size, "micro-batch × processes × accumulation")
+    else:  # the runner's ranks share batches as its axis says (a pipeline's stages and TP ranks: one replica)
+        add("global_batch_size", recipe.batch_plan.global_batch_size, "micro-batch × replicas × accumulation")
     add("loss_normalization", args.loss_normalization, sources.get("loss_normalization", "default"))
     if hasattr(trainer, "full_logits_reason"):  # the toolkit's SFT trainer (TRL's trainers fuse their own heads)
         reason = trainer.full_logits_reason
@@ -129,7 +134,7 @@ def describe_effective_config(trainer, recipe) -> dict:
     if default_config:
         warnings.append(f"accelerate launch used its default config {default_config}, which the command did not "
                         "name; pass --config_file to choose one.")
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
     mismatches = list(getattr(getattr(plugin, "hf_ds_config", None), "mismatches", []) or [])
     effective = {
         "values": values,

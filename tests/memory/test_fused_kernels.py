@@ -28,6 +28,7 @@ from finetune.memory.estimate import (
     saved_per_layer_bytes,
 )
 from finetune.memory.shapes import model_shape
+from finetune.train.axes.pipeline.layout import PipelineLayout
 
 MiB, GiB = 2**20, 2**30
 TOKENS = 2048
@@ -129,7 +130,7 @@ def test_a_fused_loss_replaces_only_a_loss_over_the_full_logits_and_a_pipeline_r
         assert saved_outside_layers_bytes(shape, liger) == saved_outside_layers_bytes(shape, setup) - 4 * TOKENS * \
             shape.hidden_size  # the final norm's only
         assert loss_transient_bytes(shape, liger) == loss_transient_bytes(shape, setup)
-    pipeline = Setup(strategy="pipeline", pipeline_parallel_size=2, rank=1, sequence_length=TOKENS)
+    pipeline = Setup(strategy="pipeline", axis=PipelineLayout(2), rank=1, sequence_length=TOKENS)
     assert replace(pipeline, kernels=LIGER).applied_kernels == FusedKernels()
     assert saved_per_layer_bytes(shape, replace(pipeline, kernels=LIGER)) == saved_per_layer_bytes(shape, pipeline)
 

@@ -15,10 +15,10 @@ from finetune.memory.estimate import (
     NF4_BYTES_PER_PARAMETER,
     GiB,
     host_load_bytes_of_rank,
-    pipeline_bubble_fraction,
 )
 from finetune.memory.report import write_memory_report
 from finetune.plan.decision_tree import PlanRequest, make_plan
+from finetune.train.axes.pipeline.layout import pipeline_bubble_fraction
 
 # Parameter counts published on the models' cards.
 PUBLISHED = {"llama-2-7b": 6.74e9, "llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "qwen2.5-0.5b": 0.494e9,

@@ -6,9 +6,9 @@ import pytest
 
 from finetune.errors import RecipeError
 from finetune.memory import model_shape
-from finetune.memory.estimate import (
-    Setup,
-    estimate,
+from finetune.memory.estimate import Setup, estimate
+from finetune.train.axes.pipeline.layout import (
+    PipelineLayout,
     pipeline_layer_bytes,
     pipeline_recv_buffer_bytes,
     pipeline_stage_elements,
@@ -21,7 +21,7 @@ TOKENS = 1024  # one micro-batch: 1 row of 1,024 tokens
 
 
 def stage(rank: int, tensor: int = 4, **fields) -> Setup:
-    return Setup(strategy="pipeline", num_gpus=8, gpus_per_node=4, pipeline_parallel_size=2,
+    return Setup(strategy="pipeline", num_gpus=8, gpus_per_node=4, axis=PipelineLayout(2),
                  tensor_parallel_size=tensor, rank=rank, sequence_length=TOKENS, gradient_accumulation_steps=4,
                  **fields)
 
@@ -71,7 +71,7 @@ def test_host_ram_at_load_counts_each_rank_of_a_stage_on_its_node():
     result = estimate(SHAPE, stage(0))
     transient = 2 * 2 * SHAPE.largest_layer_parameters
     first, last = (4 * pipeline_stage_elements(SHAPE, stage(rank)) + transient for rank in (0, 1))
-    assert result.loaded_stage_bytes == (first, last)
+    assert result.loaded_rank_bytes == (first,) * 4 + (last,) * 4  # by global rank, TP innermost
     assert result.host_load_bytes_per_node == 4 * last
     assert [result.host_load_bytes_of_rank(rank) for rank in (0, 3, 4, 7, 8, 12)] == [first, first, last, last,
                                                                                         first, last]

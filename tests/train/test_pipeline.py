@@ -27,14 +27,14 @@ from finetune.errors import RecipeError
 from finetune.launch.parallelism import Parallelism
 from finetune.launch.strategies import Strategy
 from finetune.memory import Setup, estimate, model_shape
-from finetune.memory.estimate import (
-    layer_weight_cast_bytes,
+from finetune.memory.estimate import layer_weight_cast_bytes, saved_per_layer_bytes
+from finetune.train.axes.pipeline import check_pipeline
+from finetune.train.axes.pipeline.layout import (
+    PipelineLayout,
     pipeline_layer_bytes,
     pipeline_stage_adapters,
     pipeline_stage_elements,
-    saved_per_layer_bytes,
 )
-from finetune.train.axes.pipeline import check_pipeline
 from finetune.train.axes.pipeline.stages import stage_layers
 
 STEPS = 6
@@ -66,8 +66,10 @@ def runs(tmp_path_factory):
     for name, extra in (("1f1b", EVALUATED),
                         ("gpipe", ["--pipeline_schedule", "gpipe", "--model_name_or_path", str(hub)])):
         output_dir = tmp_path_factory.mktemp(f"pp_{name}")
-        tracked = ["--report_to", "tensorboard"] if name == "1f1b" else []
-        assert_succeeded(launch_demo(DDP_ON_CPU, output_dir, *RUN, *PIPELINE, *extra, *tracked))
+        tracked = ["--report_to", "tensorboard", "mlflow"] if name == "1f1b" else []
+        env = {"MLFLOW_TRACKING_URI": (output_dir / "mlruns").as_uri(), "MLFLOW_EXPERIMENT_NAME": "pipeline",
+               "MLFLOW_ALLOW_FILE_STORE": "true"}  # MLflow 3 refuses its file store unless told
+        assert_succeeded(launch_demo(DDP_ON_CPU, output_dir, *RUN, *PIPELINE, *extra, *tracked, env=env))
         one = tmp_path_factory.mktemp(f"one_{name}")
         assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN,
                      *[arg for arg in extra if arg not in ("--pipeline_schedule", "gpipe")]]) == 0
@@ -94,6 +96,15 @@ def test_two_stages_train_with_the_losses_of_one_process(runs, name):
     effective = json.loads((runs[name] / outputs.EFFECTIVE_CONFIG).read_text())
     assert effective["pipeline"]["schedule"] == name and effective["pipeline"]["micro_batches"] == 4
     assert effective["pipeline"]["bubble_fraction"] == pytest.approx(1 / 5)  # (p − 1) / (m + p − 1)
+    # the effective configuration a Trainer run writes, value for value where the two runs agree
+    twin = json.loads((runs[f"{name}_one"] / outputs.EFFECTIVE_CONFIG).read_text())["values"]
+    for key in ("seed", "model_name_or_path", "precision", "trainable_weights", "per_device_train_batch_size",
+                "gradient_accumulation_steps", "learning_rate", "max_grad_norm", "global_batch_size"):
+        assert effective["values"][key]["value"] == twin[key]["value"], key
+    assert effective["values"]["global_batch_size"]["value"] == 16  # one pipeline: 4 micro-batches of 4
+    assert effective["values"]["strategy"] == {"value": "pipeline", "source": "the recipe"}
+    assert effective["strategy"]["running"] == {"strategy": "pipeline", "pipeline_parallel_size": 2,
+                                                "source": "the recipe"}
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +357,18 @@ def test_the_stages_evaluate_and_report_to_the_trackers_as_trainer_does(runs):
     logged = [entry["loss"] for entry in history(runs["1f1b"])]
     assert [event.value for event in tensorboard.Scalars("train/loss")] == pytest.approx(logged, rel=1e-6)
     assert [event.step for event in tensorboard.Scalars("eval/loss")] == [0, 3, 6, 6]
+    # MLflow's run holds the effective configuration as its params, as a Trainer run's does (finetune.train.tracking)
+    from mlflow.tracking import MlflowClient
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        client = MlflowClient((runs["1f1b"] / "mlruns").as_uri())
+        (run,) = client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])
+    effective = json.loads((runs["1f1b"] / outputs.EFFECTIVE_CONFIG).read_text())["values"]
+    for key in ("strategy", "global_batch_size", "learning_rate", "precision"):
+        assert run.data.params[f"finetune/{key}"] == str(effective[key]["value"]), key
+    assert [metric.value for metric in client.get_metric_history(run.info.run_id, "loss")] == \
+        pytest.approx(logged, rel=1e-6)
 
 
 @pytest.mark.distributed
@@ -440,7 +463,7 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
                            call["parallelism"], call["strategy"], lora=call["lora"])
     monkeypatch.setenv("WORLD_SIZE", "8")  # 2 replicas of 2 stages, each split over 2 TP ranks
     split = check_pipeline(dict(asked), data, False, "sft", Parallelism(tensor_parallel_size=2), ddp)
-    assert (split.kind, split.pipeline_parallel_size, split.tensor_parallel_size) == ("pipeline", 2, 2)
+    assert (split.kind, split.axis, split.tensor_parallel_size) == ("pipeline", PipelineLayout(2, "1f1b"), 2)
     with pytest.raises(RecipeError, match="with LoRA and `tensor_parallel_size`"):
         check_pipeline(dict(asked), data, True, "sft", Parallelism(tensor_parallel_size=2), ddp, lora=lora)
 
@@ -463,18 +486,18 @@ def test_a_tp_size_the_stages_cannot_split_is_refused_by_name(tmp_path):
 
 def test_the_estimator_gives_each_stage_its_layers_and_ends():
     shape = model_shape("llama-3-8b")  # 32 layers, untied
-    stages = [pipeline_stage_elements(shape, Setup(strategy="pipeline", pipeline_parallel_size=4, rank=rank))
+    stages = [pipeline_stage_elements(shape, Setup(strategy="pipeline", axis=PipelineLayout(4), rank=rank))
               for rank in range(4)]
     assert sum(stages) == shape.num_parameters
     embedding = shape.vocab_size * shape.hidden_size
     assert stages[1] == stages[2] == 8 * shape.layer_parameters
     assert stages[0] == stages[1] + embedding
-    one = estimate(shape, Setup(strategy="pipeline", pipeline_parallel_size=4, rank=1, gradient_accumulation_steps=8,
+    one = estimate(shape, Setup(strategy="pipeline", axis=PipelineLayout(4), rank=1, gradient_accumulation_steps=8,
                                 sequence_length=4096))
-    gpipe = estimate(shape, Setup(strategy="pipeline", pipeline_parallel_size=4, rank=1,
-                                  gradient_accumulation_steps=8, sequence_length=4096, pipeline_schedule="gpipe"))
+    gpipe = estimate(shape, Setup(strategy="pipeline", axis=PipelineLayout(4, "gpipe"), rank=1,
+                                  gradient_accumulation_steps=8, sequence_length=4096))
     # 8 micro-batches' activations in flight, not 3; the weights' bf16 casts and the receive buffers the same
-    setup = Setup(strategy="pipeline", pipeline_parallel_size=4, rank=1, sequence_length=4096)
+    setup = Setup(strategy="pipeline", axis=PipelineLayout(4), rank=1, sequence_length=4096)
     casts = layer_weight_cast_bytes(shape, setup)
     assert casts == 2 * shape.layer_parameters - 2 * 2 * shape.hidden_size  # every weight but the 2 norms', in bf16
     per_micro_batch = 8 * (saved_per_layer_bytes(shape, setup) - casts)  # stage 1 holds 8 layers
@@ -483,14 +506,14 @@ def test_the_estimator_gives_each_stage_its_layers_and_ends():
 
 def test_the_estimator_gives_each_lora_stage_its_frozen_base_and_its_layers_adapters():
     shape = model_shape("llama-3-8b")  # 32 layers, 7 linears each
-    setups = [Setup(strategy="pipeline", pipeline_parallel_size=4, rank=rank, lora_rank=16) for rank in range(4)]
+    setups = [Setup(strategy="pipeline", axis=PipelineLayout(4), rank=rank, lora_rank=16) for rank in range(4)]
     adapters = [pipeline_stage_adapters(shape, setup) for setup in setups]
     assert sum(adapters) == shape.lora_parameters(16) and adapters[1] == adapters[0]  # 8 layers each
     stage = estimate(shape, setups[1])
     assert stage.params_bytes == 2 * pipeline_stage_elements(shape, setups[1]) + 4 * adapters[1]  # bf16 base, fp32
     assert (stage.grads_bytes, stage.optimizer_bytes) == (4 * adapters[1], 8 * adapters[1])  # adapters; Adam's 2
     full = estimate(shape, replace(setups[1], lora_rank=0))
-    assert stage.loaded_stage_bytes[1] < full.loaded_stage_bytes[1]  # the base is not cast to fp32 masters
+    assert stage.loaded_rank_bytes[1] < full.loaded_rank_bytes[1]  # the base is not cast to fp32 masters
 
 
 def test_the_pipeline_holds_one_cast_of_each_weight_for_every_micro_batch_in_flight():
@@ -502,7 +525,7 @@ def test_the_pipeline_holds_one_cast_of_each_weight_for_every_micro_batch_in_fli
     shape = model_shape("llama-3-8b")
     measured = {}
     for precision in ("bf16", "fp32"):  # fp32: no casts, so 4 micro-batches hold 4 × one's bytes
-        setup = Setup(strategy="pipeline", num_gpus=2, pipeline_parallel_size=2, precision=precision,
+        setup = Setup(strategy="pipeline", num_gpus=2, axis=PipelineLayout(2), precision=precision,
                       sequence_length=512, gradient_accumulation_steps=4)
         measured[precision] = measure("llama-3-8b", setup, loss=False, micro_batches=4).per_layer
         assert pipeline_layer_bytes(shape, setup, 4) == pytest.approx(measured[precision], rel=0.01), precision
@@ -559,7 +582,7 @@ def test_each_stage_reads_its_own_tensors_from_the_checkpoint_held_in_fp32(tmp_p
     model_args = SimpleNamespace(model_name_or_path=str(hub), torch_dtype="auto", attn_implementation=None,
                                  trust_remote_code=False)
     recipe = SimpleNamespace(model=model_args, data=SimpleNamespace(max_seq_length=64),
-                             strategy=SimpleNamespace(pipeline_parallel_size=2))
+                             strategy=Strategy("pipeline", axis=PipelineLayout(2)))
     assert loads_stage_only(model_args)
     held = []
     for rank in (0, 1):
@@ -603,3 +626,23 @@ def test_a_tp_plan_style_the_stages_do_not_run_is_refused_by_name():
     config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.gate_proj": "local_colwise"}
     with pytest.raises(RecipeError, match="splits `layers.\\*.mlp.gate_proj` as `local_colwise`"):
         split_layers(stage, None, config)
+
+
+def test_a_pipeline_checkpoint_is_checked_and_described_from_its_marker(tmp_path):
+    """The checkpoints layer names no axis: a pipeline's marker lists the files a resume needs (each stage's weights
+    and optimizer), a missing one is named, a listed path outside the folder is never looked for, and a layout
+    message gives the sizes it records."""
+    from finetune.checkpoints.complete import describe_layout, files_a_resume_needs, mark_complete, resume_damage
+    from finetune.checkpoints.pipeline_stages import stage_checkpoint_files
+
+    layout = {"world_size": 8, "strategy": "pipeline", "zero_stage": None, "pipeline_parallel_size": 2,
+              "tensor_parallel_size": 2, "sequences_per_step": 8, "files": stage_checkpoint_files(2)}
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    mark_complete(folder, 3, {**layout, "files": [*layout["files"], "../outside.pt"]}, {})
+    assert files_a_resume_needs(folder) == [["trainer_state.json"], ["pipeline_stage_00.safetensors"],
+                                            ["pipeline_stage_00_state.pt"], ["pipeline_stage_01.safetensors"],
+                                            ["pipeline_stage_01_state.pt"]]
+    (folder / "trainer_state.json").write_text("{}")
+    assert "pipeline_stage_00.safetensors" in resume_damage(folder)
+    assert describe_layout(layout) == "pipeline (pipeline_parallel_size 2, tensor_parallel_size 2) on 8 rank(s)"

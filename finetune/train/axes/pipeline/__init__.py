@@ -12,6 +12,7 @@ from finetune.errors import RecipeError
 from finetune.launch.parallelism import Parallelism, process_count
 from finetune.launch.strategies import Strategy, is_true
 from finetune.recipe.axes import Axis
+from finetune.train.axes.pipeline.layout import PipelineLayout
 
 # torch.distributed.pipelining's single-stage schedules a recipe may name
 SCHEDULES = ("gpipe", "1f1b")
@@ -184,5 +185,5 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
     if schedule == "1f1b" and micro_batches < size:
         raise RecipeError(f"`pipeline_schedule: 1f1b` over {size} stages needs at least {size} micro-batches a step "
                           f"(`gradient_accumulation_steps`, now {micro_batches}): raise it, or use gpipe.")
-    return Strategy("pipeline", pipeline_parallel_size=size, tensor_parallel_size=tensor, nodes=strategy.nodes,
-                    source="the recipe")
+    return Strategy(PipelineLayout.name, axis=PipelineLayout(size, schedule), tensor_parallel_size=tensor,
+                    nodes=strategy.nodes, source="the recipe")

@@ -79,8 +79,9 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME as FINAL_INDEX
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from finetune import outputs
-from finetune.checkpoints.pipeline_stages import STAGE_STATE, STAGE_WEIGHTS
+from finetune.checkpoints.pipeline_stages import STAGE_STATE, STAGE_WEIGHTS, stage_checkpoint_files
 from finetune.errors import RecipeError
+from finetune.train.axes.pipeline.layout import PipelineLayout, pipeline_bubble_fraction, pipeline_recv_buffer_bytes
 from finetune.train.axes.pipeline.stages import (
     Stage,
     local,
@@ -89,6 +90,7 @@ from finetune.train.axes.pipeline.stages import (
     stage_layers,
     whole,
 )
+from finetune.train.tracking import TrackedRunCallback, run_parameters
 
 FINAL_SHARD = "model-{stage:05d}-of-{stages:05d}.safetensors"  # the final model: one shard a stage, as Transformers
 # names the shards of a sharded save; its index and single-file names are Transformers' own
@@ -511,7 +513,8 @@ class PipelineTrainer:
                 "pipeline_parallel_size": self.stage.count, "tensor_parallel_size": self.tensor_parallel,
                 "pipeline_schedule": self.schedule_name, "pipeline_replicas": self.replicas,
                 "sequences_per_step": self.args.per_device_train_batch_size * self.micro_batches * self.replicas,
-                "final_weights_dtype": final and dtype_name(final)}  # what `finetune export` writes by default
+                "final_weights_dtype": final and dtype_name(final),  # what `finetune export` writes by default
+                "files": stage_checkpoint_files(self.stage.count)}  # what a resume needs (checkpoints.complete)
 
     def _load(self, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -665,12 +668,11 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
     """The estimator's terms for this rank's stage (finetune.memory.estimate: `pipeline_stage_elements`)."""
     from finetune.memory import Setup, estimate
     from finetune.memory.callback import optimizer_kind
-    from finetune.memory.estimate import pipeline_recv_buffer_bytes
 
     args, lora = trainer.args, trainer.recipe.lora
-    setup = Setup(strategy="pipeline", num_gpus=trainer.world, pipeline_parallel_size=trainer.stage.count,
-                  tensor_parallel_size=trainer.tensor_parallel, pipeline_schedule=trainer.schedule_name,
-                  rank=trainer.stage.index,
+    layout = PipelineLayout(trainer.stage.count, trainer.schedule_name)
+    setup = Setup(strategy=layout.name, num_gpus=trainer.world, axis=layout,
+                  tensor_parallel_size=trainer.tensor_parallel, rank=trainer.stage.index,
                   precision="bf16" if args.bf16 else "fp32",
                   optimizer=optimizer_kind(args.optim) or "adamw", micro_batch_size=args.per_device_train_batch_size,
                   lora_rank=lora.lora_r if lora.use_lora else 0,
@@ -683,9 +685,23 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
             "optimizer_bytes": predicted.optimizer_bytes, "activations_bytes": predicted.activations_bytes,
             "host_load_bytes": predicted.host_load_bytes_of_rank(trainer.rank),
             "recv_buffers_bytes": pipeline_recv_buffer_bytes(shape, setup),
-            "estimate": {"setup": {key: getattr(setup, key) for key in
-                                   ("strategy", "num_gpus", "pipeline_parallel_size", "tensor_parallel_size",
-                                    "pipeline_schedule", "rank")}}}
+            "estimate": {"setup": {"strategy": setup.strategy, "num_gpus": setup.num_gpus,
+                                   "pipeline_parallel_size": layout.stages, "pipeline_schedule": layout.schedule,
+                                   "tensor_parallel_size": setup.tensor_parallel_size, "rank": setup.rank}}}
+
+
+def report_effective_config(trainer: PipelineTrainer, recipe, pipeline: dict) -> dict:
+    """The effective configuration a Trainer run writes and prints (finetune.train.effective), every value with its
+    source, plus the strategy running (the recipe's: the loop runs what it asks) and the pipeline's shape."""
+    from finetune.train.effective import describe_effective_config, print_effective_config
+
+    effective = describe_effective_config(trainer, recipe)
+    effective["strategy"]["running"] = recipe.strategy.to_dict()
+    effective["pipeline"] = pipeline
+    if trainer.rank == 0:
+        outputs.write_record(trainer.args.output_dir, outputs.EFFECTIVE_CONFIG, effective)
+        print_effective_config(effective)
+    return effective
 
 
 def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | None, schedule: str = "1f1b",
@@ -696,11 +712,10 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
     from accelerate.utils import gather_object
 
     from finetune.checkpoints.preemption import save_on_preemption
-    from finetune.memory.estimate import pipeline_bubble_fraction
     from finetune.train.evaluation import print_before_after, summarize_evaluations
 
     args = recipe.training
-    size, rank = recipe.strategy.pipeline_parallel_size, dist.get_rank()
+    size, rank = recipe.strategy.axis.stages, dist.get_rank()
     if recipe.data.generation_eval_samples and data.eval is not None and rank == 0:
         print("warning: pipeline parallelism evaluates the eval loss, not the generation exact match "
               "(`generation_eval_samples`): score the model it writes with `finetune eval`.", flush=True)
@@ -708,6 +723,12 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
         print("warning: pipeline parallelism does not save on SIGTERM: a preempted run resumes from its newest "
               "complete checkpoint (`save_steps`).", flush=True)
     trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, schedule, resume)
+    pipeline = {"stages": [[layers.start, layers.stop] for layers in stage_layers(stage.shape.num_layers, size)],
+                "schedule": schedule, "tensor_parallel_size": trainer.tensor_parallel,
+                "micro_batches": trainer.micro_batches, "replicas": trainer.replicas,
+                "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}
+    effective = report_effective_config(trainer, recipe, pipeline)
+    trainer.callbacks.add_callback(TrackedRunCallback(run_parameters(recipe, effective)))  # W&B's, MLflow's params
     result = trainer.train()
     final_evaluation = trainer.evaluate() if data.eval is not None else None  # "after" is of the final weights
     measured, predicted = stage_memory(trainer), predicted_memory(trainer, stage.shape)
@@ -724,17 +745,6 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
     if rank == 0:
         output_dir = Path(args.output_dir)
         outputs.write_record(output_dir, outputs.MEMORY_REPORT, {"ranks": ranks})
-        bounds = stage_layers(stage.shape.num_layers, size)
-        pipeline = {"stages": [[layers.start, layers.stop] for layers in bounds], "schedule": schedule,
-                    "tensor_parallel_size": trainer.tensor_parallel,
-                    "micro_batches": trainer.micro_batches, "replicas": trainer.replicas,
-                    "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}
-        outputs.write_record(output_dir, outputs.EFFECTIVE_CONFIG, {
-            "values": {"world_size": {"value": trainer.world, "source": "the launch"},
-                       "seed": {"value": args.seed, "source": "recipe"},
-                       "strategy": {"value": "pipeline", "source": "the recipe (pipeline_parallel_size)"}},
-            "strategy": {"requested": recipe.strategy.to_dict(), "running": recipe.strategy.to_dict()},
-            "pipeline": pipeline})
         outputs.write_record(output_dir, outputs.EVAL_RESULTS, summary)
         split = f", each split over {trainer.tensor_parallel} TP ranks" if trainer.tensor_parallel > 1 else ""
         print(f"pipeline: {size} stages (layers {pipeline['stages']}){split} × {trainer.replicas} replica(s), "

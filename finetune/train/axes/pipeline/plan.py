@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 
-from finetune.memory.estimate import (
-    MemoryEstimate,
-    held_precisions,
+from finetune.memory.estimate import MemoryEstimate, held_precisions
+from finetune.plan.decision_tree import PlanRequest, _axis_row, _size, axis_launch_command, axis_sizes
+from finetune.train.axes.pipeline.layout import (
+    PipelineLayout,
     pipeline_bubble_fraction,
     pipeline_recv_buffer_bytes,
     pipeline_stage_layers,
 )
-from finetune.plan.decision_tree import PlanRequest, _axis_row, _size, axis_launch_command, axis_sizes
 
 
 def plan_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
@@ -42,7 +42,7 @@ def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int
     holds its stage as in one pipeline, and each step all-reduces every stage's gradients across the replicas. With
     `tensor` (PP × TP × DP, 3D parallelism), each stage is a TP group of that many GPUs within a node
     (`parallel_3d_row`)."""
-    options = {"strategy": "pipeline", "pipeline_parallel_size": stages, "pipeline_schedule": schedule,
+    options = {"strategy": PipelineLayout.name, "axis": PipelineLayout(stages, schedule),
                "tensor_parallel_size": tensor}
     bubble = pipeline_bubble_fraction(stages, micro_batches)
     name = (f"PP {stages}" + (f" × TP {tensor}" if tensor > 1 else "") + (f" × DP {replicas}" if replicas > 1 else "")
@@ -86,7 +86,7 @@ def _tensor_in_stage_cost(shape, result: MemoryEstimate, tensor: int, micro_batc
     setup = result.setup
     precision = held_precisions(setup)
     states = setup.micro_batch_size * setup.sequence_length * shape.hidden_size
-    layers = len(pipeline_stage_layers(shape.num_layers, setup.pipeline_parallel_size)[0])
+    layers = len(pipeline_stage_layers(shape.num_layers, setup.axis.stages)[0])
     all_reduced = 4 * layers * micro_batches * 2 * (tensor - 1) / tensor * precision.compute * states
     return (f"P2P {_size(precision.residual * states)} of hidden states a micro-batch each way between stages "
             f"(receive buffers {_size(pipeline_recv_buffer_bytes(shape, setup))} on the fullest stage); TP "

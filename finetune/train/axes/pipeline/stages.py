@@ -18,7 +18,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 
 from finetune import presets
 from finetune.errors import RecipeError
-from finetune.memory.estimate import pipeline_stage_layers
+from finetune.train.axes.pipeline.layout import pipeline_stage_layers
 
 FINAL_SHARD = "model-{stage:05d}-of-{stages:05d}.safetensors"  # the final model: one shard a stage, as Transformers
 # names the shards of a sharded save; its index and single-file names are Transformers' own
@@ -251,7 +251,7 @@ def cut_stage(recipe, model, rank: int | None = None) -> Stage:
     # adapters and `base_layer` names are no part of the model the estimator counts)
     shape = model_shape(recipe.model.model_name_or_path) if hasattr(model, "peft_config") else shape_of(model)
     rank = dist.get_rank() if rank is None else rank
-    size, tensor = recipe.strategy.pipeline_parallel_size, getattr(recipe.strategy, "tensor_parallel_size", 1) or 1
+    size, tensor = recipe.strategy.axis.stages, getattr(recipe.strategy, "tensor_parallel_size", 1) or 1
     stage = build_stage(model, rank // tensor % size, size)  # on the (dp, pp, tp) mesh, TP innermost
     stage.shape = shape
     if dist.is_initialized():
