@@ -304,8 +304,8 @@ def layout_strategy(layout: dict) -> Strategy:
 
 
 def describe_layout(layout: dict) -> str:
-    """`DeepSpeed ZeRO-2 on 4 rank(s)`; an axis's own loop with the sizes its marker records (`pipeline
-    (pipeline_parallel_size 2, tensor_parallel_size 2) on 8 rank(s)`)."""
+    """`DeepSpeed ZeRO-2 on 4 rank(s)`; an axis's own loop named by its kind, with the `*_parallel_size` sizes its
+    marker records."""
     strategy = layout_strategy(layout)
     sizes = [f"{key} {value}" for key, value in layout.items() if key.endswith("_parallel_size")]
     recorded = f" ({', '.join(sizes)})" if strategy.kind not in STRATEGIES and sizes else ""

@@ -64,7 +64,8 @@ def runs(tmp_path_factory):
     hub = save_hub_model(tmp_path_factory.mktemp("hub_untied"))
     done = {}
     for name, extra in (("1f1b", EVALUATED),
-                        ("gpipe", ["--pipeline_schedule", "gpipe", "--model_name_or_path", str(hub)])):
+                        ("gpipe", ["--pipeline_schedule", "gpipe", "--pipeline_step_length", "max_seq_length",
+                                   "--model_name_or_path", str(hub)])):
         output_dir = tmp_path_factory.mktemp(f"pp_{name}")
         tracked = ["--report_to", "tensorboard", "mlflow"] if name == "1f1b" else []
         env = {"MLFLOW_TRACKING_URI": (output_dir / "mlruns").as_uri(), "MLFLOW_EXPERIMENT_NAME": "pipeline",
@@ -72,7 +73,8 @@ def runs(tmp_path_factory):
         assert_succeeded(launch_demo(DDP_ON_CPU, output_dir, *RUN, *PIPELINE, *extra, *tracked, env=env))
         one = tmp_path_factory.mktemp(f"one_{name}")
         assert main(["train", "recipes/demo.yaml", "--output_dir", str(one), *RUN,
-                     *[arg for arg in extra if arg not in ("--pipeline_schedule", "gpipe")]]) == 0
+                     *[arg for arg in extra if arg not in ("--pipeline_schedule", "gpipe", "--pipeline_step_length",
+                                                           "max_seq_length")]]) == 0
         done[name], done[f"{name}_one"] = output_dir, one
     resumed = tmp_path_factory.mktemp("pp_resumed")
     shutil.copytree(done["1f1b"] / "checkpoint-3", resumed / "checkpoint-3")
@@ -390,8 +392,17 @@ def test_each_rank_holds_its_stage_as_predicted(runs, name):
     for rank in report:
         for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "recv_buffers_bytes"):
             assert rank["measured"][key] == rank["predicted"][key], (rank["rank"], key)
-        # torch's receive buffers: 4 micro-batches of 4 × max_seq_length hidden states in fp32, one direction a stage
-        assert rank["measured"]["recv_buffers_bytes"] == 4 * 4 * 64 * hidden * 4
+        # torch's receive buffers: 4 micro-batches of 4 × the longest step's length hidden states in fp32, one
+        # direction a stage; 1F1B pads each step to its longest row (a multiple of 8), GPipe's run every step to
+        # max_seq_length (`pipeline_step_length: max_seq_length`)
+        tokens = rank["tokens"]
+        longest = tokens["longest_step"]
+        assert rank["measured"]["recv_buffers_bytes"] == 4 * 4 * longest * hidden * 4
+        if name == "1f1b":
+            assert longest % 8 == 0 and longest < 64 and tokens["computed"] < STEPS * 16 * longest
+        else:
+            assert longest == 64 and tokens["computed"] == STEPS * 16 * 64
+        assert tokens["rows"] < tokens["computed"]
     whole = sum(rank["measured"]["params_bytes"] for rank in report) // 4
     config = json.loads((runs[f"{name}_one"] / "config.json").read_text())
     embedding = config["vocab_size"] * config["hidden_size"]
@@ -447,6 +458,8 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
         (asked, {"data": SimpleNamespace(packing=True, padding_free=False, streaming=False)}, "packed"),
         ({**asked, "gradient_accumulation_steps": 1}, {}, "needs at least 2 micro-batches"),
         ({**asked, "pipeline_schedule": "interleaved"}, {}, "not one of gpipe, 1f1b"),
+        ({**asked, "pipeline_step_length": "shortest"}, {}, "`pipeline_step_length: shortest` is not one of longest, "
+                                                             "max_seq_length"),
         (asked, {"parallelism": Parallelism(sequence_parallel_size=2)}, "sequence_parallel_size 2 beside it"),
         (asked, {"parallelism": Parallelism(context_parallel_size=2)}, "context_parallel_size 2 beside it"),
         (asked, {"parallelism": Parallelism(tensor_parallel_size=2)},
@@ -533,20 +546,28 @@ def test_the_pipeline_holds_one_cast_of_each_weight_for_every_micro_batch_in_fli
     assert measured["bf16"] < 0.45 * 4 * one  # 888 MiB against 4 × 534
 
 
-def test_the_plans_pipeline_row_pads_to_max_seq_length_without_checkpointing(capsys):
-    """The loop pads every row to `max_seq_length` and refuses gradient checkpointing: the PP row plans both whatever
-    the request says of checkpointing or the data's lengths."""
+def test_the_plans_pipeline_row_plans_max_seq_length_without_checkpointing_and_the_steps_padding(capsys):
+    """The loop pads each step to its longest row and refuses gradient checkpointing: the PP row plans a step at
+    `max_seq_length` (the longest it can be) without checkpointing, whatever the request says, and says what the
+    padding costs on the data's own lengths: the expected longest of a step's rows over their mean."""
     from finetune.plan.decision_tree import PlanRequest, make_plan
 
     request = dict(model="llama-3-8b", gpus=8, gpu_memory_gib=80, sequence_length=4096, global_batch_size=32)
     plain = make_plan(PlanRequest(**request))
-    asked = make_plan(PlanRequest(**request, gradient_checkpointing=True, token_lengths=[1024] * 100))
-    rows = [next(row for row in plan["axes"] if row["key"] == "pipeline") for plan in (plain, asked)]
+    even = make_plan(PlanRequest(**request, gradient_checkpointing=True, token_lengths=[1024] * 100))
+    mixed = make_plan(PlanRequest(**request, token_lengths=[100] * 90 + [1000] * 10))
+    rows = [next(row for row in plan["axes"] if row["key"] == "pipeline") for plan in (plain, even, mixed)]
     assert rows[0]["estimate"].activations_bytes == rows[1]["estimate"].activations_bytes
     setup = rows[1]["estimate"].setup
     assert setup.sequence_length == 4096 and not setup.gradient_checkpointing
-    # what the padding costs, said beside the bubble: rows of 1,024 tokens padded to 4,096
-    assert rows[1]["padding_factor"] == 4.0 and "rows padded to 4096 tokens: 4.0× the data's mean" in rows[1]["cost"]
+    assert rows[1]["padding_factor"] == pytest.approx(1.0)  # every row 1,024 tokens: no padding
+    # a step of n rows is 1,000 long unless all n are 100 (padded to 104): (104·0.9ⁿ + 1000·(1 − 0.9ⁿ)) / 190
+    n = setup.micro_batch_size * setup.gradient_accumulation_steps
+    expected = (104 * 0.9 ** n + 1000 * (1 - 0.9 ** n)) / 190
+    assert rows[2]["padding_factor"] == pytest.approx(expected) and expected > 4
+    trainer = (104 * 0.9 ** setup.micro_batch_size + 1000 * (1 - 0.9 ** setup.micro_batch_size)) / 190
+    assert f"padded to its longest: {expected:.2f}× the data's tokens" in rows[2]["cost"]
+    assert f"(Trainer pads each micro-batch of {setup.micro_batch_size}: {trainer:.2f}×)" in rows[2]["cost"]
     assert "padding_factor" not in rows[0]  # no data: nothing to say
 
 

@@ -16,6 +16,8 @@ from finetune.train.axes.pipeline.layout import PipelineLayout
 
 # torch.distributed.pipelining's single-stage schedules a recipe may name
 SCHEDULES = ("gpipe", "1f1b")
+# what a step's micro-batches are padded to: the step's longest row, or `max_seq_length` (one shape for every step)
+STEP_LENGTHS = ("longest", "max_seq_length")
 
 
 @dataclass
@@ -35,6 +37,13 @@ class PipelineArguments:
         metadata={"help": "With pipeline_parallel_size: gpipe (every micro-batch's forward, then the backwards) or "
                           "1f1b (one forward, one backward: fewer micro-batches' activations held at once)."},
     )
+    pipeline_step_length: str = field(
+        default="longest",
+        metadata={"help": "With pipeline_parallel_size: longest (each step's micro-batches padded to the step's "
+                          "longest row, rounded up to a multiple of 8: torch's schedule is rebuilt for each new "
+                          "length) or max_seq_length (every step at one shape: padding costs compute, the buffers "
+                          "never change)."},
+    )
 
 
 class PipelineParallelism(Axis):
@@ -47,10 +56,12 @@ class PipelineParallelism(Axis):
 
     def check(self, sections, parallelism, strategy):
         keys = {**sections.training_inputs, "pipeline_parallel_size": self.settings.pipeline_parallel_size,
-                "pipeline_schedule": self.settings.pipeline_schedule}
+                "pipeline_schedule": self.settings.pipeline_schedule,
+                "pipeline_step_length": self.settings.pipeline_step_length}
         strategy = check_pipeline(keys, sections.data, sections.lora.use_lora or sections.lora.use_qlora,
                                   sections.method.name, parallelism, strategy, lora=sections.lora)
-        self.settings.pipeline_schedule = keys["pipeline_schedule"]  # as the loop names it
+        self.settings.pipeline_schedule = keys["pipeline_schedule"]  # as the loop names them
+        self.settings.pipeline_step_length = keys.get("pipeline_step_length", "longest")
         return strategy
 
     def before_loading(self, recipe) -> None:
@@ -72,7 +83,7 @@ class PipelineParallelism(Axis):
         from finetune.train.axes.pipeline.loop import train_pipeline
 
         return train_pipeline(recipe, model, prepared, tokenizer, data, resume, self.settings.pipeline_schedule,
-                              host_load_bytes=host_load_bytes)
+                              host_load_bytes=host_load_bytes, step_length=self.settings.pipeline_step_length)
 
     @classmethod
     def plan_rows(cls, request, shape, micro_batch_size: int) -> list[dict]:
@@ -82,9 +93,10 @@ class PipelineParallelism(Axis):
 
     def plan_launch(self, recipe: str, overrides: list[str], machine, sections) -> dict | None:
         """The plan record of a self-launch (`finetune train --gpus N`): every stage estimated as the loop runs it
-        (the recipe's micro-batches, rows at `max_seq_length`; the launch's processes over the stages are the
-        replicas), the fullest rank's memory against this machine's GPUs and the node's host RAM at load (each rank
-        reads its stage alone) against its RAM; None where the model's shape cannot be read (launched unplanned)."""
+        (the recipe's micro-batches, a step at `max_seq_length`, the longest it can be; the launch's processes over
+        the stages are the replicas), the fullest rank's memory against this machine's GPUs and the node's host RAM
+        at load (each rank reads its stage alone) against its RAM; None where the model's shape cannot be read
+        (launched unplanned)."""
         from finetune.launch.parallelism import process_count
         from finetune.memory.shapes import model_shape
         from finetune.plan.calibration import calibration_for
@@ -139,6 +151,10 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
     if schedule not in SCHEDULES:
         raise RecipeError(f"`pipeline_schedule: {schedule}` is not one of {', '.join(SCHEDULES)}.")
     training_inputs["pipeline_schedule"] = schedule
+    length = str(training_inputs.get("pipeline_step_length") or "longest").lower()
+    if length not in STEP_LENGTHS:
+        raise RecipeError(f"`pipeline_step_length: {length}` is not one of {', '.join(STEP_LENGTHS)}.")
+    training_inputs["pipeline_step_length"] = length
     world_size, tensor = int(os.environ.get("WORLD_SIZE", "1")), parallelism.tensor_parallel_size
     if world_size % (size * tensor):
         ranks = f"{size} × tensor_parallel_size {tensor} = {size * tensor}" if tensor > 1 else f"{size}"

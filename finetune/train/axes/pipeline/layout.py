@@ -23,6 +23,10 @@ from finetune.memory.estimate import (
     stage_tensor_parallel,
 )
 
+# A step's rows are padded to its longest row rounded up to this many tokens (the multiple Transformers' collators
+# pad to for tensor cores), which also bounds how many shapes the loop builds torch's schedule for.
+STEP_LENGTH_MULTIPLE = 8
+
 
 @dataclass(frozen=True)
 class PipelineLayout:
@@ -138,7 +142,8 @@ def pipeline_activation_bytes(shape: ModelShape, setup: Setup) -> float:
     flight (`pipeline_layer_bytes`), and torch's receive buffers (`pipeline_recv_buffer_bytes`). GPipe runs every
     forward before the first backward (all `gradient_accumulation_steps` micro-batches); 1F1B lets stage s hold
     p − s of them (the first stage the most). The loss's fp32 logits belong to the last stage, one micro-batch at a
-    time. Rows are padded to `max_seq_length` (`setup.sequence_length`), which the plan's PP row passes."""
+    time. A step is `setup.sequence_length` long: the plan's PP row passes `max_seq_length` (the longest a step can be:
+    the loop pads each step to its longest row), a run's memory report its longest step."""
     p, stage, m = setup.axis.stages, setup.rank, setup.gradient_accumulation_steps
     in_flight = m if setup.axis.schedule == "gpipe" else min(p - stage, m)
     layers = len(pipeline_stage_layers(shape.num_layers, p)[stage])

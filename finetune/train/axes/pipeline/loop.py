@@ -6,6 +6,11 @@ this module runs the loop Trainer cannot (neither Trainer nor Accelerate drive a
 where they apply: its data order, optimizer, parameter groups and learning-rate schedule, and its log and checkpoint
 files.
 
+Each step's micro-batches are padded to the step's longest row, rounded up to a multiple of 8 (torch's schedule
+cuts a step into micro-batches of one shape, and shapes its receive buffers by the first it runs), and a step of
+another length gets a new stage and schedule over the same module (`pipeline_step_length: max_seq_length` keeps one
+shape). Padding follows every real token and carries no label, so no real token's loss changes.
+
 What the loop does that a one-process Trainer run does:
 - the loss of a step is the sum of its answer tokens' losses over the step's answer-token count, whatever the
   micro-batch (the toolkit's `tokens` normalisation), logged from the last stage;
@@ -81,7 +86,12 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 from finetune import outputs
 from finetune.checkpoints.pipeline_stages import STAGE_STATE, STAGE_WEIGHTS, stage_checkpoint_files
 from finetune.errors import RecipeError
-from finetune.train.axes.pipeline.layout import PipelineLayout, pipeline_bubble_fraction, pipeline_recv_buffer_bytes
+from finetune.train.axes.pipeline.layout import (
+    STEP_LENGTH_MULTIPLE,
+    PipelineLayout,
+    pipeline_bubble_fraction,
+    pipeline_recv_buffer_bytes,
+)
 from finetune.train.axes.pipeline.stages import (
     Stage,
     local,
@@ -147,6 +157,31 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                        ignore_index=-100, reduction="sum")
 
 
+def step_length(batches: list[dict], cap: int, fixed: bool = False) -> int:
+    """The length a step's micro-batches are padded to, one for all (torch's schedule cuts the step's batch into
+    micro-batches of one shape): `cap` (`max_seq_length`) where `fixed`, else the step's longest row rounded up to
+    `STEP_LENGTH_MULTIPLE`, at most `cap`. A one-process Trainer run pads each micro-batch to its own longest row;
+    the padding's tokens are masked out of attention by causality (they follow every real token) and carry no
+    label."""
+    longest = max(batch["input_ids"].shape[1] for batch in batches)
+    if fixed:
+        return max(cap, longest)
+    return max(longest, min(-(-longest // STEP_LENGTH_MULTIPLE) * STEP_LENGTH_MULTIPLE, cap))
+
+
+def padded_to(batch: dict, length: int, pad_id: int) -> dict:
+    """`batch`'s token ids and labels, its rows filled on the right to `length` with pad tokens without labels."""
+    fill = max(length - batch["input_ids"].shape[1], 0)
+    return {"input_ids": nn.functional.pad(batch["input_ids"], (0, fill), value=pad_id),
+            "labels": nn.functional.pad(batch["labels"], (0, fill), value=-100)}
+
+
+def row_tokens(batch: dict) -> int:
+    """The tokens of a micro-batch's rows, without their padding (its attention mask; every token without one)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if torch.is_tensor(mask) else batch["input_ids"].numel()
+
+
 def filled(batch: dict | None, rows: int, pad_id: int, like: dict | None = None) -> dict:
     """`batch` with unlabelled padding rows up to `rows` (a micro-batch of the schedule's shape); None: all padding,
     shaped as `like`."""
@@ -165,10 +200,10 @@ def filled(batch: dict | None, rows: int, pad_id: int, like: dict | None = None)
 class PipelineTrainer:
     """The training loop of one stage. `recipe.training` are Trainer's arguments; `data` the method's prepared data."""
 
-    def __init__(self, recipe, model, tokenizer, data, stage: Stage, schedule: str, resume: str | None):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
+    def __init__(self, recipe, model, tokenizer, data, stage: Stage, schedule: str, resume: str | None,
+                 step_length: str = "longest"):
         self.recipe, self.args, self.tokenizer, self.data = recipe, recipe.training, tokenizer, data
+        self.step_length = step_length  # "longest": each step its longest row's length; "max_seq_length": one shape
         self.model, self.stage, self.schedule_name, self.resume = model, stage, schedule, resume
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.tensor_parallel, self.tensor_rank = stage.tensor_parallel, self.rank % stage.tensor_parallel
@@ -179,11 +214,10 @@ class PipelineTrainer:
         self.pipeline_group, self.replica_group, self.tensor_group, self.tied_group = self._groups()
         stage.module.to(self.device)
         self.step_tokens = 1
-        self.pipe_stage = PipelineStage(stage.module, stage.index, stage.count, self.device,
-                                        group=self.pipeline_group)
-        engine = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.schedule = engine(self.pipe_stage, n_microbatches=self.micro_batches, loss_fn=self._loss,
-                               scale_grads=False)
+        # torch's stage and schedule for the current step length (`_schedule_for`), the longest a step ran at and the
+        # most its receive buffers held; the tokens the steps computed and the rows' own
+        self.pipe_stage, self.schedule, self.length = None, None, None
+        self.longest_step, self.recv_buffers_peak, self.computed_tokens, self.row_tokens = 0, 0, 0, 0
         self.optimizer, self.lr_scheduler = self._optimizer_and_schedule()
         self.global_step, self.log_history, self.epoch = 0, [], 0.0
         self.state, self.control, self.callbacks = self._callbacks()
@@ -248,8 +282,8 @@ class PipelineTrainer:
 
     def train_loader(self):
         """Micro-batches in the order a one-process Trainer run sees them: Trainer's random sampler, seeded by
-        Accelerate as Trainer prepares it (`use_seedable_sampler`), each padded to `max_seq_length`: a stage's
-        send/recv buffers keep the shape of the first step. With several replicas each takes every `replicas`-th
+        Accelerate as Trainer prepares it (`use_seedable_sampler`), each padded to its longest row (a step's
+        micro-batches then to the step's length, `_run_schedule`). With several replicas each takes every `replicas`-th
         micro-batch, as DDP's ranks do: a step's micro-batches over all replicas are a one-process step's."""
         if getattr(self, "_loader", None) is None:
             from accelerate.data_loader import prepare_data_loader
@@ -259,7 +293,7 @@ class PipelineTrainer:
 
             dataset = self.data.train.select_columns(["input_ids", "labels"])
             collate = SequenceShardedCollator(data_collator(self.tokenizer), 1, self.tokenizer.pad_token_id,
-                                              length=self.recipe.data.max_seq_length)
+                                              length=self.fixed_length)
             loader = DataLoader(dataset, batch_size=self.args.per_device_train_batch_size,
                                 sampler=RandomSampler(dataset), collate_fn=collate, drop_last=True)
             self._loader = prepare_data_loader(loader, num_processes=self.replicas, process_index=self.replica,
@@ -267,6 +301,30 @@ class PipelineTrainer:
                                                use_seedable_sampler=self.args.accelerator_config.use_seedable_sampler,
                                                data_seed=self.args.data_seed)
         return self._loader
+
+    @property
+    def fixed_length(self) -> int | None:
+        """The one length every micro-batch is padded to (`step_length: max_seq_length`), else None."""
+        return self.recipe.data.max_seq_length if self.step_length == "max_seq_length" else None
+
+    def _schedule_for(self, length: int):
+        """torch's stage and schedule for steps of `length` tokens a row. Its receive buffers are shaped by the first
+        micro-batch it runs (torch's runtime shape inference), so a step of another length gets a new stage and
+        schedule over the same module, on every rank of the pipeline at once (they see the same micro-batches); the
+        old ones, and their buffers, are dropped."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if length != self.length:
+            if self.pipe_stage is not None:
+                self.recv_buffers_peak = max(self.recv_buffers_peak, recv_buffer_bytes(self.pipe_stage))
+            self.pipe_stage = PipelineStage(self.stage.module, self.stage.index, self.stage.count, self.device,
+                                            group=self.pipeline_group)
+            engine = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
+            self.schedule = engine(self.pipe_stage, n_microbatches=self.micro_batches, loss_fn=self._loss,
+                                   scale_grads=False)
+            self.length = length
+        self.longest_step = max(self.longest_step, length)
+        return self.schedule
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(logits, labels) / self.step_tokens
@@ -276,9 +334,16 @@ class PipelineTrainer:
         """One pass of the schedule over a step's micro-batches; the sum of the losses the last stage computed, on
         every rank of the pipeline, and over the replicas when training (their micro-batches make the step).
         `forward_only`: torch's `eval`, no backward (every replica evaluates the same rows)."""
+        length = step_length(batches, self.recipe.data.max_seq_length, fixed=self.fixed_length is not None)
+        counted = sum(row_tokens(batch) for batch in batches)
+        batches = [padded_to(batch, length, self.tokenizer.pad_token_id) for batch in batches]
         input_ids = torch.cat([batch["input_ids"] for batch in batches]).to(self.device)
         labels = torch.cat([batch["labels"] for batch in batches]).to(self.device)
-        run = self.schedule.eval if forward_only else self.schedule.step
+        schedule = self._schedule_for(length)
+        if not forward_only:
+            self.computed_tokens += input_ids.numel()
+            self.row_tokens += counted
+        run = schedule.eval if forward_only else schedule.step
         losses: list[torch.Tensor] = []
         # bf16 mixed precision as Trainer runs it: autocast over the forward, fp32 weights, gradients and states
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bool(self.args.bf16)):
@@ -296,7 +361,7 @@ class PipelineTrainer:
         return float(loss)
 
     def _step(self, batches: list[dict]) -> tuple[float, float]:
-        tokens = torch.tensor([step_token_count(torch.cat([batch["labels"] for batch in batches]))],
+        tokens = torch.tensor([sum(step_token_count(batch["labels"]) for batch in batches)],
                               dtype=torch.int64, device=self.device)
         if self.replicas > 1:  # every answer token of the step weighs the same, whichever replica saw it
             dist.all_reduce(tokens, group=self.replica_group)
@@ -319,15 +384,14 @@ class PipelineTrainer:
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     def eval_loader(self):
-        """The eval split in order, padded as the training micro-batches are (`max_seq_length`): the stages' send and
-        receive buffers keep the training step's shape."""
+        """The eval split in order, padded as the training micro-batches are."""
         from torch.utils.data import DataLoader
 
         from finetune.data.collate import SequenceShardedCollator, data_collator
 
         dataset = self.data.eval.select_columns(["input_ids", "labels"])
         collate = SequenceShardedCollator(data_collator(self.tokenizer), 1, self.tokenizer.pad_token_id,
-                                          length=self.recipe.data.max_seq_length)
+                                          length=self.fixed_length)
         return DataLoader(dataset, batch_size=self.args.per_device_train_batch_size, collate_fn=collate)
 
     def evaluate(self) -> dict:
@@ -653,7 +717,7 @@ def stage_memory(trainer: PipelineTrainer) -> dict[str, int]:
     return {"params_bytes": sum(held(p) for p in parameters),
             "grads_bytes": sum(held(p.grad) for p in parameters if p.grad is not None),
             "optimizer_bytes": sum(held(value) for value in states),
-            "recv_buffers_bytes": recv_buffer_bytes(trainer.pipe_stage)}
+            "recv_buffers_bytes": max(trainer.recv_buffers_peak, recv_buffer_bytes(trainer.pipe_stage))}
 
 
 def recv_buffer_bytes(pipe_stage) -> int:
@@ -665,7 +729,9 @@ def recv_buffer_bytes(pipe_stage) -> int:
 
 
 def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
-    """The estimator's terms for this rank's stage (finetune.memory.estimate: `pipeline_stage_elements`)."""
+    """The estimator's terms for this rank's stage (`pipeline_stage_elements` and the rest of
+    finetune.train.axes.pipeline.layout) at the shapes it ran: its longest step's length, which the plan bounds by
+    `max_seq_length`."""
     from finetune.memory import Setup, estimate
     from finetune.memory.callback import optimizer_kind
 
@@ -678,7 +744,7 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
                   lora_rank=lora.lora_r if lora.use_lora else 0,
                   lora_dropout=lora.lora_dropout if lora.use_lora else 0.0,
                   lora_target_modules=tuple(lora.lora_target_modules or ()) or None if lora.use_lora else None,
-                  sequence_length=trainer.recipe.data.max_seq_length,
+                  sequence_length=trainer.longest_step or trainer.recipe.data.max_seq_length,  # the shapes it ran
                   gradient_accumulation_steps=trainer.micro_batches)
     predicted = estimate(shape, setup)
     return {"params_bytes": predicted.params_bytes, "grads_bytes": predicted.grads_bytes,
@@ -705,7 +771,7 @@ def report_effective_config(trainer: PipelineTrainer, recipe, pipeline: dict) ->
 
 
 def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | None, schedule: str = "1f1b",
-                   host_load_bytes: int | None = None) -> dict:
+                   host_load_bytes: int | None = None, step_length: str = "longest") -> dict:
     """The whole run of this rank's stage (`cut_stage`): train, checkpoint, write the final model into output_dir;
     rank 0 writes the records a Trainer run writes (trainer_state.json, effective_config.json, memory_report.json,
     eval_results.json). Returns the summary. `host_load_bytes`: host RAM this rank took to load its stage."""
@@ -722,10 +788,10 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
     if save_on_preemption(args) and rank == 0:  # on by default under SLURM: said, not silently skipped
         print("warning: pipeline parallelism does not save on SIGTERM: a preempted run resumes from its newest "
               "complete checkpoint (`save_steps`).", flush=True)
-    trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, schedule, resume)
+    trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, schedule, resume, step_length)
     pipeline = {"stages": [[layers.start, layers.stop] for layers in stage_layers(stage.shape.num_layers, size)],
                 "schedule": schedule, "tensor_parallel_size": trainer.tensor_parallel,
-                "micro_batches": trainer.micro_batches, "replicas": trainer.replicas,
+                "micro_batches": trainer.micro_batches, "replicas": trainer.replicas, "step_length": step_length,
                 "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}
     effective = report_effective_config(trainer, recipe, pipeline)
     trainer.callbacks.add_callback(TrackedRunCallback(run_parameters(recipe, effective)))  # W&B's, MLflow's params
@@ -735,7 +801,10 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
     if host_load_bytes is not None:
         measured["host_load_bytes"] = host_load_bytes
     memory = {"rank": rank, "world_size": trainer.world, "strategy": recipe.strategy.label,
-              "layers": [stage.layers.start, stage.layers.stop], "measured": measured, "predicted": predicted}
+              "layers": [stage.layers.start, stage.layers.stop], "measured": measured, "predicted": predicted,
+              # what the steps computed against their rows' own tokens (the rest is padding), this rank's replica
+              "tokens": {"computed": trainer.computed_tokens, "rows": trainer.row_tokens,
+                         "longest_step": trainer.longest_step}}
     ranks = gather_object([memory])
     trainer.save_final()
     summary = summarize_evaluations(trainer.log_history, [], final_evaluation)  # a resume keeps its log's evaluations

@@ -8,6 +8,7 @@ import math
 from finetune.memory.estimate import MemoryEstimate, held_precisions
 from finetune.plan.decision_tree import PlanRequest, _axis_row, _size, axis_launch_command, axis_sizes
 from finetune.train.axes.pipeline.layout import (
+    STEP_LENGTH_MULTIPLE,
     PipelineLayout,
     pipeline_bubble_fraction,
     pipeline_recv_buffer_bytes,
@@ -59,7 +60,8 @@ def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int
                     "accelerate_configs/ddp.yaml", replicas,
                     f"idle {bubble:.0%} of each step (bubble, {micro_batches} micro-batches)", why,
                     micro_batches=micro_batches, ranks=stages,
-                    # the loop pads every row to max_seq_length and refuses gradient checkpointing
+                    # a step may be max_seq_length long (its longest row's length), and the loop refuses gradient
+                    # checkpointing
                     runs_as={"sequence_length": request.sequence_length, "gradient_checkpointing": False})
     result = row["estimate"]
     if tensor > 1:
@@ -70,11 +72,26 @@ def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int
                         f"{_size(2 * (replicas - 1) / replicas * gradients)} a GPU a step")
     row["cost"] += (f"; loads {_size(result.host_load_bytes_per_node)}/node ("
                     + ("a rank its TP slice of a stage)" if tensor > 1 else "a stage a rank)"))
-    if request.token_lengths:  # the loop pads every row to max_seq_length: FLOPs the data's own lengths do not need
-        padding = request.sequence_length / (sum(request.token_lengths) / len(request.token_lengths))
+    if request.token_lengths:  # each step's rows padded to its longest: FLOPs the data's own lengths do not need
+        rows = micro_batch_size * micro_batches
+        padding = step_padding_factor(request.token_lengths, rows, request.sequence_length)
         row["padding_factor"] = padding
-        row["cost"] += f"; rows padded to {request.sequence_length} tokens: {padding:.1f}× the data's mean"
+        trainer = step_padding_factor(request.token_lengths, micro_batch_size, request.sequence_length)
+        row["cost"] += (f"; each step's {rows} rows padded to its longest: {padding:.2f}× the data's tokens "
+                        f"(Trainer pads each micro-batch of {micro_batch_size}: {trainer:.2f}×)")
     return row
+
+
+def step_padding_factor(lengths: list[int], rows: int, cap: int) -> float:
+    """The tokens a batch of `rows` rows drawn from `lengths` computes when padded to its longest row (rounded up to
+    the loop's multiple, at most `cap`), over the tokens of its rows: E[max of `rows` draws] / mean, the expected
+    maximum read off the data's sorted lengths (draws with replacement: P(max ≤ x_(i)) = (i/N)^rows)."""
+    ordered = sorted(min(int(length), cap) for length in lengths)
+    count = len(ordered)
+    padded = [min(-(-length // STEP_LENGTH_MULTIPLE) * STEP_LENGTH_MULTIPLE, cap) for length in ordered]
+    expected_max = sum(length * ((index / count) ** rows - ((index - 1) / count) ** rows)
+                       for index, length in enumerate(padded, start=1))
+    return expected_max / (sum(ordered) / count)
 
 
 def _tensor_in_stage_cost(shape, result: MemoryEstimate, tensor: int, micro_batches: int) -> str:
