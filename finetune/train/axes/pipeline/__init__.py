@@ -18,6 +18,8 @@ from finetune.train.axes.pipeline.layout import PipelineLayout
 SCHEDULES = ("gpipe", "1f1b")
 # what a step's micro-batches are padded to: the step's longest row, or `max_seq_length` (one shape for every step)
 STEP_LENGTHS = ("longest", "max_seq_length")
+# the dtype of the hidden states (and their gradients) passed between stages
+HAND_OFF_DTYPES = ("fp32", "bf16")
 
 
 @dataclass
@@ -44,6 +46,13 @@ class PipelineArguments:
                           "length) or max_seq_length (every step at one shape: padding costs compute, the buffers "
                           "never change)."},
     )
+    pipeline_hand_off_dtype: str = field(
+        default="fp32",
+        metadata={"help": "With pipeline_parallel_size: the dtype the hidden states and their gradients pass between "
+                          "stages in. fp32: as a stage computes them (its residual over fp32 master weights), a "
+                          "one-process run's numbers; bf16 (with `bf16: true`): half the bytes sent and held in "
+                          "receive buffers, each hand-off rounded to bf16."},
+    )
 
 
 class PipelineParallelism(Axis):
@@ -57,11 +66,13 @@ class PipelineParallelism(Axis):
     def check(self, sections, parallelism, strategy):
         keys = {**sections.training_inputs, "pipeline_parallel_size": self.settings.pipeline_parallel_size,
                 "pipeline_schedule": self.settings.pipeline_schedule,
-                "pipeline_step_length": self.settings.pipeline_step_length}
+                "pipeline_step_length": self.settings.pipeline_step_length,
+                "pipeline_hand_off_dtype": self.settings.pipeline_hand_off_dtype}
         strategy = check_pipeline(keys, sections.data, sections.lora.use_lora or sections.lora.use_qlora,
                                   sections.method.name, parallelism, strategy, lora=sections.lora)
         self.settings.pipeline_schedule = keys["pipeline_schedule"]  # as the loop names them
         self.settings.pipeline_step_length = keys.get("pipeline_step_length", "longest")
+        self.settings.pipeline_hand_off_dtype = keys.get("pipeline_hand_off_dtype", "fp32")
         return strategy
 
     def before_loading(self, recipe) -> None:
@@ -127,7 +138,8 @@ class PipelineParallelism(Axis):
         except RecipeError:
             return None
         row = pipeline_row(request, shape, batch.micro_batch_size, stages, self.settings.pipeline_schedule,
-                           batch.gradient_accumulation_steps, replicas=replicas, tensor=tensor)
+                           batch.gradient_accumulation_steps, replicas=replicas, tensor=tensor,
+                           hand_off=self.settings.pipeline_hand_off_dtype)
         return {
             "strategy": "pipeline", "label": row["name"], "chosen_by": "the recipe's pipeline_parallel_size",
             "device": machine.describe(), "processes": machine.processes, "nodes": machine.nodes,
@@ -155,6 +167,13 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
     if length not in STEP_LENGTHS:
         raise RecipeError(f"`pipeline_step_length: {length}` is not one of {', '.join(STEP_LENGTHS)}.")
     training_inputs["pipeline_step_length"] = length
+    hand_off = str(training_inputs.get("pipeline_hand_off_dtype") or "fp32").lower()
+    if hand_off not in HAND_OFF_DTYPES:
+        raise RecipeError(f"`pipeline_hand_off_dtype: {hand_off}` is not one of {', '.join(HAND_OFF_DTYPES)}.")
+    if hand_off == "bf16" and not is_true(training_inputs.get("bf16")):
+        raise RecipeError("`pipeline_hand_off_dtype: bf16` rounds the hidden states passed between stages to bf16, "
+                          "which a run computing in fp32 would not do: set `bf16: true`, or hand off in fp32.")
+    training_inputs["pipeline_hand_off_dtype"] = hand_off
     world_size, tensor = int(os.environ.get("WORLD_SIZE", "1")), parallelism.tensor_parallel_size
     if world_size % (size * tensor):
         ranks = f"{size} × tensor_parallel_size {tensor} = {size * tensor}" if tensor > 1 else f"{size}"
@@ -201,5 +220,5 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
     if schedule == "1f1b" and micro_batches < size:
         raise RecipeError(f"`pipeline_schedule: 1f1b` over {size} stages needs at least {size} micro-batches a step "
                           f"(`gradient_accumulation_steps`, now {micro_batches}): raise it, or use gpipe.")
-    return Strategy(PipelineLayout.name, axis=PipelineLayout(size, schedule), tensor_parallel_size=tensor,
+    return Strategy(PipelineLayout.name, axis=PipelineLayout(size, schedule, hand_off), tensor_parallel_size=tensor,
                     nodes=strategy.nodes, source="the recipe")

@@ -31,12 +31,14 @@ STEP_LENGTH_MULTIPLE = 8
 @dataclass(frozen=True)
 class PipelineLayout:
     """`stages` consecutive stages of the model's layers (`pipeline_parallel_size`), one a process (a TP group of
-    `tensor_parallel_size` processes under PP × TP), run by `schedule` (`pipeline_schedule`). A launch's `Strategy`
-    and the estimator's `Setup` carry it as their `axis`; it answers what they ask of an axis that runs its own
-    loop."""
+    `tensor_parallel_size` processes under PP × TP), run by `schedule` (`pipeline_schedule`), handing the hidden
+    states (and their gradients) from stage to stage in `hand_off` (`pipeline_hand_off_dtype`: fp32, or bf16 where
+    the run computes in bf16). A launch's `Strategy` and the estimator's `Setup` carry it as their `axis`; it answers
+    what they ask of an axis that runs its own loop."""
 
     stages: int
     schedule: str = "1f1b"
+    hand_off: str = "fp32"
     name: ClassVar[str] = "pipeline"
     splits_tensor_parallelism: ClassVar[bool] = True  # each stage's layers over the mesh's tp ranks (3D)
 
@@ -171,13 +173,18 @@ def pipeline_recv_buffer_bytes(shape: ModelShape, setup: Setup) -> int:
     """torch's receive buffers on stage `setup.rank` (each rank of it under TP: the hidden states are whole on every
     rank of a stage, replicated over its TP group): one per micro-batch for the hidden states arriving from the
     stage before (every stage but the first) and one for their gradients arriving from the stage after (every stage
-    but the last), allocated once and kept (torch/distributed/pipelining/stage.py: `_create_act_recv_info`,
-    `_create_grad_recv_info`). They are in the hidden states' dtype: fp32 under mixed precision, where the embedding
-    is an fp32 master and the residual stays fp32."""
+    but the last), allocated for a step's length and kept while steps keep it (torch/distributed/pipelining/stage.py:
+    `_create_act_recv_info`, `_create_grad_recv_info`), in the hand-off's dtype (`hand_off_bytes`)."""
     p, stage, m = setup.axis.stages, setup.rank, setup.gradient_accumulation_steps
     directions = (stage > 0) + (stage < p - 1)
-    residual = held_precisions(setup).residual
-    return directions * m * setup.micro_batch_size * setup.sequence_length * shape.hidden_size * residual
+    return directions * m * setup.micro_batch_size * setup.sequence_length * shape.hidden_size * \
+        hand_off_bytes(setup)
+
+
+def hand_off_bytes(setup: Setup) -> int:
+    """Bytes of one hidden-state element handed between stages: 2 with a bf16 hand-off, else the residual's dtype
+    (fp32 under mixed precision over fp32 masters; a LoRA stage's frozen bf16 embedding gives bf16 already)."""
+    return 2 if setup.axis.hand_off == "bf16" else held_precisions(setup).residual
 
 
 def pipeline_bubble_fraction(pipeline_parallel: int, micro_batches: int) -> float:

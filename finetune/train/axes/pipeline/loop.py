@@ -88,7 +88,6 @@ from finetune.checkpoints.pipeline_stages import STAGE_STATE, STAGE_WEIGHTS, sta
 from finetune.errors import RecipeError
 from finetune.train.axes.pipeline.layout import (
     STEP_LENGTH_MULTIPLE,
-    PipelineLayout,
     pipeline_bubble_fraction,
     pipeline_recv_buffer_bytes,
 )
@@ -736,7 +735,7 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
     from finetune.memory.callback import optimizer_kind
 
     args, lora = trainer.args, trainer.recipe.lora
-    layout = PipelineLayout(trainer.stage.count, trainer.schedule_name)
+    layout = trainer.recipe.strategy.axis
     setup = Setup(strategy=layout.name, num_gpus=trainer.world, axis=layout,
                   tensor_parallel_size=trainer.tensor_parallel, rank=trainer.stage.index,
                   precision="bf16" if args.bf16 else "fp32",
@@ -753,6 +752,7 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
             "recv_buffers_bytes": pipeline_recv_buffer_bytes(shape, setup),
             "estimate": {"setup": {"strategy": setup.strategy, "num_gpus": setup.num_gpus,
                                    "pipeline_parallel_size": layout.stages, "pipeline_schedule": layout.schedule,
+                                   "pipeline_hand_off_dtype": layout.hand_off,
                                    "tensor_parallel_size": setup.tensor_parallel_size, "rank": setup.rank}}}
 
 
@@ -792,6 +792,7 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
     pipeline = {"stages": [[layers.start, layers.stop] for layers in stage_layers(stage.shape.num_layers, size)],
                 "schedule": schedule, "tensor_parallel_size": trainer.tensor_parallel,
                 "micro_batches": trainer.micro_batches, "replicas": trainer.replicas, "step_length": step_length,
+                "hand_off_dtype": recipe.strategy.axis.hand_off,
                 "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}
     effective = report_effective_config(trainer, recipe, pipeline)
     trainer.callbacks.add_callback(TrackedRunCallback(run_parameters(recipe, effective)))  # W&B's, MLflow's params

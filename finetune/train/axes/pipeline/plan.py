@@ -10,6 +10,7 @@ from finetune.plan.decision_tree import PlanRequest, _axis_row, _size, axis_laun
 from finetune.train.axes.pipeline.layout import (
     STEP_LENGTH_MULTIPLE,
     PipelineLayout,
+    hand_off_bytes,
     pipeline_bubble_fraction,
     pipeline_recv_buffer_bytes,
     pipeline_stage_layers,
@@ -36,14 +37,14 @@ def plan_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
 
 
 def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int, schedule: str,
-                 micro_batches: int, replicas: int = 1, tensor: int = 1) -> dict:
+                 micro_batches: int, replicas: int = 1, tensor: int = 1, hand_off: str = "fp32") -> dict:
     """The pipeline's row: every stage estimated as the loop runs it (finetune.train.axes.pipeline.loop), the fullest
     shown, and what it costs: the bubble, and the host RAM a node takes to load its stages (each rank reads only its
     own). With `replicas`, that many pipelines, data parallel (a launch of `replicas` × `stages` processes): each rank
     holds its stage as in one pipeline, and each step all-reduces every stage's gradients across the replicas. With
     `tensor` (PP × TP × DP, 3D parallelism), each stage is a TP group of that many GPUs within a node
     (`parallel_3d_row`)."""
-    options = {"strategy": PipelineLayout.name, "axis": PipelineLayout(stages, schedule),
+    options = {"strategy": PipelineLayout.name, "axis": PipelineLayout(stages, schedule, hand_off),
                "tensor_parallel_size": tensor}
     bubble = pipeline_bubble_fraction(stages, micro_batches)
     name = (f"PP {stages}" + (f" × TP {tensor}" if tensor > 1 else "") + (f" × DP {replicas}" if replicas > 1 else "")
@@ -105,7 +106,7 @@ def _tensor_in_stage_cost(shape, result: MemoryEstimate, tensor: int, micro_batc
     states = setup.micro_batch_size * setup.sequence_length * shape.hidden_size
     layers = len(pipeline_stage_layers(shape.num_layers, setup.axis.stages)[0])
     all_reduced = 4 * layers * micro_batches * 2 * (tensor - 1) / tensor * precision.compute * states
-    return (f"P2P {_size(precision.residual * states)} of hidden states a micro-batch each way between stages "
+    return (f"P2P {_size(hand_off_bytes(setup) * states)} of hidden states a micro-batch each way between stages "
             f"(receive buffers {_size(pipeline_recv_buffer_bytes(shape, setup))} on the fullest stage); TP "
             f"all-reduces 4 × {_size(precision.compute * states)} a layer and micro-batch (NVLink): "
             f"{_size(all_reduced)} a GPU a step")

@@ -82,9 +82,11 @@ class PipelineStageModule(nn.Module):
     """One stage of a decoder: the embedding on the first, its layers, the norm and head on the last. Its input is
     the token ids (first) or the previous stage's hidden states, its output the next stage's input or the logits.
     Attention is causal over the whole row (no mask: batches are right-padded, and a pad comes after every token
-    that counts)."""
+    that counts). With `hand_off` (bf16) the hidden states leave the stage in that dtype and the next stage takes them
+    back into its residual's (the embedding's) dtype: half the bytes sent, and their gradients sent back in it too
+    (autograd casts them)."""
 
-    def __init__(self, model, stage: int, stages: int, layers: range):
+    def __init__(self, model, stage: int, stages: int, layers: range, hand_off: torch.dtype | None = None):
         super().__init__()
         decoder, head = decoder_parts(model)
         self.first, self.last = stage == 0, stage == stages - 1
@@ -93,10 +95,13 @@ class PipelineStageModule(nn.Module):
         self.rotary_emb = decoder.rotary_emb
         self.norm = decoder.norm if self.last else None
         self.lm_head = head if self.last else None
+        self.hand_off, self.residual_dtype = hand_off, decoder.embed_tokens.weight.dtype
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.first:
             hidden = self.embed_tokens(hidden)
+        elif self.hand_off is not None:
+            hidden = hidden.to(self.residual_dtype)
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(hidden, positions)
         for layer in self.layers:
@@ -106,7 +111,7 @@ class PipelineStageModule(nn.Module):
                 hidden = hidden[0]
         if self.last:
             return self.lm_head(self.norm(hidden))
-        return hidden
+        return hidden if self.hand_off is None else hidden.to(self.hand_off)
 
 
 @dataclass
@@ -216,12 +221,14 @@ def split_layers(stage: Stage, mesh, config) -> None:
     for cached in ("named", "trained", "counted_in_norm"):  # the split parameters are new objects
         stage.__dict__.pop(cached, None)
 
-def build_stage(model, stage: int, stages: int) -> Stage:
-    """This rank's stage, cut from the whole model; the layers of the other stages are dropped (freed)."""
+def build_stage(model, stage: int, stages: int, hand_off: str = "fp32") -> Stage:
+    """This rank's stage, cut from the whole model; the layers of the other stages are dropped (freed). `hand_off`:
+    the dtype the hidden states pass between stages in (fp32: as the stage computes them)."""
     decoder, head = decoder_parts(model)
     bounds = stage_layers(len(decoder.layers), stages)
     names = {id(parameter): name for name, parameter in model.named_parameters()}
-    module = PipelineStageModule(model, stage, stages, bounds[stage])
+    module = PipelineStageModule(model, stage, stages, bounds[stage],
+                                 hand_off=torch.bfloat16 if hand_off == "bf16" else None)
     tied = None
     if getattr(model.config, "tie_word_embeddings", False) and head.weight is decoder.embed_tokens.weight \
             and stages > 1 and (stage == 0 or stage == stages - 1):
@@ -252,7 +259,7 @@ def cut_stage(recipe, model, rank: int | None = None) -> Stage:
     shape = model_shape(recipe.model.model_name_or_path) if hasattr(model, "peft_config") else shape_of(model)
     rank = dist.get_rank() if rank is None else rank
     size, tensor = recipe.strategy.axis.stages, getattr(recipe.strategy, "tensor_parallel_size", 1) or 1
-    stage = build_stage(model, rank // tensor % size, size)  # on the (dp, pp, tp) mesh, TP innermost
+    stage = build_stage(model, rank // tensor % size, size, recipe.strategy.axis.hand_off)  # (dp, pp, tp), TP inner
     stage.shape = shape
     if dist.is_initialized():
         stage.mesh = pipeline_mesh(recipe.training.device.type, size, tensor)
