@@ -256,6 +256,31 @@ def test_sigterm_with_save_on_preemption_saves_the_current_step_and_auto_resumes
 
 
 @pytest.mark.distributed
+def test_sigterm_saves_a_pipelines_current_step_on_every_stage_and_it_resumes_from_there(tmp_path):
+    """The pipeline's own loop saves on preemption as Trainer does: SIGTERM to the launcher, every stage saves the step
+    the ranks agree on, the run ends in one line with 143, and `--resume_from_checkpoint auto` takes it up there."""
+    output_dir = tmp_path / "run"
+    pipeline = ["--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2"]
+    launch, logged, seconds = sigterm_launcher_mid_run(output_dir, "--save_on_preemption", "true", *pipeline)
+    assert seconds < 60 and launch.launcher.returncode == 143
+    assert "Traceback" not in launch.output() and len(error_lines(launch.output())) == 1, launch.output()[-6000:]
+    preempted = re.search(r"preempted at step (\d+): checkpoint-(\d+) saved", launch.output())
+    assert preempted, launch.output()[-6000:]
+    step = int(preempted.group(1))
+    assert logged <= step < STEPS and preempted.group(2) == str(step)
+    assert is_complete(output_dir / f"checkpoint-{step}")
+    assert sorted(path.name for path in (output_dir / f"checkpoint-{step}").glob("pipeline_stage_*")) == [
+        "pipeline_stage_00.safetensors", "pipeline_stage_00_state.pt", "pipeline_stage_01.safetensors",
+        "pipeline_stage_01_state.pt"]
+
+    resumed = run(DDP.command("train", "recipes/demo.yaml", "--output_dir", str(output_dir), *SHORT_RUN, *pipeline,
+                              "--resume_from_checkpoint", "auto"))
+    assert_succeeded(resumed)
+    assert f"resuming from {output_dir / f'checkpoint-{step}'}" in resumed.output
+    assert sorted(logged_losses(output_dir)) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.distributed
 def test_sigterm_without_save_on_preemption_leaves_the_newest_complete_checkpoint_intact(tmp_path):
     output_dir = tmp_path / "run"
     launch, logged, seconds = sigterm_launcher_mid_run(output_dir, "--save_on_preemption", "false")

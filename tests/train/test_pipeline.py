@@ -470,7 +470,6 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
         (asked, {"parallelism": Parallelism(tensor_parallel_size=2)},
          "launch has 2 process.*multiple of 2 × tensor_parallel_size 2 = 4"),
         ({**asked, "torch_compile": True}, {}, "`torch_compile` \\(its stages run eagerly\\)"),
-        ({**asked, "save_on_preemption": True}, {}, "`save_on_preemption`"),
         ({**asked, "save_on_each_node": True}, {}, "`save_on_each_node`.*nodes must share"),
     ]
     for inputs, changes, message in refusals:

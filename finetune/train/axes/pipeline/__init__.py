@@ -207,8 +207,6 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
                (is_true(training_inputs.get("gradient_checkpointing")), "gradient checkpointing"),
                (is_true(training_inputs.get("fp16")), "fp16 (use bf16 or fp32)"),
                (is_true(training_inputs.get("torch_compile")), "`torch_compile` (its stages run eagerly)"),
-               (is_true(training_inputs.get("save_on_preemption")),
-                "`save_on_preemption` (SIGTERM ends it at its newest complete checkpoint)"),
                (is_true(training_inputs.get("save_on_each_node")),
                 "`save_on_each_node` (every stage writes its part of the model into one output_dir, which the nodes "
                 "must share)")]

@@ -32,7 +32,9 @@ What it does at scale:
 
 What it does as Trainer does, through Trainer's own callbacks (`CallbackHandler`): the trackers `report_to` names
 (TensorBoard, W&B, ...) get every log; a non-finite loss or gradient norm stops the run on every rank
-(finetune.train.divergence); the eval split is evaluated at `eval_on_start`, at `eval_strategy`'s steps or epochs and
+(finetune.train.divergence); under `save_on_preemption` SIGTERM saves the step every rank agrees on and ends the run
+there, to be resumed (finetune.checkpoints.preemption's callback, called at each step's end); the eval split is
+evaluated at `eval_on_start`, at `eval_strategy`'s steps or epochs and
 on the final weights (the run summary's before/after), its loss the answer tokens' summed loss over their count, run
 through the stages forward only (torch's `eval`) in batches of the training step's shape.
 
@@ -491,8 +493,10 @@ class PipelineTrainer:
                     logged = []
                 if self._evaluate_now(per_epoch):
                     self.evaluate()
-                if self._save_now():
+                saved = self._save_now()
+                if saved:
                     self.save_checkpoint()
+                self._step_end(saved)
                 if self.global_step >= max_steps or self.global_step % per_epoch == 0:
                     break  # the run's end, or the epoch's (a last partial step's micro-batches are dropped)
         summary = {"train_runtime": round(time.time() - started, 4),
@@ -500,6 +504,18 @@ class PipelineTrainer:
         self.log_history.append(summary)
         self.callbacks.on_train_end(self.args, self.state, self.control)
         return summary
+
+    def _step_end(self, saved: bool) -> None:
+        """Trainer's step end for the callbacks: under `save_on_preemption` every rank agrees whether any got SIGTERM
+        (finetune.checkpoints.preemption.PreemptionCallback); if so this step is saved on every rank and the run
+        ends there (`on_save` raises `Preempted`), to be resumed with `resume_from_checkpoint: auto`."""
+        self.state.global_step, self.state.epoch = self.global_step, self.epoch
+        self.control = self.callbacks.on_step_end(self.args, self.state, self.control)
+        if self.control.should_save:
+            if not saved:
+                self.save_checkpoint()
+            self.callbacks.on_save(self.args, self.state, self.control)
+            self.control.should_save = False
 
     def _log(self, entry: dict) -> None:
         """Into the run's log history, and to the callbacks as Trainer logs: the trackers, the divergence stop (every
@@ -777,7 +793,7 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
     eval_results.json). Returns the summary. `host_load_bytes`: host RAM this rank took to load its stage."""
     from accelerate.utils import gather_object
 
-    from finetune.checkpoints.preemption import save_on_preemption
+    from finetune.checkpoints.preemption import PreemptionCallback, save_on_preemption
     from finetune.train.evaluation import print_before_after, summarize_evaluations
 
     args = recipe.training
@@ -785,10 +801,9 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
     if recipe.data.generation_eval_samples and data.eval is not None and rank == 0:
         print("warning: pipeline parallelism evaluates the eval loss, not the generation exact match "
               "(`generation_eval_samples`): score the model it writes with `finetune eval`.", flush=True)
-    if save_on_preemption(args) and rank == 0:  # on by default under SLURM: said, not silently skipped
-        print("warning: pipeline parallelism does not save on SIGTERM: a preempted run resumes from its newest "
-              "complete checkpoint (`save_steps`).", flush=True)
     trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, schedule, resume, step_length)
+    if save_on_preemption(args):  # on by default under SLURM: SIGTERM saves the step every rank agrees on
+        trainer.callbacks.add_callback(PreemptionCallback())
     pipeline = {"stages": [[layers.start, layers.stop] for layers in stage_layers(stage.shape.num_layers, size)],
                 "schedule": schedule, "tensor_parallel_size": trainer.tensor_parallel,
                 "micro_batches": trainer.micro_batches, "replicas": trainer.replicas, "step_length": step_length,
