@@ -173,6 +173,8 @@ def step_length(batches: list[dict], cap: int, fixed: bool = False) -> int:
 def padded_to(batch: dict, length: int, pad_id: int) -> dict:
     """`batch`'s token ids and labels, its rows filled on the right to `length` with pad tokens without labels."""
     fill = max(length - batch["input_ids"].shape[1], 0)
+    if not fill:
+        return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     return {"input_ids": nn.functional.pad(batch["input_ids"], (0, fill), value=pad_id),
             "labels": nn.functional.pad(batch["labels"], (0, fill), value=-100)}
 
