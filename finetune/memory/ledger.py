@@ -180,27 +180,58 @@ class PhasePeaks:
         torch.cuda.reset_peak_memory_stats()
 
 
+# The process's peak resident set before a span reset the kernel's high-water mark (`HostLoadProbe`), which
+# `peak_resident_bytes` still counts: the reset lowers getrusage's maxrss too.
+_PEAK_BEFORE_RESET = 0
+
+
 def peak_resident_bytes() -> int:
     """The process's peak resident set so far (Linux reports KiB, macOS bytes)."""
     import resource
     import sys
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return max(peak if sys.platform == "darwin" else peak * 1024, _PEAK_BEFORE_RESET)
+
+
+def _reset_resident_high_water_mark() -> bool:
+    """Starts the kernel's high-water mark of this process's resident set afresh (Linux: "5" into
+    /proc/self/clear_refs, proc(5)), the peak so far kept for `peak_resident_bytes`; False where it cannot."""
+    global _PEAK_BEFORE_RESET
+
+    earlier = peak_resident_bytes()
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    _PEAK_BEFORE_RESET = earlier
+    return True
+
+
+def _resident_high_water_mark() -> int:
+    """VmHWM of /proc/self/status: the peak resident set since the last reset, in bytes."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 class HostLoadProbe:
     """Host RAM a span takes (`finetune train`: loading the model and preparing it for the method): the process's
-    peak resident set at `stop()` less its resident set at creation."""
+    peak resident set during the span less its resident set at its start. On Linux the peak is the span's own (the
+    kernel's high-water mark, reset at the start); elsewhere the process's lifetime peak, which overstates the span
+    where the process was larger before it (imports freed, pages reclaimed under memory pressure)."""
 
     def __init__(self):
         import psutil
 
         self.before = psutil.Process().memory_info().rss
+        self.own_peak = _reset_resident_high_water_mark()
         self.bytes: int | None = None
 
     def stop(self) -> int:
-        self.bytes = max(0, peak_resident_bytes() - self.before)
+        peak = _resident_high_water_mark() if self.own_peak else peak_resident_bytes()
+        self.bytes = max(0, peak - self.before)
         return self.bytes
 
 

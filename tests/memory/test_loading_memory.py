@@ -139,3 +139,23 @@ def test_the_pipelines_final_model_is_one_shard_a_stage_in_the_checkpoints_dtype
     assert model.dtype == torch.bfloat16
     loaded = model.state_dict()
     assert max((loaded[name].float() - start[name].float()).abs().max().item() for name in start) < 1e-20
+
+
+def test_the_load_probe_counts_its_own_span_not_the_process_earlier_peak():
+    """A process that was larger before the span (its imports' buffers freed, its pages reclaimed under memory
+    pressure) must not charge that to the span: the probe reads the kernel's high-water mark reset at its start, and
+    the process's lifetime peak is still what `peak_resident_bytes` reports."""
+    from finetune.memory.ledger import HostLoadProbe, peak_resident_bytes
+
+    def touched(size: int) -> bytearray:
+        block = bytearray(size)
+        block[::4096] = b"x" * len(block[::4096])  # resident, page by page
+        return block
+
+    earlier = touched(256 * MiB)
+    del earlier  # freed to the system (an mmapped block)
+    lifetime = peak_resident_bytes()
+    probe = HostLoadProbe()
+    held = touched(64 * MiB)
+    assert 60 * MiB <= probe.stop() <= 80 * MiB  # the span's 64 MiB, not the 256 MiB before it
+    assert peak_resident_bytes() >= lifetime and len(held) == 64 * MiB
