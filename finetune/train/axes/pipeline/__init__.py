@@ -93,8 +93,8 @@ class PipelineParallelism(Axis):
     def run(self, recipe, model, prepared, tokenizer, data, resume, host_load_bytes):
         from finetune.train.axes.pipeline.loop import train_pipeline
 
-        return train_pipeline(recipe, model, prepared, tokenizer, data, resume, self.settings.pipeline_schedule,
-                              host_load_bytes=host_load_bytes, step_length=self.settings.pipeline_step_length)
+        return train_pipeline(recipe, model, prepared, tokenizer, data, resume, host_load_bytes=host_load_bytes,
+                              step_length=self.settings.pipeline_step_length)
 
     @classmethod
     def plan_rows(cls, request, shape, micro_batch_size: int) -> list[dict]:

@@ -203,11 +203,11 @@ def filled(batch: dict | None, rows: int, pad_id: int, like: dict | None = None)
 class PipelineTrainer:
     """The training loop of one stage. `recipe.training` are Trainer's arguments; `data` the method's prepared data."""
 
-    def __init__(self, recipe, model, tokenizer, data, stage: Stage, schedule: str, resume: str | None,
-                 step_length: str = "longest"):
+    def __init__(self, recipe, model, tokenizer, data, stage: Stage, resume: str | None, step_length: str = "longest"):
         self.recipe, self.args, self.tokenizer, self.data = recipe, recipe.training, tokenizer, data
         self.step_length = step_length  # "longest": each step its longest row's length; "max_seq_length": one shape
-        self.model, self.stage, self.schedule_name, self.resume = model, stage, schedule, resume
+        self.model, self.stage, self.resume = model, stage, resume
+        self.schedule_name = recipe.strategy.axis.schedule  # the launch's layout: gpipe or 1f1b
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.tensor_parallel, self.tensor_rank = stage.tensor_parallel, self.rank % stage.tensor_parallel
         ranks_of_a_replica = stage.count * stage.tensor_parallel
@@ -338,14 +338,14 @@ class PipelineTrainer:
         every rank of the pipeline, and over the replicas when training (their micro-batches make the step).
         `forward_only`: torch's `eval`, no backward (every replica evaluates the same rows)."""
         length = step_length(batches, self.recipe.data.max_seq_length, fixed=self.fixed_length is not None)
-        counted = sum(row_tokens(batch) for batch in batches)
+        if not forward_only:
+            self.row_tokens += sum(row_tokens(batch) for batch in batches)
         batches = [padded_to(batch, length, self.tokenizer.pad_token_id) for batch in batches]
         input_ids = torch.cat([batch["input_ids"] for batch in batches]).to(self.device)
         labels = torch.cat([batch["labels"] for batch in batches]).to(self.device)
         schedule = self._schedule_for(length)
         if not forward_only:
             self.computed_tokens += input_ids.numel()
-            self.row_tokens += counted
         run = schedule.eval if forward_only else schedule.step
         losses: list[torch.Tensor] = []
         # bf16 mixed precision as Trainer runs it: autocast over the forward, fp32 weights, gradients and states
@@ -788,7 +788,7 @@ def report_effective_config(trainer: PipelineTrainer, recipe, pipeline: dict) ->
     return effective
 
 
-def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | None, schedule: str = "1f1b",
+def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | None,
                    host_load_bytes: int | None = None, step_length: str = "longest") -> dict:
     """The whole run of this rank's stage (`cut_stage`): train, checkpoint, write the final model into output_dir;
     rank 0 writes the records a Trainer run writes (trainer_state.json, effective_config.json, memory_report.json,
@@ -803,11 +803,11 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
     if recipe.data.generation_eval_samples and data.eval is not None and rank == 0:
         print("warning: pipeline parallelism evaluates the eval loss, not the generation exact match "
               "(`generation_eval_samples`): score the model it writes with `finetune eval`.", flush=True)
-    trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, schedule, resume, step_length)
+    trainer = PipelineTrainer(recipe, model, tokenizer, data, stage, resume, step_length)
     if save_on_preemption(args):  # on by default under SLURM: SIGTERM saves the step every rank agrees on
         trainer.callbacks.add_callback(PreemptionCallback())
     pipeline = {"stages": [[layers.start, layers.stop] for layers in stage_layers(stage.shape.num_layers, size)],
-                "schedule": schedule, "tensor_parallel_size": trainer.tensor_parallel,
+                "schedule": trainer.schedule_name, "tensor_parallel_size": trainer.tensor_parallel,
                 "micro_batches": trainer.micro_batches, "replicas": trainer.replicas, "step_length": step_length,
                 "hand_off_dtype": recipe.strategy.axis.hand_off,
                 "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}
@@ -835,7 +835,7 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
         outputs.write_record(output_dir, outputs.EVAL_RESULTS, summary)
         split = f", each split over {trainer.tensor_parallel} TP ranks" if trainer.tensor_parallel > 1 else ""
         print(f"pipeline: {size} stages (layers {pipeline['stages']}){split} × {trainer.replicas} replica(s), "
-              f"{schedule}, "
+              f"{trainer.schedule_name}, "
               f"{trainer.micro_batches} micro-batches a step, bubble {pipeline['bubble_fraction']:.0%}", flush=True)
         if summary.get("after"):
             print_before_after(summary)
