@@ -199,9 +199,9 @@ if __name__ == "__main__":
 
 
 def test_train_has_no_axis_branches():
-    """`train()` asks the recipe's axes (finetune.recipe.axes); it never compares the strategy's kind, names an axis or
+    """`train()` asks the recipe's axes (finetune.axes); it never compares the strategy's kind, names an axis or
     imports an axis's runner."""
-    from finetune.recipe.axes import AXES
+    from finetune.axes import AXES
 
     source = (PACKAGE / "train" / "run.py").read_text()
     train = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == "train")
@@ -217,9 +217,20 @@ def test_train_has_no_axis_branches():
 
 
 # The pipeline axis's home (with its checkpoint files, in the checkpoints layer) and the registry that names it
-# (finetune.recipe.axes). The launch's strategy and the estimator carry its layout as their `axis`
+# (finetune.axes). The launch's strategy and the estimator carry its layout as their `axis`
 # (finetune.train.axes.pipeline.layout) and ask it what they need, without naming it.
-PIPELINE_HOME = ("finetune/train/axes/pipeline/", "finetune/checkpoints/pipeline_stages.py", "finetune/recipe/axes.py")
+REGISTRY = "finetune/axes.py"
+# files beside an axis's folder that are part of its home
+HOME_BESIDE = {"pipeline": ("finetune/checkpoints/pipeline_stages.py",)}
+
+
+def axis_home(name: str) -> tuple[str, ...]:
+    """An axis's home: the folder (or module) its registry line names, and the files beside it that belong to it."""
+    from finetune.axes import AXES
+
+    module = AXES[name].partition(":")[0].replace(".", "/")
+    folder = f"{module}/" if (PROJECT_ROOT / module).is_dir() else f"{module}.py"
+    return (folder, *HOME_BESIDE.get(name, ()))
 
 
 def compared_axis_names(path, names) -> list[str]:
@@ -232,19 +243,27 @@ def compared_axis_names(path, names) -> list[str]:
     return found
 
 
-def test_the_pipeline_is_named_only_in_its_axis_home():
-    """As DPO for methods: a file outside the pipeline's home naming `pipeline_parallel_size` or `pipeline_schedule`,
-    or branching on the axis's name, fails here."""
-    from finetune.recipe.axes import AXES
+@pytest.mark.parametrize("name", ["sequence_parallel", "context_parallel", "pipeline"])
+def test_each_axis_is_named_only_in_its_home(name):
+    """As DPO for methods: a file outside an axis's home and the registry naming one of its recipe keys
+    (`sequence_parallel_size`, `pipeline_schedule`, ...), or branching on its name (`kind == "pipeline"`), fails
+    here."""
+    import dataclasses
 
-    keys = re.compile(r"pipeline_parallel_size|pipeline_schedule")
+    from finetune.axes import AXES, axis_class
+
+    assert set(AXES) >= {"sequence_parallel", "context_parallel", "pipeline"}
+    home = (*axis_home(name), REGISTRY)
+    axis = axis_class(name)
+    keys = re.compile("|".join(rf"\b{field.name}\b" for field in dataclasses.fields(axis.arguments)))
     named = {str(path.relative_to(PROJECT_ROOT)) for path in PACKAGE.rglob("*.py") if keys.search(path.read_text())}
-    outside_keys = {path for path in named if not path.startswith(PIPELINE_HOME)}
-    assert outside_keys == set(), f"the pipeline's keys outside its home: {outside_keys}"
-    branches = {str(path.relative_to(PROJECT_ROOT)): compared_axis_names(path, AXES) for path in PACKAGE.rglob("*.py")}
-    outside = {path: found for path, found in branches.items() if found and not path.startswith(PIPELINE_HOME)}
-    assert outside == {}, f"branches on an axis's name outside its home: {outside}"
-    assert "finetune/train/axes/pipeline/__init__.py" in named  # the rule reads the files it means
+    outside_keys = {path for path in named if not path.startswith(home)}
+    assert outside_keys == set(), f"{name}'s keys outside its home: {outside_keys}"
+    branches = {str(path.relative_to(PROJECT_ROOT)): compared_axis_names(path, [name])
+                for path in PACKAGE.rglob("*.py")}
+    outside = {path: found for path, found in branches.items() if found and not path.startswith(home)}
+    assert outside == {}, f"branches on {name}'s name outside its home: {outside}"
+    assert f"{axis_home(name)[0]}__init__.py" in named  # the rule reads the files it means
 
 
 def test_the_axis_rule_finds_a_planted_branch(tmp_path):

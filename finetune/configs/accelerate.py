@@ -33,8 +33,8 @@ def accelerate_config(
     JSON decides precision, so `mixed_precision` is left out (Accelerate refuses both). `zero3_init`: the JSON is
     ZeRO-3, so the model loads partitioned under `zero.Init`, global rank 0 alone reading the checkpoint (what
     `finetune train` does anyway: TrainingArguments registers the DeepSpeed config before the model loads; the flag
-    says so, and does the same for a script that creates its Accelerator first). `parallelism`: the axes' sizes by
-    their recipe names (finetune.launch.parallelism), written as Accelerate's `parallelism_config` section, which
+    says so, and does the same for a script that creates its Accelerator first). `parallelism`: the mesh's sizes by
+    Accelerate's names (`tp_size`, ...), written as its config's `parallelism_config` section, which
     `accelerate launch` exports to every process; `tensor_parallel` launches plain processes that Transformers
     shards itself while loading the model.
     """
@@ -87,20 +87,18 @@ def accelerate_config(
     return config
 
 
-# The recipe's names of the axes (finetune.launch.parallelism.KEYS) -> Accelerate's config keys.
-PARALLELISM_KEYS = {
-    "dp_replicate_size": "parallelism_config_dp_replicate_size",
-    "dp_shard_size": "parallelism_config_dp_shard_size",
-    "tensor_parallel_size": "parallelism_config_tp_size",
-    "context_parallel_size": "parallelism_config_cp_size",
-    "sequence_parallel_size": "parallelism_config_sp_size",
-}
+# The sizes of Accelerate's `ParallelismConfig`, as its config's `parallelism_config` section names them
+# (`parallelism_config_<size>`).
+PARALLELISM_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 
 
 def parallelism_section(**sizes: int) -> dict[str, Any]:
-    """Accelerate's `parallelism_config` keys for the sizes given (1 for the others); sequence parallelism through
-    DeepSpeed Ulysses (`sp_backend: deepspeed`, the one Accelerate has)."""
-    section: dict[str, Any] = {accelerate: int(sizes.get(name, 1)) for name, accelerate in PARALLELISM_KEYS.items()}
+    """Accelerate's `parallelism_config` keys for the sizes given by Accelerate's names (`tp_size=2`; 1 for the
+    others); sequence parallelism through DeepSpeed Ulysses (`sp_backend: deepspeed`, the one Accelerate has)."""
+    unknown = set(sizes) - set(PARALLELISM_SIZES)
+    if unknown:
+        raise ValueError(f"parallelism sizes must be among {PARALLELISM_SIZES}, got {sorted(unknown)}")
+    section: dict[str, Any] = {f"parallelism_config_{name}": int(sizes.get(name, 1)) for name in PARALLELISM_SIZES}
     if section["parallelism_config_sp_size"] > 1:
         section["parallelism_config_sp_backend"] = "deepspeed"
     return section

@@ -163,23 +163,10 @@ def attention_implementation(model) -> str | None:
     return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
-def data_collator(tokenizer, packing: bool = False, padding_free: bool = False, model=None,
-                  sequence_parallel: int = 1, max_length: int | None = None):
+def data_collator(tokenizer, packing: bool = False, padding_free: bool = False, model=None):
     """The collator for the batching asked for; with `packing`, `model`'s attention decides the layout: several
-    rows for sdpa/eager/flex, one flattened row for flash attention (module doc). Without `model`, rows. Under
-    sequence parallelism over `sequence_parallel` ranks its batches are made cuttable (`SequenceShardedCollator`),
-    each filled to `max_length` when the ranks talk over gloo."""
-    collator = _collator(tokenizer, packing, padding_free, model)
-    if sequence_parallel > 1:
-        import torch.distributed as dist
-
-        gloo = dist.is_initialized() and dist.get_backend() == "gloo"
-        return SequenceShardedCollator(collator, sequence_parallel, tokenizer.pad_token_id,
-                                       length=max_length if gloo else None)
-    return collator
-
-
-def _collator(tokenizer, packing: bool, padding_free: bool, model):
+    rows for sdpa/eager/flex, one flattened row for flash attention (module doc). Without `model`, rows. (A
+    parallelism axis may wrap it: finetune.axes, `Axis.collator`.)"""
     if packing:
         if is_flash_attention_requested(requested_attention_implementation=attention_implementation(model)):
             return FlattenedRowsCollator()

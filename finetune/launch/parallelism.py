@@ -1,36 +1,32 @@
-"""The parallelism axes beyond plain data parallelism, under the names users know from axolotl: tensor
-(`tensor_parallel_size`), sharded and replicated data (`dp_shard_size`, `dp_replicate_size`), sequence
-(`sequence_parallel_size`, DeepSpeed Ulysses) and context (`context_parallel_size`, GPUs only).
+"""Accelerate's device mesh: the sizes of its axes beyond plain data parallelism, under the names users know from
+axolotl: tensor (`tensor_parallel_size`), sharded and replicated data (`dp_shard_size`, `dp_replicate_size`), and
+every axis on the seam that is a dimension of that mesh (finetune.axes, `accelerate_size`: their homes under
+finetune/train/axes/ hold their keys, checks and run hooks).
 
 The engines are Transformers' and Accelerate's: a tensor-parallel model is loaded sharded by `from_pretrained(...,
 distributed_config=DistributedConfig(tp_size, fsdp_size, dp_replicate_size))` (the model's own TP plan, FSDP2 over the
-other ranks), and Trainer builds Accelerate's `ParallelismConfig` from it; sequence parallelism is Accelerate's
-`ParallelismConfig(sp_backend="deepspeed")`. This module reads the sizes (from the recipe or from the variables
-`accelerate launch` exports for a config's `parallelism_config` section), checks them against the launch and the
-model before any process group starts, and builds those objects.
+other ranks), and Trainer builds Accelerate's `ParallelismConfig` from it. This module reads the sizes (from the
+recipe or from the variables `accelerate launch` exports for a config's `parallelism_config` section), resolves them
+against the launch, checks tensor parallelism against the model before any process group starts, and builds those
+objects.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.errors import RecipeError
 
-# Recipe key -> the variable `accelerate launch` exports for it (accelerate/utils/launch.py,
-# `prepare_extend_env_parallelism_config`; `ParallelismConfig.__post_init__` reads them back).
-KEYS = {
-    "tensor_parallel_size": "PARALLELISM_CONFIG_TP_SIZE",
-    "dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
-    "dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
-    "sequence_parallel_size": "PARALLELISM_CONFIG_SP_SIZE",
-    "context_parallel_size": "PARALLELISM_CONFIG_CP_SIZE",
+# The sizes of Accelerate's device mesh this module names itself (recipe key -> the size's name in Accelerate's
+# `ParallelismConfig`); every registered axis of that mesh adds its own (finetune.axes, `accelerate_size`).
+CORE_SIZES = {
+    "tensor_parallel_size": "tp_size",
+    "dp_shard_size": "dp_shard_size",
+    "dp_replicate_size": "dp_replicate_size",
 }
-CONTEXT_PARALLEL_ON_CPU = ("`context_parallel_size` needs GPUs: PyTorch's ring attention (context parallelism) has no "
-                           "CPU kernel. On CPU processes split long sequences with `sequence_parallel_size` "
-                           "(DeepSpeed Ulysses) instead.")
+DATA_SIZES = ("dp_replicate_size", "dp_shard_size")  # ranks that see different batches
 # Transformers' FSDP2 path re-ties a tied `lm_head` to the embedding after sharding (transformers/distributed/fsdp.py);
 # under tensor parallelism the head then computes with a stale copy of the shared weight from the first update on, so
 # losses drift from a one-process run (measured: 0.013 at step 2 on the tiny preset, TP 2 × FSDP2 2).
@@ -42,26 +38,79 @@ TIED_WITH_TP_AND_FSDP = (
     "other ranks), an untied model, or drop `tensor_parallel_size` for plain FSDP.")
 
 
-@dataclass(frozen=True)
-class Parallelism:
-    """The size of each axis; their product is the world size. Plain data parallelism (DDP, ZeRO, FSDP through
-    Accelerate's own configs) is all 1 here: only a run that names an axis gets a mesh from this module."""
+def accelerate_names() -> dict[str, str]:
+    """Every mesh size a recipe may give (its key) -> its name in Accelerate's `ParallelismConfig`: the data and
+    tensor sizes, then each registered mesh axis's."""
+    from finetune.axes import mesh_axes
 
-    tensor_parallel_size: int = 1
-    dp_shard_size: int = 1
-    dp_replicate_size: int = 1
-    sequence_parallel_size: int = 1
-    context_parallel_size: int = 1
-    bf16: bool = field(default=False, compare=False)  # the run's mixed precision: FSDP2 gathers the slices in bf16
+    return {**CORE_SIZES, **{axis.size_key: axis.accelerate_size for axis in mesh_axes()}}
+
+
+def variable(key: str) -> str:
+    """The variable `accelerate launch` exports a size in (accelerate/utils/launch.py,
+    `prepare_extend_env_parallelism_config`; `ParallelismConfig.__post_init__` reads it back)."""
+    return f"PARALLELISM_CONFIG_{accelerate_names()[key].upper()}"
+
+
+def config_key(key: str) -> str:
+    """A size's key in an Accelerate config's `parallelism_config` section."""
+    return f"parallelism_config_{accelerate_names()[key]}"
+
+
+class Parallelism:
+    """The size of each axis of Accelerate's device mesh (by recipe key, 1 where not given); their product is the
+    world size. Plain data parallelism (DDP, ZeRO, FSDP through Accelerate's own configs) is all 1 here: only a run
+    that names an axis gets a mesh from this module. Immutable: `replaced` gives another."""
+
+    __slots__ = ("_sizes", "bf16")
+
+    def __init__(self, bf16: bool = False, **sizes: int):
+        known = accelerate_names()
+        unknown = sorted(set(sizes) - set(known))
+        if unknown:
+            raise TypeError(f"no mesh axis {', '.join(unknown)}; known: {', '.join(known)}")
+        self._sizes = tuple((key, int(sizes[key])) for key in known if key in sizes and int(sizes[key]) != 1)
+        self.bf16 = bf16  # the run's mixed precision: FSDP2 gathers the slices in bf16 (not compared)
+
+    def size(self, key: str) -> int:
+        return dict(self._sizes).get(key, 1)
+
+    def replaced(self, bf16: bool | None = None, **sizes: int) -> Parallelism:
+        return Parallelism(bf16=self.bf16 if bf16 is None else bf16, **{**self.to_dict(), **sizes})
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Parallelism) and self._sizes == other._sizes
+
+    def __hash__(self) -> int:
+        return hash(self._sizes)
+
+    def __repr__(self) -> str:
+        return f"Parallelism({', '.join(f'{key}={size}' for key, size in self._sizes)})"
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.size("tensor_parallel_size")
+
+    @property
+    def dp_shard_size(self) -> int:
+        return self.size("dp_shard_size")
+
+    @property
+    def dp_replicate_size(self) -> int:
+        return self.size("dp_replicate_size")
 
     @property
     def total(self) -> int:
-        return math.prod(getattr(self, key) for key in KEYS)
+        return math.prod(size for _, size in self._sizes)
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that see different batches: the sharded and replicated data axes (TP, SP and CP ranks share one)."""
+        """Ranks that see different batches: the sharded and replicated data axes (the other axes' ranks share one)."""
         return self.dp_shard_size * self.dp_replicate_size
+
+    @property
+    def ranks_sharing_a_batch(self) -> int:
+        return self.total // self.data_parallel_size
 
     @property
     def loads_sharded(self) -> bool:
@@ -71,16 +120,36 @@ class Parallelism:
     @property
     def named(self) -> bool:
         """Whether any axis beyond plain data parallelism is asked for."""
-        return self != Parallelism() and (self.loads_sharded or self.sequence_parallel_size > 1
-                                          or self.context_parallel_size > 1)
+        return any(key not in DATA_SIZES for key, _ in self._sizes)
 
     def describe(self) -> str:
         """`tensor_parallel_size 2 × dp_shard_size 2`: the axes above 1, as the recipe names them."""
-        named = [f"{key} {getattr(self, key)}" for key in KEYS if getattr(self, key) > 1]
-        return " × ".join(named) or "no parallelism axis"
+        return " × ".join(f"{key} {size}" for key, size in self._sizes) or "no parallelism axis"
 
     def to_dict(self) -> dict[str, int]:
-        return {key: getattr(self, key) for key in KEYS}
+        """Every size a recipe may give, by its key."""
+        return {key: self.size(key) for key in accelerate_names()}
+
+    def by_accelerate_name(self) -> dict[str, int]:
+        """The sizes above 1 by their names in Accelerate's `ParallelismConfig` (`tp_size`, `sp_size`, ...)."""
+        names = accelerate_names()
+        return {names[key]: size for key, size in self._sizes}
+
+    @classmethod
+    def from_accelerate_names(cls, sizes: dict[str, Any], source: str) -> Parallelism:
+        """From sizes named as Accelerate names them (a shipped strategy's, a prepared `ParallelismConfig`'s)."""
+        keys = {name: key for key, name in accelerate_names().items()}
+        return cls(**{keys[name]: process_count(keys[name], size, source) or 1 for name, size in sizes.items()
+                      if name in keys})
+
+    def beside_the_engine(self, axes=None) -> tuple:
+        """The layouts of the mesh axes on here that a strategy carries beside its engine (sequence parallelism's
+        under DeepSpeed), in the registry's order."""
+        from finetune.axes import mesh_axes
+
+        return tuple(layout for layout in (axis(axis.arguments(**{axis.size_key: self.size(axis.size_key)})).layout()
+                                           for axis in mesh_axes() if self.size(axis.size_key) > 1)
+                     if layout is not None)
 
     def distributed_config(self):
         """Transformers' `DistributedConfig` that loads the model sharded: its own TP plan over `tensor_parallel_size`
@@ -95,39 +164,6 @@ class Parallelism:
                                  fsdp_mixed_precision=self.bf16 and self.dp_shard_size > 1)
 
 
-    def sequence_parallel_config(self, attention: str | None):
-        """Accelerate's `ParallelismConfig` for DeepSpeed Ulysses (ALST) over `sequence_parallel_size` ranks, running
-        `attention` (the model's own: Ulysses wraps it) on sequences of any length; None without sequence
-        parallelism. The other ranks are plain data parallelism to DeepSpeed (`dp_replicate_size`: Accelerate sizes
-        DeepSpeed's batch by it)."""
-        if self.sequence_parallel_size <= 1:
-            return None
-        if attention in ("eager", "flex_attention"):
-            raise RecipeError(f"`sequence_parallel_size: {self.sequence_parallel_size}` with `attn_implementation: "
-                              f"{attention}`: DeepSpeed Ulysses runs sdpa or flash attention over the whole gathered "
-                              "sequence (eager would need a 4D mask the size of the sequence squared); set "
-                              "`attn_implementation: sdpa`.")
-        from accelerate.parallelism_config import ParallelismConfig
-        from accelerate.utils import DeepSpeedSequenceParallelConfig
-
-        return ParallelismConfig(sp_size=self.sequence_parallel_size, sp_backend="deepspeed",
-                                 dp_replicate_size=self.data_parallel_size,
-                                 sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
-                                                                            sp_attn_implementation=attention))
-
-
-def prepare_sequence_parallelism(args, parallelism: Parallelism, attention: str | None) -> None:
-    """Before Trainer is built: its `parallelism_config` for DeepSpeed Ulysses, and DeepSpeed's communication layer
-    over the process group this rank already joined (Ulysses builds its sequence groups there before DeepSpeed's
-    engine would set it up)."""
-    import deepspeed
-    import torch.distributed as dist
-
-    args.parallelism_config = parallelism.sequence_parallel_config(attention)
-    if dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-
-
 def requested(training_inputs: dict[str, Any], environ=None) -> tuple[Parallelism, dict[str, str]]:
     """The sizes the recipe names, else those the launch exports (an Accelerate config's `parallelism_config`), and
     where each came from. A size both name differently is a RecipeError naming both."""
@@ -135,12 +171,13 @@ def requested(training_inputs: dict[str, Any], environ=None) -> tuple[Parallelis
     from_launch = is_parallelism_launch(environ)
     sizes: dict[str, int] = {}
     sources: dict[str, str] = {}
-    for key, variable in KEYS.items():
-        launched = process_count(key, environ.get(variable), "the launch's Accelerate config") if from_launch else None
+    for key in accelerate_names():
+        launched = process_count(key, environ.get(variable(key)), "the launch's Accelerate config") \
+            if from_launch else None
         asked = process_count(key, training_inputs.get(key), "the recipe")
         if asked is not None and launched not in (None, 1) and asked != launched:
             raise RecipeError(f"`{key}: {asked}` in the recipe, but the Accelerate config launched "
-                              f"parallelism_config_{_accelerate_name(key)}: {launched}; give one of them.")
+                              f"{config_key(key)}: {launched}; give one of them.")
         value = asked if asked is not None else launched
         if value is not None:
             sizes[key] = value
@@ -150,20 +187,32 @@ def requested(training_inputs: dict[str, Any], environ=None) -> tuple[Parallelis
 
 def from_accelerate_section(section: dict[str, Any], source: str) -> Parallelism:
     """The sizes of an Accelerate config's `parallelism_config` section (all 1 without one)."""
-    from finetune.configs.accelerate import PARALLELISM_KEYS
+    return Parallelism(**{key: process_count(key, section.get(config_key(key)), source) or 1
+                          for key in accelerate_names()})
 
-    return Parallelism(**{key: process_count(key, section.get(accelerate), source) or 1
-                          for key, accelerate in PARALLELISM_KEYS.items()})
+
+def prepared_mesh(config) -> Parallelism:
+    """The mesh axes' sizes of the `ParallelismConfig` Accelerate prepared (all 1 for None)."""
+    from finetune.axes import mesh_axes
+
+    if config is None:
+        return Parallelism()
+    return Parallelism(**{axis.size_key: int(getattr(config, axis.accelerate_size, 1) or 1) for axis in mesh_axes()})
+
+
+def running_mesh(trainer) -> Parallelism:
+    """The mesh axes' sizes the run Trainer prepared runs with, each as its axis reads it (`Axis.running_size`)."""
+    from finetune.axes import mesh_axes
+
+    return Parallelism(**{axis.size_key: axis.running_size(trainer) for axis in mesh_axes()})
 
 
 def launched_section(environ=None) -> dict[str, str]:
     """The `parallelism_config` section `accelerate launch` exported to this process (empty when none)."""
-    from finetune.configs.accelerate import PARALLELISM_KEYS
-
     environ = os.environ if environ is None else environ
     if not is_parallelism_launch(environ):
         return {}
-    return {PARALLELISM_KEYS[key]: environ[variable] for key, variable in KEYS.items() if variable in environ}
+    return {config_key(key): environ[variable(key)] for key in accelerate_names() if variable(key) in environ}
 
 
 def is_parallelism_launch(environ=None) -> bool:
@@ -176,23 +225,18 @@ def launched(environ=None) -> Parallelism | None:
     environ = os.environ if environ is None else environ
     if not is_parallelism_launch(environ):
         return None
-    return Parallelism(**{key: process_count(key, environ.get(variable), "the launch's Accelerate config") or 1
-                          for key, variable in KEYS.items()})
+    return Parallelism(**{key: process_count(key, environ.get(variable(key)), "the launch's Accelerate config") or 1
+                          for key in accelerate_names()})
 
 
 def describe_as_accelerate(parallelism: Parallelism) -> str:
     """`dp_replicate 2 × dp_shard 2`: the sizes above 1 as an Accelerate config names them (`all 1` for none)."""
-    named = [f"{_accelerate_name(key).removesuffix('_size')} {getattr(parallelism, key)}" for key in
-             ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "sequence_parallel_size",
-              "tensor_parallel_size") if getattr(parallelism, key) > 1]
+    names = accelerate_names()
+    order = [*DATA_SIZES, *(key for key in reversed(names) if key not in CORE_SIZES),
+             "tensor_parallel_size"]
+    named = [f"{names[key].removesuffix('_size')} {parallelism.size(key)}" for key in order
+             if parallelism.size(key) > 1]
     return " × ".join(named) or "all 1"
-
-
-def _accelerate_name(key: str) -> str:
-    """The size's name in an Accelerate config's `parallelism_config` section, without its prefix."""
-    from finetune.configs.accelerate import PARALLELISM_KEYS
-
-    return PARALLELISM_KEYS[key].removeprefix("parallelism_config_")
 
 
 def process_count(key: str, value, where: str) -> int | None:
@@ -210,19 +254,24 @@ def process_count(key: str, value, where: str) -> int | None:
 
 def requested_on(training_inputs: dict[str, Any], on_gpu: bool, world_size: int, model_config=None,
                  environ=None) -> tuple[Parallelism, dict[str, str]]:
-    """`requested` and `resolve` for a launch of `world_size` processes: context parallelism without GPUs is refused
-    first, in one line, whatever else is wrong, then a TP size the model's heads cannot take (`model_config`: a
-    callable giving the model's config); data-parallel sizes in a recipe that names no other axis are refused
-    (Accelerate's FSDP configs say how plain FSDP shards)."""
+    """`requested` and `resolve` for a launch of `world_size` processes: an axis this machine cannot run at all (a
+    mesh axis's `refusal_here`: context parallelism without GPUs) is refused first, in one line, whatever else is
+    wrong, then a TP size the model's heads cannot take (`model_config`: a callable giving the model's config);
+    data-parallel sizes in a recipe that names no other axis are refused (Accelerate's FSDP configs say how plain FSDP
+    shards)."""
+    from finetune.axes import mesh_axes
+
     asked, sources = requested(training_inputs, environ)
-    if asked.context_parallel_size > 1 and not on_gpu:
-        raise RecipeError(CONTEXT_PARALLEL_ON_CPU)
-    recipe_data_sizes = [key for key in ("dp_shard_size", "dp_replicate_size") if sources.get(key) == "recipe"]
+    for axis in mesh_axes():
+        refusal = axis.refusal_here(asked.size(axis.size_key), on_gpu) if asked.size(axis.size_key) > 1 else None
+        if refusal:
+            raise RecipeError(refusal)
+    recipe_data_sizes = [key for key in DATA_SIZES[::-1] if sources.get(key) == "recipe"]
     if recipe_data_sizes and not asked.named:
-        raise RecipeError(f"`{recipe_data_sizes[0]}` shapes the data-parallel ranks beside `tensor_parallel_size`, "
-                          "`sequence_parallel_size` or `context_parallel_size`, and the recipe names none of them; "
-                          "plain FSDP takes its sharding from the Accelerate config (fsdp_full_shard.yaml, "
-                          "multinode_fsdp_hybrid_shard.yaml).")
+        others = [f"`{key}`" for key in accelerate_names() if key not in DATA_SIZES]
+        raise RecipeError(f"`{recipe_data_sizes[0]}` shapes the data-parallel ranks beside {', '.join(others[:-1])} "
+                          f"or {others[-1]}, and the recipe names none of them; plain FSDP takes its sharding from "
+                          "the Accelerate config (fsdp_full_shard.yaml, multinode_fsdp_hybrid_shard.yaml).")
     if asked.tensor_parallel_size > 1 and model_config is not None:
         check_tensor_parallel_model(asked.tensor_parallel_size, model_config())
     return resolve(asked, sources, world_size), sources
@@ -231,14 +280,14 @@ def requested_on(training_inputs: dict[str, Any], on_gpu: bool, world_size: int,
 def resolve(asked: Parallelism, sources: dict[str, str], world_size: int) -> Parallelism:
     """Fills `dp_shard_size`, when nobody named it, with the ranks the other axes leave, as axolotl does; then the
     product of the axes must be the world size."""
-    if not Parallelism(**{**asked.to_dict(), "dp_shard_size": 1}).named and "dp_shard_size" not in sources:
+    if not asked.replaced(dp_shard_size=1).named and "dp_shard_size" not in sources:
         return asked  # plain data parallelism: the launch config decides, as it always did
     if "dp_shard_size" not in sources:
         others = asked.total // asked.dp_shard_size
         if world_size % others == 0:
-            asked = Parallelism(**{**asked.to_dict(), "dp_shard_size": world_size // others})
+            asked = asked.replaced(dp_shard_size=world_size // others)
     if asked.total != world_size:
-        product = " × ".join(f"{key} {getattr(asked, key)}" for key in KEYS)
+        product = " × ".join(f"{key} {size}" for key, size in asked.to_dict().items())
         raise RecipeError(f"{product} = {asked.total}, but the launch has {world_size} process(es): the sizes of the "
                           f"axes multiply to the world size. Change a size, or launch {asked.total} processes.")
     return asked
@@ -272,9 +321,9 @@ CPU_MESH_ALLOWED = "FINETUNE_PARALLELISM_ON_CPU"
 
 def check(parallelism: Parallelism, model_config, *, strategy_kind: str, use_lora: bool, on_gpu: bool = True,
           environ=None, compiled: bool = False) -> None:
-    """What cannot work, said before any process group: TP that does not divide the heads, tied embeddings under
-    TP × FSDP2, axes under an engine that does not run them, TP on CPU processes outside the CPU twin's program
-    (context parallelism without GPUs: `requested_on`)."""
+    """What cannot work with tensor parallelism, said before any process group: TP that does not divide the heads,
+    tied embeddings under TP × FSDP2, an engine that does not run it, TP on CPU processes outside the CPU twin's
+    program. (Each axis on the seam checks itself: finetune.axes, `Axis.check`.)"""
     if not parallelism.named:
         return
     environ = os.environ if environ is None else environ
@@ -302,8 +351,3 @@ def check(parallelism: Parallelism, model_config, *, strategy_kind: str, use_lor
                               "\"Attempted to set the storage of a tensor ... to a storage on different device "
                               "meta\", the failure of pytorch/pytorch#119071); drop `torch_compile`, or train "
                               "without tensor parallelism.")
-    if parallelism.sequence_parallel_size > 1 and strategy_kind != "deepspeed":
-        raise RecipeError(f"`sequence_parallel_size: {parallelism.sequence_parallel_size}` runs through DeepSpeed "
-                          "Ulysses (ALST): launch it under a DeepSpeed config (accelerate_configs/"
-                          "sequence_parallel.yaml), not " + ("plain processes." if strategy_kind in ("ddp", "single")
-                                                             else f"{strategy_kind}."))

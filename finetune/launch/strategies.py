@@ -36,7 +36,7 @@ _FSDP1_SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "h
 @dataclass(frozen=True)
 class Strategy:
     """What a launch runs. `kind` is single, ddp, deepspeed, fsdp or tensor_parallel (the generator's names), or the
-    name of an axis that runs its own loop (finetune.recipe.axes), whose layout is `axis`; the other fields apply to
+    name of an axis that runs its own loop (finetune.axes), whose layout is `axis`; the other fields apply to
     their kind."""
 
     kind: str = "single"
@@ -51,9 +51,10 @@ class Strategy:
     tensor_parallel_size: int = 1
     dp_shard_size: int = 1
     dp_replicate_size: int = 1
-    # deepspeed: each sequence split over this many ranks (DeepSpeed Ulysses, finetune.launch.parallelism); a recipe
-    # may name it under any DeepSpeed config, so it is not part of which engine ran
-    sequence_parallel_size: int = field(default=1, compare=False)
+    # the axes of Accelerate's mesh that run beside the engine (sequence parallelism under DeepSpeed: its layout,
+    # finetune.train.axes.sequence), each naming, describing and recording itself; a recipe may name them under any
+    # DeepSpeed config, so they are not part of which engine ran
+    beside: tuple = field(default=(), compare=False)
     # an axis that runs its own loop on plain processes (a pipeline: finetune.train.axes.pipeline): its layout, which
     # names, describes and records it (`label`, `describe`, `record`) and sizes it for the estimator
     axis: Any = None
@@ -114,8 +115,7 @@ class Strategy:
         if self.kind == "deepspeed":
             offloads = [f"{key}={value}" for key, value in
                         (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)) if value]
-            sequence = [f"sp{self.sequence_parallel_size}"] if self.sequence_parallel_size > 1 else []
-            return "+".join([f"deepspeed_zero{self.zero_stage}", *offloads, *sequence])
+            return "+".join([f"deepspeed_zero{self.zero_stage}", *offloads, *(axis.label() for axis in self.beside)])
         if self.axis is not None:  # `pp2_tp2`
             return self.axis.label(self)
         if self.kind == "tensor_parallel":
@@ -128,8 +128,7 @@ class Strategy:
         """How messages name it: `DeepSpeed ZeRO-2`, `FSDP full_shard`, `tensor parallel 2 × FSDP2 2`, `DDP or one
         process`."""
         if self.kind == "deepspeed":
-            sequence = self.sequence_parallel_size
-            return f"DeepSpeed ZeRO-{self.zero_stage}" + (f" × sequence parallel {sequence}" if sequence > 1 else "")
+            return " × ".join([f"DeepSpeed ZeRO-{self.zero_stage}", *(axis.describe() for axis in self.beside)])
         if self.axis is not None:
             return self.axis.describe(self)
         if self.kind == "tensor_parallel":
@@ -146,8 +145,8 @@ class Strategy:
         if self.kind == "deepspeed":
             record.update(zero_stage=self.zero_stage, offload_optimizer=self.offload_optimizer,
                           offload_param=self.offload_param)
-            if self.sequence_parallel_size > 1:
-                record["sequence_parallel_size"] = self.sequence_parallel_size
+            for axis in self.beside:
+                record.update(axis.record())
         if self.kind == "fsdp":
             record.update(fsdp_sharding=self.fsdp_sharding, fsdp_version=self.fsdp_version)
         if self.kind == "tensor_parallel":
@@ -166,7 +165,7 @@ class Strategy:
             options.update(zero_stage=self.zero_stage, offload_optimizer=self.offload_optimizer,
                            offload_param=self.offload_param, reduce_bucket_size=self.reduce_bucket_size,
                            overlap_comm=self.overlap_comm, hpz_partition_size=self.hpz_partition_size,
-                           sequence_parallel_size=self.sequence_parallel_size)
+                           beside=self.beside)
         if self.kind == "fsdp":
             options["fsdp_sharding"] = self.fsdp_sharding
         if self.kind == "tensor_parallel":
@@ -233,11 +232,10 @@ def read_accelerate(config: dict[str, Any], source: str = "Accelerate config") -
             deepspeed, where = read_deepspeed_file(path), f"DeepSpeed JSON {path}"
         else:
             deepspeed, where = deepspeed_section_as_json(section), f"{source} (inline deepspeed_config)"
-        strategy = Strategy.from_deepspeed(deepspeed, where, nodes)
-        sequence = (config.get("parallelism_config") or {}).get("parallelism_config_sp_size")
-        if sequence not in (None, ""):
-            strategy = replace(strategy, sequence_parallel_size=int(sequence))
-        return strategy, deepspeed
+        from finetune.launch.parallelism import from_accelerate_section
+
+        beside = from_accelerate_section(config.get("parallelism_config") or {}, source).beside_the_engine()
+        return replace(Strategy.from_deepspeed(deepspeed, where, nodes), beside=beside), deepspeed
     if kind == "FSDP":
         return _fsdp_strategy(config.get("fsdp_config") or {}, config.get("parallelism_config") or {}, nodes,
                               source), None
@@ -346,8 +344,9 @@ def prepared_strategy(state, world_size: int, nodes: int = 1) -> Strategy:
     if state.distributed_type == DistributedType.DEEPSPEED:
         strategy = Strategy.from_deepspeed(state.deepspeed_plugin.deepspeed_config, "Accelerate's DeepSpeed plugin",
                                            nodes)
-        mesh = getattr(state, "parallelism_config", None)
-        return replace(strategy, sequence_parallel_size=getattr(mesh, "sp_size", 1) or 1)
+        from finetune.launch.parallelism import prepared_mesh
+
+        return replace(strategy, beside=prepared_mesh(getattr(state, "parallelism_config", None)).beside_the_engine())
     if state.distributed_type == DistributedType.FSDP:
         plugin = state.fsdp_plugin
         reshard = getattr(plugin, "reshard_after_forward", None)
@@ -372,10 +371,12 @@ def running_strategy(trainer) -> Strategy:
     if sharded is not None:
         return sharded
     if trainer.is_deepspeed_enabled and hasattr(wrapped, "zero_optimization_stage"):
+        from finetune.launch.parallelism import running_mesh
+
         return Strategy("deepspeed", zero_stage=wrapped.zero_optimization_stage(),
                         offload_optimizer=_offload_device(wrapped.zero_offload_optimizer()),
                         offload_param=_offload_device(wrapped.zero_offload_param()), source="the DeepSpeed engine",
-                        sequence_parallel_size=getattr(wrapped, "sequence_parallel_size", 1) or 1)
+                        beside=running_mesh(trainer).beside_the_engine())
     if trainer.is_fsdp_enabled and _is_fsdp_sharded(trainer.model):
         state = trainer.accelerator.state
         return prepared_strategy(state, trainer.args.world_size)
@@ -419,7 +420,8 @@ class ShippedStrategy:
     cross_node: tuple[float, float] | None = None  # values through each node's link per (parameter, trained one)
     multinode_file: str | None = None          # the 2-node launch config, when one ships
     cpu: bool = False                          # runs on 2 CPU processes (tests, bench --cpu)
-    parallelism: dict | None = None            # the axes' sizes (finetune.launch.parallelism): TP, or SP beside ZeRO
+    parallelism: dict | None = None            # the mesh's sizes by Accelerate's names (`tp_size`; `sp_size` beside
+                                               # ZeRO): its config's `parallelism_config` section
     deepspeed_name: str | None = None          # another row's DeepSpeed JSON, shared (default: this row's name)
 
     @property
@@ -448,8 +450,11 @@ class ShippedStrategy:
     def strategy(self) -> Strategy:
         """Read back from the generated config, so that the table, the files and the estimator cannot disagree."""
         if self.deepspeed is not None:
+            from finetune.launch.parallelism import Parallelism
+
             strategy = Strategy.from_deepspeed(self.deepspeed_json(), f"DeepSpeed JSON {self.deepspeed_file}")
-            return replace(strategy, **(self.parallelism or {}))
+            mesh = Parallelism.from_accelerate_names(self.parallelism or {}, f"shipped strategy {self.name}")
+            return replace(strategy, beside=mesh.beside_the_engine())
         multinode = self.accelerate_file is None  # hybrid sharding exists across nodes only
         config = accelerate_config(**self.accelerate_options(multinode))
         return Strategy.from_accelerate(config, self.accelerate_file or self.multinode_file)
@@ -524,16 +529,16 @@ SHIPPED = (
     # Tensor parallelism (the model's own TP plan, loaded sharded by Transformers) within a node; with FSDP2 over
     # the ranks it leaves. Launched as plain processes; CPU twins through finetune.testing.parallelism_on_cpu.
     ShippedStrategy("tensor_parallel", "TP", "tensor_parallel",
-                    accelerate_file="accelerate_configs/tensor_parallel.yaml", parallelism=dict(tensor_parallel_size=2),
+                    accelerate_file="accelerate_configs/tensor_parallel.yaml", parallelism=dict(tp_size=2),
                     cpu=True),
     ShippedStrategy("tensor_parallel_fsdp", "TP × FSDP2", "tensor_parallel",
                     accelerate_file="accelerate_configs/tensor_parallel_fsdp.yaml",
-                    parallelism=dict(tensor_parallel_size=2, dp_shard_size=2), cpu=True),
+                    parallelism=dict(tp_size=2, dp_shard_size=2), cpu=True),
     # Sequence parallelism (DeepSpeed Ulysses / ALST) beside ZeRO-3, for long sequences: each sequence split over 2
     # ranks. DeepSpeed runs on CPU processes as it is, so this config is its own CPU twin.
     ShippedStrategy("sequence_parallel", "SP × ZeRO-3", "deepspeed",
                     accelerate_file="accelerate_configs/sequence_parallel.yaml", deepspeed=dict(stage=3),
-                    deepspeed_name="zero3", parallelism=dict(sequence_parallel_size=2), cpu=True),
+                    deepspeed_name="zero3", parallelism=dict(sp_size=2), cpu=True),
     ShippedStrategy("fsdp_hybrid_shard", "FSDP hybrid-shard", "fsdp", fsdp_sharding="hybrid_shard",
                     cross_node=_ALL_REDUCE, multinode_file="accelerate_configs/multinode_fsdp_hybrid_shard.yaml"),
 )

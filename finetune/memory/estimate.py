@@ -152,9 +152,10 @@ class Setup:
     fsdp_sharding: str = "full_shard"
     tensor_parallel_size: int = 1             # tensor_parallel: the model's TP plan over this many GPUs
     dp_shard_size: int = 1                    # tensor_parallel: FSDP2 over this many GPUs of the rest
-    sequence_parallel_size: int = 1           # deepspeed: each sequence split over this many GPUs (Ulysses); ZeRO
-                                              # still shards over every GPU
-    axis: Any = None                          # an axis that runs its own loop (finetune.recipe.axes): its layout
+    beside: tuple = ()                        # axes of Accelerate's mesh beside the engine (finetune.axes):
+                                              # their layouts, each giving the share of a sequence a GPU computes
+                                              # (`activation_share`: Ulysses' 1/sp); ZeRO still shards over every GPU
+    axis: Any = None                          # an axis that runs its own loop (finetune.axes): its layout
                                               # (a pipeline's stages, `rank`'s among them), which answers for its
                                               # model states, activations and loading; `strategy` is its name
     rank: int = 0                             # the global rank predicted, where ranks hold unequal shares (TP)
@@ -422,12 +423,11 @@ def stage_tensor_parallel(shape: ModelShape, setup: Setup) -> int:
 
 
 def sequence_share(setup: Setup) -> Setup:
-    """The sequence one GPU computes activations for: under sequence parallelism (DeepSpeed Ulysses) each rank runs
-    every layer on its 1/sp of the tokens; the attention, after its all-to-all, sees the whole sequence for 1/sp of
-    the heads: the same bytes."""
-    if setup.sequence_parallel_size <= 1:
-        return setup
-    return replace(setup, sequence_length=-(-setup.sequence_length // setup.sequence_parallel_size))
+    """The sequence one GPU computes activations for: its share under each axis beside the engine
+    (`Setup.beside`)."""
+    for axis in setup.beside:
+        setup = axis.activation_share(setup)
+    return setup
 
 
 def tensor_parallel_elements(shape: ModelShape, setup: Setup) -> int:

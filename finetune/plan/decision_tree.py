@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from finetune.axes import all_axes, mesh_axes
 from finetune.errors import RecipeError
 from finetune.launch.devices import Gpu, default_precision
 from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy, Strategy
@@ -33,7 +34,6 @@ from finetune.memory.estimate import (
 )
 from finetune.memory.shapes import ALIASES, model_shape
 from finetune.plan.calibration import overhead_of
-from finetune.recipe.axes import all_axes
 from finetune.recipe.batch_plan import plan_batch, plan_from_recipe, reachable_global_batch
 from finetune.recipe.methods import DEFAULT_METHOD, method_class
 
@@ -391,34 +391,23 @@ def axis_sizes(count: int, gpus: int, per_node: int) -> int:
 
 
 def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
-    """Sequence, tensor and pipeline parallelism for this request, each at the size a node allows, with its memory
-    per GPU (the estimator's terms) and what it costs in communication or idle time:
+    """The parallelism axes for this request, each at the size a node allows, with its memory per GPU (the estimator's
+    terms) and what it costs in communication or idle time: first the axes of Accelerate's mesh on the seam, as each
+    home plans its rows (`Axis.plan_rows`: SP × ZeRO-3), then tensor parallelism, then the other axes on the seam (a
+    pipeline's PP, PP × DP and, last, PP × TP × DP rows, the last chosen only when none of the others fits):
 
-    - SP (DeepSpeed Ulysses) × ZeRO-3: each sequence split over the GPUs of a node; activations ÷ sp, states sharded
-      over every GPU; per layer and micro-batch, all-to-alls of q, k, v and the output forward and backward;
     - TP × FSDP2: each layer's matrices split over a node's GPUs, FSDP2 over the rest; the split layers' activations
-      ÷ t; per layer and micro-batch, 2 all-reduces of the hidden states forward and 2 backward (NVLink only);
-    - then each axis on the seam, as its home plans it (`Axis.plan_rows`: a pipeline's PP, PP × DP and, last,
-      PP × TP × DP rows, the last chosen only when none of the others fits).
+      ÷ t; per layer and micro-batch, 2 all-reduces of the hidden states forward and 2 backward (NVLink only).
 
     Full fine-tuning only for TP (LoRA is refused there); none on one GPU."""
     if request.gpus < 2:
         return []
+    rows = [row for axis in mesh_axes() for row in axis.plan_rows(request, shape, micro_batch_size)]
     per_node = request.gpus // request.nodes
     c = 4 if plan_precision(request) == "fp32" else 2
     tokens = micro_batch_size * planned_sequence_length(request, micro_batch_size)
     hidden = tokens * shape.hidden_size * c  # one micro-batch's hidden states
-    rows = []
     heads = math.gcd(shape.num_attention_heads, shape.num_key_value_heads)
-    sequence = axis_sizes(heads, request.gpus, per_node)
-    if sequence > 1:
-        options = {"strategy": "deepspeed", "zero_stage": 3, "sequence_parallel_size": sequence}
-        rows.append(_axis_row(request, shape, micro_batch_size, f"SP {sequence} × ZeRO-3", "sequence_parallel",
-                              options, {"--sequence_parallel_size": sequence},
-                              "accelerate_configs/deepspeed_zero3.yaml", request.gpus // sequence,
-                              f"all-to-all per layer and micro-batch: ~{_size(8 * hidden / sequence)} a GPU",
-                              f"SP {sequence} splits each sequence over {sequence} GPUs of a node: activations ÷ "
-                              f"{sequence}"))
     full = not (request.lora_rank or request.qlora)
     tensor = axis_sizes(heads, request.gpus, per_node)
     if full and tensor > 1:
@@ -431,8 +420,9 @@ def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
                               f"all-reduce per layer and micro-batch: 4 × {_size(hidden)} (NVLink)",
                               f"TP {tensor} splits each layer's matrices within a node: the split layers' "
                               f"activations ÷ {tensor}, states over all {request.gpus} GPUs"))
-    for axis in all_axes():  # the axes on the seam (finetune.recipe.axes) plan their own rows
-        rows += axis.plan_rows(request, shape, micro_batch_size)
+    for axis in all_axes():  # the other axes on the seam (finetune.axes) plan their own rows
+        if not axis.accelerate_size:
+            rows += axis.plan_rows(request, shape, micro_batch_size)
     return rows
 
 

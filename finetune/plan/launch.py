@@ -137,7 +137,7 @@ def _plan_launch(recipe: str, overrides: list[str], machine: Machine, sections) 
         planned = own.plan_launch(recipe, overrides, machine, sections)
         if planned is not None:
             return _axis_launch(axis, machine), planned, without_option(overrides, "--strategy")
-    if axis is not None and not (axis == "sequence_parallel" and (named or training.get("deepspeed"))):
+    if axis is not None and not (_keeps_a_named_engine(axis) and (named or training.get("deepspeed"))):
         # the recipe names an axis: its launch follows from it (SP under a named DeepSpeed strategy keeps that one)
         return _axis_launch(axis, machine), {
             "strategy": axis, "chosen_by": "the recipe's parallelism axes; not planned",
@@ -246,24 +246,31 @@ def predicted_per_rank(row: dict, machine: Machine) -> dict:
 
 
 def _recipe_axis(sections) -> str | None:
-    """The parallelism axis a recipe names, read as the run reads it (an axis on the seam: finetune.recipe.axes;
-    finetune.launch.parallelism for TP and SP), if any."""
+    """The parallelism axis a recipe names that decides its launch, read as the run reads it (an axis on the seam
+    with a launch of its own, `Axis.launched_as`: finetune.axes; else tensor parallelism), if any."""
     from finetune.launch.parallelism import requested
 
-    if sections.axes:
-        return sections.axes[0].name
+    launching = [axis for axis in sections.axes if axis.launched_as]
+    if launching:
+        return launching[0].name
     asked, _ = requested(sections.training_inputs, environ={})  # the recipe's sizes alone: none exported yet
-    if asked.loads_sharded:
-        return "tensor_parallel"
-    return "sequence_parallel" if asked.sequence_parallel_size > 1 else None
+    return "tensor_parallel" if asked.loads_sharded else None
+
+
+def _keeps_a_named_engine(axis: str) -> bool:
+    from finetune.axes import AXES, axis_class
+
+    return axis in AXES and axis_class(axis).keeps_a_named_engine
 
 
 def _axis_launch(axis: str, machine: Machine) -> Launch:
-    """How an axis launches with its sizes given as recipe keys: plain processes for a pipeline (one a stage) and for
-    tensor parallelism (Transformers shards the model; its CPU twin's program on CPU processes), DeepSpeed ZeRO-3
-    for sequence parallelism."""
-    if axis == "sequence_parallel":
-        return _launch_of("zero3", machine)
+    """How an axis launches with its sizes given as recipe keys: an axis on the seam as the shipped strategy it names
+    (`Axis.launched_as`: plain processes for a pipeline, one a stage; DeepSpeed ZeRO-3 for sequence parallelism);
+    tensor parallelism as plain processes (Transformers shards the model; its CPU twin's program on CPU processes)."""
+    from finetune.axes import AXES, axis_class
+
+    if axis in AXES:
+        return _launch_of(axis_class(axis).launched_as, machine)
     plain = SHIPPED_BY_NAME["ddp"].launch(cpu=machine.cpu)
     if axis == "tensor_parallel" and machine.cpu:
         return plain._replace(program=SHIPPED_BY_NAME["tensor_parallel"].launch(cpu=True).program)

@@ -520,16 +520,6 @@ class FinetuneTrainingArguments(TrainingArguments):
         metadata={"help": "With tensor_parallel_size: full replicas of the sharded model (HSDP; e.g. the node count), "
                           "only the gradient all-reduce crossing them. Default 1."},
     )
-    sequence_parallel_size: int | None = field(
-        default=None,
-        metadata={"help": "Split each sequence over this many processes (DeepSpeed Ulysses / ALST), for long "
-                          "sequences; under a DeepSpeed config."},
-    )
-    context_parallel_size: int | None = field(
-        default=None,
-        metadata={"help": "Split each sequence's attention over this many GPUs (PyTorch ring attention, FSDP2); GPUs "
-                          "only: refused on CPU processes."},
-    )
     save_calibration: bool = field(
         default=True,
         metadata={"help": "On GPUs, a finished run stores how far its peak exceeded the prediction, as a share of "

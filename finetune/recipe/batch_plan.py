@@ -56,11 +56,10 @@ class BatchPlan:
 
 
 def data_parallel_size(args) -> int:
-    """Processes that see different batches under Trainer: the world size over the tensor, sequence and context
-    parallel sizes (the ranks of one such group share a batch), as Trainer's `get_dp_world_size` counts them."""
-    shared = 1
-    for key in ("tensor_parallel_size", "sequence_parallel_size", "context_parallel_size"):
-        shared *= int(getattr(args, key, None) or 1)
+    """Processes that see different batches under Trainer: the world size over the ranks that share one batch (a
+    tensor, sequence or context parallel group: `ranks_sharing_a_batch`, set when the recipe is parsed, else the
+    arguments' `tensor_parallel_size`), as Trainer's `get_dp_world_size` counts them."""
+    shared = getattr(args, "ranks_sharing_a_batch", None) or int(getattr(args, "tensor_parallel_size", None) or 1)
     return args.world_size // shared
 
 

@@ -10,6 +10,7 @@ import enum
 
 from transformers import TrainingArguments
 
+from finetune.axes import all_axes
 from finetune.recipe.aliases import TRL_KEYS, TrlKey, shown
 from finetune.recipe.args import (
     DataArguments,
@@ -18,7 +19,6 @@ from finetune.recipe.args import (
     MethodArguments,
     ModelArguments,
 )
-from finetune.recipe.axes import all_axes
 from finetune.recipe.methods import all_methods
 
 RECIPE_REFERENCE = "docs/recipes.md"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,9 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
+from finetune.axes import Axis, active_axes, axis_sections, on_the_mesh, runner_of
 from finetune.errors import RecipeError, did_you_mean, launched_rank
-from finetune.launch.parallelism import Parallelism
+from finetune.launch.parallelism import CORE_SIZES, Parallelism
 from finetune.launch.strategies import Strategy
 from finetune.recipe.aliases import READ_FROM, TOOLS_DEFAULT, Translation, translate_command_line, translate_values
 from finetune.recipe.args import (
@@ -30,11 +31,9 @@ from finetune.recipe.args import (
     MethodArguments,
     ModelArguments,
 )
-from finetune.recipe.axes import Axis, active_axes, axis_sections, runner_of
 from finetune.recipe.batch_plan import BatchPlan, plan_from_recipe
 from finetune.recipe.methods import Method, all_methods, key_of_other_methods, requested_method
 from finetune.recipe.preflight import (
-    check_context_parallel_rows,
     check_launcher_precision,
     check_lora_adapters,
     check_loss_head,
@@ -42,7 +41,6 @@ from finetune.recipe.preflight import (
     check_parallelism,
     check_pure_bf16,
     check_qlora,
-    check_sequence_parallel_loss,
     preflight_launch,
     warmup_warning,
 )
@@ -67,7 +65,7 @@ class Recipe:
     parallelism: Parallelism = field(default_factory=Parallelism)  # tensor, sequence, context axes (all 1: none)
     deepspeed_config: dict | None = None  # the DeepSpeed config as written (file or inline keys), "auto" values kept
     foreign_keys: dict | None = None  # what became of TRL's or another tool's keys (effective_config.json)
-    axes: tuple[Axis, ...] = ()  # the parallelism axes that are on, holding their own keys (finetune.recipe.axes)
+    axes: tuple[Axis, ...] = ()  # the parallelism axes that are on, holding their own keys (finetune.axes)
 
     @property
     def runner(self) -> Axis | None:
@@ -175,7 +173,8 @@ class RecipeSections:
     values: dict[str, Any]  # the YAML's own values
     overrides: list[str]
     foreign_keys: dict | None = None  # what became of TRL's or another tool's keys (aliases.Translation.record)
-    axes: tuple[Axis, ...] = ()  # the parallelism axes that are on (finetune.recipe.axes)
+    axes: tuple[Axis, ...] = ()  # the parallelism axes that are on (finetune.axes)
+    axis_inputs: dict[str, Any] = field(default_factory=dict)  # every axis's keys the recipe gives, by key
 
 
 def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
@@ -190,16 +189,15 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
                                                    sections.training_inputs, sections.sources)
     strategy, deepspeed_config = preflight_launch(training_inputs)
     inside = any(axis.splits_tensor_parallelism for axis in sections.axes)  # a pipeline's stages split their layers
-    parallelism, strategy = check_parallelism(training_inputs, model, lora.use_lora or lora.use_qlora, strategy,
-                                              inside_stages=inside)
-    check_context_parallel_rows(parallelism, data)
-    check_sequence_parallel_loss(training_inputs, sources, parallelism)
+    parallelism, strategy = check_parallelism({**training_inputs, **sections.axis_inputs}, model,
+                                              lora.use_lora or lora.use_qlora, strategy, inside_stages=inside)
     if parallelism.named:  # the resolved sizes, whoever named them, are what TrainingArguments carries
         if sections.method.name != "sft":
             raise RecipeError(f"`method: {sections.method.name}` with {parallelism.describe()}: only supervised "
                               "fine-tuning runs on these axes so far; train it under DDP, ZeRO or FSDP.")
-        training_inputs.update(parallelism.to_dict())
-    for axis in sections.axes:  # each axis refuses what it cannot run beside the rest
+        training_inputs.update({key: parallelism.size(key) for key in CORE_SIZES})
+    axes = on_the_mesh(sections.axes, parallelism)  # the mesh's axes at their resolved sizes, whoever named them
+    for axis in axes:  # each axis refuses what it cannot run beside the rest
         strategy = axis.check(sections, parallelism, strategy)
     check_named_strategy(training_inputs.get("strategy"), strategy, int(os.environ.get("WORLD_SIZE", "1")),
                          sources.get("strategy") == COMMAND_LINE)
@@ -207,8 +205,8 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
         check_qlora(model.torch_dtype, training_inputs, strategy)
     check_pure_bf16(training_inputs, strategy)
     check_launcher_precision(training_inputs, sources)
-    shared = parallelism.total // parallelism.data_parallel_size * math.prod(  # ranks of one batch
-        axis.ranks_sharing_a_batch() for axis in sections.axes)
+    shared = parallelism.ranks_sharing_a_batch * math.prod(  # ranks of one batch
+        axis.ranks_sharing_a_batch() for axis in axes)
     data_parallel = int(os.environ.get("WORLD_SIZE", "1")) // shared
     batch_plan = plan_from_recipe(training_inputs, data.max_seq_length, data_parallel)
     _check_steps_and_accumulation(training_inputs, sources, batch_plan)
@@ -223,13 +221,14 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
         print(f"warning: {warning}")
     training_type, method_inputs = sections.method.training_arguments(data)  # TRL's config, where the method has one
     training = _build(training_type, {**training_inputs, **method_inputs}, sections.values, sections.overrides)
+    training.ranks_sharing_a_batch = parallelism.ranks_sharing_a_batch  # what Trainer's data-parallel size divides out
     if inside:  # the stages split their layers themselves (strategy.tensor_parallel_size): nothing loads sharded
         parallelism = Parallelism()
-    parallelism = replace(parallelism, bf16=bool(training.bf16))  # the precision FSDP2 gathers TP slices in
+    parallelism = parallelism.replaced(bf16=bool(training.bf16))  # the precision FSDP2 gathers TP slices in
     return Recipe(model=model, data=data, lora=lora, training=training, method=sections.method,
                   sources=sources, batch_plan=batch_plan, strategy=strategy, parallelism=parallelism,
                   deepspeed_config=deepspeed_config,
-                  foreign_keys=sections.foreign_keys, axes=sections.axes)
+                  foreign_keys=sections.foreign_keys, axes=axes)
 
 
 def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | None = None,
@@ -289,7 +288,9 @@ def read_recipe(recipe_path: str | Path | None = None, overrides: list[str] | No
     axes = active_axes(inputs, lambda section, given: _build(section, given, values, overrides))
     return RecipeSections(model, data, lora, chosen, inputs[FinetuneTrainingArguments], sources, values, overrides,
                           foreign_keys=from_file.record() if from_file.tool or from_file.renamed or from_file.notes
-                          or from_file.read_into else None, axes=axes)
+                          or from_file.read_into else None, axes=axes,
+                          axis_inputs={key: value for section in axis_sections()
+                                       for key, value in inputs[section].items() if value is not None})
 
 
 def _refuse_other_methods_keys(method: type[Method], inputs: dict[type, dict[str, Any]]) -> None:

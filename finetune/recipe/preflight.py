@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -96,8 +95,6 @@ def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: boo
     if parallelism.loads_sharded and strategy.kind != "tensor_parallel":
         source = "the recipe" if "recipe" in sources.values() else (strategy.source or "the launch")
         strategy = Strategy.from_parallelism(parallelism, source, strategy.nodes)
-    if strategy.kind == "deepspeed":
-        strategy = replace(strategy, sequence_parallel_size=parallelism.sequence_parallel_size)
     return parallelism, strategy
 
 
@@ -164,42 +161,6 @@ def check_both_sharding_engines(training_inputs: dict[str, Any]) -> None:
                           "(drop `fsdp` to train under DeepSpeed, or `deepspeed` to train under FSDP).")
 
 
-ULYSSES_LOSS = ("sequence parallelism: DeepSpeed's Ulysses loader takes the labels out of the batch Trainer sees, "
-                "so each micro-batch's loss is its own token mean")
-
-
-def check_sequence_parallel_loss(training_inputs: dict[str, Any], sources: dict[str, str],
-                                 parallelism: Parallelism) -> None:
-    """Under sequence parallelism (DeepSpeed Ulysses) Trainer never counts a step's answer tokens: DeepSpeed's
-    `UlyssesSPDataLoaderAdapter` pops the labels (Transformers' `deepspeed_sp_compute_loss` returns each micro-batch's
-    token mean), so `loss_normalization: tokens` cannot be run. Asked for by name it is refused; by default the run
-    takes `micro_batch_mean`, and effective_config.json says why."""
-    if parallelism.sequence_parallel_size <= 1:
-        return
-    if training_inputs.get("loss_normalization", "tokens") == "tokens" and "loss_normalization" in sources:
-        raise RecipeError(f"`loss_normalization: tokens` with `sequence_parallel_size: "
-                          f"{parallelism.sequence_parallel_size}`: DeepSpeed's Ulysses loader hides the labels from "
-                          "Trainer, which then cannot weigh every answer token of a step the same; each micro-batch's "
-                          "loss is its own token mean. Set `loss_normalization: micro_batch_mean`, or train without "
-                          "sequence parallelism.")
-    training_inputs["loss_normalization"] = "micro_batch_mean"
-    sources["loss_normalization"] = ULYSSES_LOSS
-
-
-def check_context_parallel_rows(parallelism: Parallelism, data_args) -> None:
-    """Context parallelism runs full causal attention: PyTorch's ring attention drops the attention mask and the
-    position ids that keep packed (or padding-free) documents apart, so each document would attend to the ones
-    before it in its row. TRL's SFTTrainer refuses packing under `cp_size > 1` for the same reason."""
-    if parallelism.context_parallel_size <= 1:
-        return
-    for key in ("packing", "padding_free"):
-        if getattr(data_args, key):
-            raise RecipeError(f"`{key}: true` with `context_parallel_size: {parallelism.context_parallel_size}`: "
-                              "context parallelism drops the attention mask that keeps the documents of a row apart, "
-                              f"so they would attend across their boundaries; set `{key}: false`, or train without "
-                              "`context_parallel_size`.")
-
-
 def check_stage_split(tensor: int, model_config) -> None:
     """A pipeline stage's layers split over `tensor` ranks as the model's TP plan says (`base_model_tp_plan`): whole
     attention and key-value heads on each rank, and the MLP's width cut evenly."""
@@ -247,11 +208,10 @@ def check_per_node_sizes(deepspeed: dict | None, environ=None) -> None:
     environ = os.environ if environ is None else environ
     world_size, per_node = int(environ.get("WORLD_SIZE", "1")), int(environ.get("LOCAL_WORLD_SIZE", "1"))
     sizes = launched_parallelism(environ)
-    # all 1 is plain data parallelism over every process (Accelerate sets dp_replicate to the process count); DeepSpeed
-    # Ulysses sizes its own groups
-    ulysses = sizes is not None and sizes.sequence_parallel_size > 1 and \
-        environ.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed") == "deepspeed"
-    if sizes is not None and sizes.total not in (1, world_size) and not ulysses:
+    # all 1 is plain data parallelism over every process (Accelerate sets dp_replicate to the process count); an axis
+    # beside DeepSpeed (Ulysses) sizes its own groups
+    beside_an_engine = sizes is not None and bool(sizes.beside_the_engine())
+    if sizes is not None and sizes.total not in (1, world_size) and not beside_an_engine:
         nodes = world_size // per_node if per_node and world_size % per_node == 0 else "?"
         raise RecipeError(
             f"the Accelerate config's parallelism sizes multiply to {sizes.total} ({describe_as_accelerate(sizes)}) "

@@ -28,10 +28,8 @@ from finetune.checkpoints.complete import (
 from finetune.checkpoints.preemption import PreemptionCallback, ending_in_one_line_on_signals, save_on_preemption
 from finetune.checkpoints.run_lock import output_dir_lock
 from finetune.configs.lint import lint_fsdp_wrap_classes
-from finetune.data.collate import attention_implementation
 from finetune.data.summary import dropped_rows, trained_as_plain_text, write_data_summary
 from finetune.errors import RecipeError
-from finetune.launch.parallelism import prepare_sequence_parallelism
 from finetune.launch.self_launch import launch_plan
 from finetune.launch.watchdog import watching_ranks
 from finetune.memory import MemoryReportCallback
@@ -61,7 +59,7 @@ from finetune.train.tracking import TrackedRunCallback, run_parameters
 def train(recipe: Recipe) -> dict:
     """Runs the whole job on this rank and returns the summary written to `eval_results.json`. What differs between
     training methods (supervised, preference, ...) is asked of `recipe.method` (finetune.recipe.methods.Method), what
-    differs between parallelism axes of `recipe.axes` (finetune.recipe.axes.Axis); `recipe.runner`, an axis Trainer
+    differs between parallelism axes of `recipe.axes` (finetune.axes.Axis); `recipe.runner`, an axis Trainer
     cannot drive, takes the steps in its own loop."""
     args, method, axes, runner = recipe.training, recipe.method, recipe.axes, recipe.runner
     set_seed(args.seed)
@@ -80,8 +78,8 @@ def train(recipe: Recipe) -> dict:
                                                                            for axis in axes))
         turn_on_load_balancing(model, recipe.model.router_aux_loss_coef)  # experts: their router loss, as TRL
         model = method.prepare_model(recipe, model)  # adapters, trainable weights held as the method needs
-        if recipe.parallelism.sequence_parallel_size > 1:  # Ulysses wraps the attention the model runs
-            prepare_sequence_parallelism(args, recipe.parallelism, attention_implementation(model))
+        for axis in axes:  # what an axis sets before Trainer is built (Ulysses: the attention the model runs)
+            axis.prepare_training(recipe, model)
         prepared = model
         for axis in axes:  # what this rank trains (a pipeline: its stage, the only weights it reads)
             prepared = axis.prepare_model(recipe, prepared)
@@ -116,6 +114,8 @@ def train(recipe: Recipe) -> dict:
         callbacks = [callback for callback in (*method.callbacks(recipe, tokenizer, data), memory_report, throughput,
                                                frozen_check, divergence, preemption, compiled) if callback is not None]
         trainer = method.build_trainer(recipe, model, tokenizer, data, callbacks)  # the data summary is now complete
+        for axis in axes:  # a loss or gradient fix-up its engine needs
+            axis.trainer_built(trainer)
         if memory_report is not None:
             if getattr(trainer, "full_logits_reason", None):  # the method's fused head given up for a feature
                 memory_report.method = replace(memory_report.method, fused_head=False, logits_held=True)

@@ -361,33 +361,21 @@ class FinetuneTrainer(FinetuneTrainerMixin, Trainer):
             inputs = {**inputs, "fused_lm_head": True}
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
-        excess = self._sequence_parallel_gradient_excess if model.training else 1
+        excess = self._gradient_excess if model.training else 1
         if excess == 1:
             return result
         loss, outputs = result if return_outputs else (result, None)
         loss = loss.detach() + (loss - loss.detach()) / excess  # the same loss, its gradient divided back
         return (loss, outputs) if return_outputs else loss
 
+    # set by an axis whose engine applies the gradient more than once (finetune.axes, `Axis.trainer_built`):
+    # a function of the trainer giving how many times, read at the first training step (the engine is built by then)
+    gradient_excess = None
+
     @cached_property
-    def _sequence_parallel_gradient_excess(self) -> int:
-        """How many times the one-process gradient sequence parallelism (DeepSpeed Ulysses) would apply.
-
-        Transformers' `deepspeed_sp_compute_loss` weighs the ranks' shard losses after a differentiable all-gather,
-        whose backward sums each rank's gradient over the `sp` ranks of its sequence group: every rank holds `sp` ×
-        its share. DeepSpeed's ZeRO-0/1/2 reductions then sum over the sequence group (they divide by the data-parallel
-        size only: stage_1_and_2.py, engine.py), so the update is `sp` times too large (measured at SP 2 with SGD:
-        grad norm 19.01 against 9.505 on one process). ZeRO-3's reduce-scatter (`reduce_scatter: true`, its default)
-        averages over every rank instead, which divides the all-gather's `sp` back out: its update is right as is.
-        Read once, at the first training step (the engine is built by then)."""
-        ranks = self.get_sp_size()
-        if ranks == 1:
-            return 1
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-        optimizer = getattr(self.model_wrapped, "optimizer", None)
-        if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and optimizer.reduce_scatter:
-            return 1
-        return ranks
+    def _gradient_excess(self) -> int:
+        """How many times the one-process gradient the run would apply; the loss's gradient is divided by it."""
+        return 1 if self.gradient_excess is None else self.gradient_excess(self)
 
 
 FULL_LOGITS_ASKED = "`fused_lm_head: false`"

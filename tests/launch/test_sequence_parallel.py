@@ -18,7 +18,7 @@ from finetune.errors import RecipeError
 from finetune.launch.parallelism import Parallelism
 from finetune.launch.strategies import SHIPPED_BY_NAME
 from finetune.memory import Setup, estimate, model_shape
-from finetune.recipe.preflight import ULYSSES_LOSS, check_sequence_parallel_loss
+from finetune.train.axes.sequence import ULYSSES_LOSS, SequenceShare, check_loss, ulysses_config
 
 SP_ON_CPU = SHIPPED_BY_NAME["sequence_parallel"].launch(cpu=True)  # ZeRO-3 × SP 2: the GPU config runs on CPU
 ZERO2_ON_CPU = SHIPPED_BY_NAME["zero2"].launch(cpu=True)
@@ -76,7 +76,7 @@ def test_sequence_parallel_records_its_axis_and_one_batch_per_step_and_its_ledge
     report = json.loads((output_dir / outputs.MEMORY_REPORT).read_text())
     assert [rank["rank"] for rank in report["ranks"]] == [0, 1]
     for rank in report["ranks"]:
-        assert rank["predicted"]["estimate"]["setup"]["sequence_parallel_size"] == 2
+        assert rank["predicted"]["estimate"]["setup"]["beside"] == [{"sequence_parallel_size": 2}]
         for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
             assert abs(rank["measured"][key] - rank["predicted"][key]) <= slack(key, f"zero{2 if name == 'sgd' else 3}")
 
@@ -102,17 +102,35 @@ def test_batches_are_cut_evenly_and_keep_their_positions():
 
 def test_eager_attention_is_refused_for_sequence_parallelism_by_name():
     with pytest.raises(RecipeError, match="`attn_implementation: sdpa`"):
-        Parallelism(sequence_parallel_size=2).sequence_parallel_config("eager")
-    assert Parallelism().sequence_parallel_config("sdpa") is None
-    config = Parallelism(sequence_parallel_size=2, dp_shard_size=2).sequence_parallel_config("sdpa")
+        ulysses_config(2, 1, "eager")
+    mesh = Parallelism(sequence_parallel_size=2, dp_shard_size=2)
+    config = ulysses_config(mesh.size("sequence_parallel_size"), mesh.data_parallel_size, "sdpa")
     assert (config.sp_size, config.sp_backend, config.data_parallel_size) == (2, "deepspeed", 2)
+
+
+def test_sequence_parallelism_is_a_size_of_accelerates_mesh_carried_beside_the_engine():
+    """Its size resolves with the mesh's (recipe key ↔ Accelerate's `sp_size`), the strategy carries its layout."""
+    from finetune.launch.parallelism import from_accelerate_section, variable
+
+    mesh = Parallelism(sequence_parallel_size=2, dp_shard_size=2)
+    assert (mesh.total, mesh.ranks_sharing_a_batch, mesh.named) == (4, 2, True)
+    assert mesh.by_accelerate_name() == {"dp_shard_size": 2, "sp_size": 2}
+    assert variable("sequence_parallel_size") == "PARALLELISM_CONFIG_SP_SIZE"
+    assert from_accelerate_section({"parallelism_config_sp_size": 2}, "test") == Parallelism(sequence_parallel_size=2)
+    assert mesh.beside_the_engine() == (SequenceShare(2),)
+    assert Parallelism(dp_shard_size=2).beside_the_engine() == ()
+    shipped = SHIPPED_BY_NAME["sequence_parallel"].strategy
+    assert (shipped.label, shipped.describe()) == ("deepspeed_zero3+sp2", "DeepSpeed ZeRO-3 × sequence parallel 2")
+    assert shipped.to_dict()["sequence_parallel_size"] == 2
+    with pytest.raises(TypeError, match="no mesh axis"):
+        Parallelism(sequence_parallel=2)
 
 
 def test_the_estimator_gives_each_rank_the_activations_of_its_share_of_the_sequence():
     shape = model_shape("llama-3-8b")
     whole = estimate(shape, Setup(strategy="deepspeed", zero_stage=3, num_gpus=8, sequence_length=32768))
     split = estimate(shape, Setup(strategy="deepspeed", zero_stage=3, num_gpus=8, sequence_length=32768,
-                                  sequence_parallel_size=8))
+                                  beside=(SequenceShare(8),)))
     assert split.activations_bytes == pytest.approx(whole.activations_bytes / 8, rel=1e-6)
     assert (split.params_bytes, split.optimizer_bytes) == (whole.params_bytes, whole.optimizer_bytes)
 
@@ -120,12 +138,18 @@ def test_the_estimator_gives_each_rank_the_activations_of_its_share_of_the_seque
 def test_tokens_normalisation_asked_by_name_under_sequence_parallelism_is_refused():
     """DeepSpeed's Ulysses loader hides the labels from Trainer, which then counts no step's tokens: asked for by
     name, `tokens` stops with the fix; by default the run takes `micro_batch_mean` and says why."""
-    ulysses = Parallelism(sequence_parallel_size=2)
     with pytest.raises(RecipeError, match="Set `loss_normalization: micro_batch_mean`"):
-        check_sequence_parallel_loss({"loss_normalization": "tokens"}, {"loss_normalization": "recipe"}, ulysses)
+        check_loss({"loss_normalization": "tokens"}, {"loss_normalization": "recipe"}, 2)
     inputs, sources = {}, {}
-    check_sequence_parallel_loss(inputs, sources, ulysses)
+    check_loss(inputs, sources, 2)
     assert inputs["loss_normalization"] == "micro_batch_mean" and sources["loss_normalization"] == ULYSSES_LOSS
-    inputs, sources = {}, {}
-    check_sequence_parallel_loss(inputs, sources, Parallelism())  # no sequence parallelism: nothing changes
-    assert inputs == sources == {}
+
+
+def test_sequence_parallelism_outside_deepspeed_is_refused_by_its_axis(monkeypatch):
+    """Ulysses runs under DeepSpeed only: a 2-process launch of plain processes stops before any process group."""
+    from finetune.recipe.parse import parse_recipe
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match=r"runs through DeepSpeed Ulysses.*not plain processes"):
+        parse_recipe("recipes/demo.yaml", ["--sequence_parallel_size", "2"])

@@ -19,12 +19,13 @@ from finetune.checkpoints.complete import COMPLETE_MARKER
 from finetune.checkpoints.sharded_state import STATE_FOLDER
 from finetune.cli import main
 from finetune.errors import RecipeError
-from finetune.launch.parallelism import CONTEXT_PARALLEL_ON_CPU, CPU_MESH_ALLOWED, Parallelism, check
+from finetune.launch.parallelism import CPU_MESH_ALLOWED, Parallelism, check
 from finetune.launch.strategies import SHIPPED_BY_NAME
 from finetune.memory import model_shape
 from finetune.memory.estimate import Setup, fsdp_gathered_weights_bytes
 from finetune.memory.shapes import resolve_config
 from finetune.recipe.parse import parse_recipe
+from finetune.train.axes.context import ON_CPU
 
 TP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel"].launch(cpu=True)
 TP_FSDP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel_fsdp"].launch(cpu=True)
@@ -155,7 +156,7 @@ def test_tied_embeddings_under_tensor_parallel_with_fsdp_are_refused_naming_the_
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--context_parallel_size", "2"], CONTEXT_PARALLEL_ON_CPU),
+    (["--context_parallel_size", "2"], ON_CPU),
     (["--tensor_parallel_size", "3"], "does not divide the model's num_attention_heads (4)"),
     (["--tensor_parallel_size", "2"], "= 2, but the launch has 1 process"),
     (["--dp_shard_size", "2"], "names none of them"),
@@ -173,8 +174,6 @@ def test_tensor_parallel_under_deepspeed_with_lora_or_compiled_is_refused():
         check(Parallelism(tensor_parallel_size=2), config, strategy_kind="deepspeed", use_lora=False)
     with pytest.raises(RecipeError, match="adapters on tensor-parallel layers"):
         check(Parallelism(tensor_parallel_size=2), config, strategy_kind="ddp", use_lora=True)
-    with pytest.raises(RecipeError, match="DeepSpeed Ulysses"):
-        check(Parallelism(sequence_parallel_size=2), config, strategy_kind="ddp", use_lora=False)
     with pytest.raises(RecipeError, match=r"`torch_compile: true` with `tensor_parallel_size: 2`.*pytorch#119071"):
         check(Parallelism(tensor_parallel_size=2), config, strategy_kind="tensor_parallel", use_lora=False,
               compiled=True)

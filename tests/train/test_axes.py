@@ -1,4 +1,4 @@
-"""The parallelism-axis seam (finetune.recipe.axes): an axis added as its own home plus one registry line is read from
+"""The parallelism-axis seam (finetune.axes): an axis added as its own home plus one registry line is read from
 the recipe with its own keys and checks, documented, and trains through `train()` unchanged, whether it prepares the
 model Trainer trains or runs the steps in its own loop; two axes that each run their own loop are refused."""
 
@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from finetune import outputs
+from finetune import axes, outputs
+from finetune.axes import Axis
 from finetune.errors import RecipeError
-from finetune.recipe import axes, parse_recipe
-from finetune.recipe.axes import Axis
+from finetune.recipe import parse_recipe
 from finetune.recipe.parse import RecipeParser
 
 DEMO = "recipes/demo.yaml"

@@ -56,6 +56,7 @@ class SupervisedFineTuning(Method):
         return {}
 
     def build_trainer(self, recipe, model, tokenizer, data, callbacks):
+        from finetune.axes import axes_collator
         from finetune.checkpoints.complete import recipe_values
         from finetune.data.collate import data_collator
 
@@ -66,9 +67,9 @@ class SupervisedFineTuning(Method):
             args=recipe.training,
             train_dataset=data.train,
             eval_dataset=data.eval,
-            data_collator=data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free, model=model,
-                                        sequence_parallel=recipe.parallelism.sequence_parallel_size,
-                                        max_length=recipe.data.max_seq_length),
+            data_collator=axes_collator(recipe, tokenizer,
+                                        data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free,
+                                                      model=model)),
             processing_class=tokenizer,
             callbacks=callbacks,
             recipe_values=recipe_values(recipe),

@@ -5,13 +5,13 @@ pipeline). Tensor parallelism beside it runs inside each stage (3D: pipeline × 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+from finetune.axes import Axis
 from finetune.errors import RecipeError
 from finetune.launch.parallelism import Parallelism, process_count
 from finetune.launch.strategies import Strategy, is_true
-from finetune.recipe.axes import Axis
 from finetune.train.axes.pipeline.layout import PipelineLayout
 
 # torch.distributed.pipelining's single-stage schedules a recipe may name
@@ -61,6 +61,7 @@ class PipelineParallelism(Axis):
     arguments = PipelineArguments
     size_key = "pipeline_parallel_size"
     runs_the_steps = True
+    launched_as = "ddp"  # plain processes, one a stage
     splits_tensor_parallelism = True  # each stage's layers over the mesh's tp ranks (3D)
 
     def check(self, sections, parallelism, strategy):
@@ -186,7 +187,7 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
                           f"{size} --strategy ddp`), not under a DeepSpeed or FSDP config.")
     # tensor parallelism runs inside each stage; the other axes need their own engines (Ulysses under DeepSpeed,
     # context parallelism under FSDP2) or shard what the stage's replicas hold whole
-    others = replace(parallelism, tensor_parallel_size=1)
+    others = parallelism.replaced(tensor_parallel_size=1)
     qlora, dora = bool(getattr(lora, "use_qlora", False)), bool(getattr(lora, "use_dora", False))
     refused = [(others != Parallelism(), f"{others.describe()} beside it"),
                # its 4-bit base is quantized while the whole model loads onto each GPU (bitsandbytes), where the

@@ -16,6 +16,8 @@ from finetune.errors import RecipeError
 
 # name → "module:class"; the module is imported when a recipe is read
 AXES = {
+    "sequence_parallel": "finetune.train.axes.sequence:SequenceParallelism",
+    "context_parallel": "finetune.train.axes.context:ContextParallelism",
     "pipeline": "finetune.train.axes.pipeline:PipelineParallelism",
 }
 
@@ -36,6 +38,16 @@ class Axis:
     splits_tensor_parallelism: ClassVar[bool] = False
     """Whether `tensor_parallel_size` splits the layers inside this axis's own units (a pipeline's stages) rather than
     through Transformers' sharded loading (finetune.recipe.preflight.check_parallelism's `inside_stages`)."""
+    accelerate_size: ClassVar[str | None] = None
+    """For a dimension of Accelerate's device mesh, its size's name in `ParallelismConfig` (`sp_size`): its size then
+    comes from the recipe or from the `parallelism_config` section a launch exports (`PARALLELISM_CONFIG_SP_SIZE`), and
+    is resolved with the other mesh sizes against the world size (finetune.launch.parallelism). None for an axis that
+    builds its own mesh (a pipeline)."""
+    launched_as: ClassVar[str | None] = None
+    """The shipped strategy (finetune.launch.strategies.SHIPPED) `finetune train --gpus N` launches a recipe with this
+    axis on as; None: planned as any recipe (the decision tree picks the strategy)."""
+    keeps_a_named_engine: ClassVar[bool] = False
+    """Whether a recipe's named DeepSpeed strategy (or `deepspeed` config) runs it, rather than `launched_as`."""
 
     def __init__(self, settings: Any):
         self.settings = settings
@@ -51,8 +63,20 @@ class Axis:
         return strategy
 
     def ranks_sharing_a_batch(self) -> int:
-        """How many of the launch's processes work on one batch together (the data-parallel size divides by it)."""
-        return self.size
+        """How many of the launch's processes work on one batch together (the data-parallel size divides by it). An
+        axis of Accelerate's mesh is counted with the mesh's other sizes (finetune.launch.parallelism)."""
+        return 1 if self.accelerate_size else self.size
+
+    @classmethod
+    def refusal_here(cls, size: int, on_gpu: bool) -> str | None:
+        """Why a launch cannot run this axis at `size` on this machine at all, said before anything else is checked
+        (an axis of Accelerate's mesh); None where it can."""
+        return None
+
+    def layout(self):
+        """What a strategy and the estimator carry of this axis beside the engine that runs it (an axis of
+        Accelerate's mesh: `label`, `describe`, `record`, `activation_share`); None for none."""
+        return None
 
     @classmethod
     def plan_rows(cls, request, shape, micro_batch_size: int) -> list[dict]:
@@ -76,6 +100,24 @@ class Axis:
     def prepare_model(self, recipe, model):
         """What this rank trains: the model as Trainer receives it, or, for an axis with a runner, its part of it."""
         return model
+
+    def prepare_training(self, recipe, model) -> None:
+        """Before Trainer is built, with the model loaded: what the axis sets in `recipe.training` (Accelerate's
+        `parallelism_config`) or starts (a communication layer)."""
+
+    def collator(self, collator, tokenizer, recipe):
+        """The batches Trainer is fed under this axis: `collator`'s, or a wrapper of it."""
+        return collator
+
+    def trainer_built(self, trainer) -> None:
+        """With Trainer built, before it trains: a loss or gradient fix-up the axis's engine needs
+        (`trainer.gradient_excess`, finetune.train.trainer)."""
+
+    @classmethod
+    def running_size(cls, trainer) -> int:
+        """The axis's size in the run Trainer prepared (an axis of Accelerate's mesh: its `ParallelismConfig`)."""
+        mesh = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+        return int(getattr(mesh, cls.accelerate_size or "", 1) or 1)
 
     def run(self, recipe, model, prepared, tokenizer, data, resume: str | None, host_load_bytes: int | None) -> dict:
         """The whole run of this rank (an axis with `runs_the_steps`): train, evaluate, save, write the records a
@@ -108,6 +150,34 @@ def active_axes(inputs: dict[type, dict[str, Any]], build) -> tuple[Axis, ...]:
         names = " and ".join(f"`{axis.size_key}`" for axis in runners)
         raise RecipeError(f"{names} each run their own training loop: keep one of them.")
     return on
+
+
+def on_the_mesh(axes: tuple[Axis, ...], parallelism) -> tuple[Axis, ...]:
+    """`axes` with each axis of Accelerate's mesh at the size resolved for the launch (`parallelism`,
+    finetune.launch.parallelism): one the launch's config names and the recipe does not is added, one resolved to 1
+    dropped."""
+    kept = [axis for axis in axes if not axis.accelerate_size]
+    given = {type(axis): axis for axis in axes}
+    for cls in mesh_axes():
+        size = parallelism.size(cls.size_key)
+        if size > 1:
+            axis = given.get(cls) or cls(cls.arguments())
+            setattr(axis.settings, cls.size_key, size)
+            kept.append(axis)
+    order = list(AXES)
+    return tuple(sorted(kept, key=lambda axis: order.index(axis.name)))
+
+
+def axes_collator(recipe, tokenizer, collator):
+    """`collator` as the recipe's axes feed Trainer with it (`Axis.collator`)."""
+    for axis in recipe.axes:
+        collator = axis.collator(collator, tokenizer, recipe)
+    return collator
+
+
+def mesh_axes() -> list[type[Axis]]:
+    """The registered axes that are dimensions of Accelerate's device mesh (`accelerate_size`)."""
+    return [axis for axis in all_axes() if axis.accelerate_size]
 
 
 def runner_of(axes: tuple[Axis, ...]) -> Axis | None:
