@@ -78,11 +78,11 @@ def train(recipe: Recipe) -> dict:
                                                                            for axis in axes))
         turn_on_load_balancing(model, recipe.model.router_aux_loss_coef)  # experts: their router loss, as TRL
         model = method.prepare_model(recipe, model)  # adapters, trainable weights held as the method needs
-        for axis in axes:  # what an axis sets before Trainer is built (Ulysses: the attention the model runs)
-            axis.prepare_training(recipe, model)
         prepared = model
         for axis in axes:  # what this rank trains (a pipeline: its stage, the only weights it reads)
             prepared = axis.prepare_model(recipe, prepared)
+        for axis in axes:  # what an axis sets before Trainer is built (Ulysses: the attention the model runs)
+            axis.prepare_training(recipe, prepared)
         if runner is None:  # the model Trainer trains
             model = prepared
             materialize_empty_parameters(model)  # shapes only (FSDP2, ranks ≠ 0): Accelerate fills them from rank 0

@@ -89,7 +89,26 @@ class ToyFrozenEmbedding(Axis):
         embedding.requires_grad_(False)
         self.embedding = embedding.detach().clone()
         self.before = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        self.calls = ["prepare_model"]
         return model
+
+    def prepare_training(self, recipe, model):
+        self.calls.append("prepare_training")
+
+    def collator(self, collator, tokenizer, recipe):
+        self.calls.append("collator")
+        self.batches = 0
+
+        def counted(features):
+            self.batches += 1
+            return collator(features)
+
+        return counted
+
+    def trainer_built(self, trainer):
+        self.calls.append("trainer_built")
+        self.trainer = trainer
+        trainer.gradient_excess = lambda trainer: 2  # its engine would apply the gradient twice
 
 
 @pytest.fixture
@@ -130,6 +149,59 @@ def test_an_axis_that_prepares_the_model_trains_under_trainer_through_the_seam(t
     changed = [name for name, tensor in saved.state_dict().items() if name in axis.before
                and not torch.equal(tensor, axis.before[name])]
     assert any("layers.0" in name for name in changed)  # while the rest trained
+    # its run hooks, in train()'s order: the batches Trainer trained on came through its collator, and the gradient
+    # fix-up it set was read at the first step
+    assert axis.calls == ["prepare_model", "prepare_training", "collator", "trainer_built"]
+    assert axis.batches >= 4 and axis.trainer._gradient_excess == 2
+
+
+def test_an_axis_of_accelerates_mesh_is_its_home_and_one_registry_line(monkeypatch):
+    """A mesh axis (`accelerate_size`) registered in one line is a size of the mesh: read from the recipe or from the
+    variable `accelerate launch` exports for it, resolved with the others against the world size, put on the recipe's
+    axes when the launch alone names it, carried beside the engine by its layout; finetune.launch.parallelism is not
+    touched."""
+    from finetune.axes import on_the_mesh
+    from finetune.launch.parallelism import Parallelism, describe_as_accelerate, requested, resolve, variable
+
+    monkeypatch.setitem(axes.AXES, "toy_mesh", f"{__name__}:ToyMesh")
+    mesh = Parallelism(toy_mesh_size=2, dp_shard_size=2)
+    assert (mesh.total, mesh.ranks_sharing_a_batch, mesh.named) == (4, 2, True)
+    assert variable("toy_mesh_size") == "PARALLELISM_CONFIG_TOY_SIZE"
+    assert describe_as_accelerate(mesh) == "dp_shard 2 × toy 2"
+    assert mesh.beside_the_engine() == (ToyShare(2),)
+    launched = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TOY_SIZE": "2"}
+    asked, sources = requested({}, launched)
+    assert asked == Parallelism(toy_mesh_size=2) and sources == {"toy_mesh_size": "Accelerate config"}
+    resolved = resolve(asked, sources, world_size=4)
+    assert resolved == mesh  # the ranks it leaves are sharded data parallelism
+    on = on_the_mesh((), resolved)
+    assert [type(axis) for axis in on] == [ToyMesh] and on[0].size == 2
+    with pytest.raises(RecipeError, match="`toy_mesh_size: 4` in the recipe, but the Accelerate config launched "
+                                          "parallelism_config_toy_size: 2"):
+        requested({"toy_mesh_size": 4}, launched)
+    with pytest.raises(RecipeError, match="multiply to the world size"):
+        resolve(Parallelism(toy_mesh_size=3), {"toy_mesh_size": "recipe", "dp_shard_size": "recipe"}, 4)
+
+
+@dataclass
+class ToyMeshArguments:
+    toy_mesh_size: int | None = field(default=None, metadata={"help": "Toy: a dimension of Accelerate's mesh."})
+
+
+@dataclass(frozen=True)
+class ToyShare:
+    toy_mesh_size: int
+
+
+class ToyMesh(Axis):
+    name = "toy_mesh"
+    description = "a dimension of Accelerate's mesh (a test of the seam)"
+    arguments = ToyMeshArguments
+    size_key = "toy_mesh_size"
+    accelerate_size = "toy_size"
+
+    def layout(self):
+        return ToyShare(self.size)
 
 
 def test_an_axis_keys_are_known_documented_and_checked(toys_registered):
