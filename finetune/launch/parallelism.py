@@ -142,7 +142,7 @@ class Parallelism:
         return cls(**{keys[name]: process_count(keys[name], size, source) or 1 for name, size in sizes.items()
                       if name in keys})
 
-    def beside_the_engine(self, axes=None) -> tuple:
+    def beside_the_engine(self) -> tuple:
         """The layouts of the mesh axes on here that a strategy carries beside its engine (sequence parallelism's
         under DeepSpeed), in the registry's order."""
         from finetune.axes import mesh_axes

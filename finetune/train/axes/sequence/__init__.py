@@ -66,7 +66,8 @@ class SequenceParallelism(Axis):
             raise RecipeError(f"`sequence_parallel_size: {self.size}` runs through DeepSpeed Ulysses (ALST): launch "
                               "it under a DeepSpeed config (accelerate_configs/sequence_parallel.yaml), not " + where)
         check_loss(sections.training_inputs, sections.sources, self.size)
-        return replace(strategy, beside=(*strategy.beside, self.layout()))
+        others = tuple(axis for axis in strategy.beside if not isinstance(axis, SequenceShare))  # as read, once
+        return replace(strategy, beside=(*others, self.layout()))
 
     def prepare_training(self, recipe, model) -> None:
         """Trainer's `parallelism_config` for Ulysses, running the model's own attention; and DeepSpeed's
