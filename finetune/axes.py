@@ -17,6 +17,7 @@ from finetune.errors import RecipeError
 # name → "module:class"; the module is imported when a recipe is read
 AXES = {
     "sequence_parallel": "finetune.train.axes.sequence:SequenceParallelism",
+    "tensor_parallel": "finetune.train.axes.tensor:TensorParallelism",
     "context_parallel": "finetune.train.axes.context:ContextParallelism",
     "pipeline": "finetune.train.axes.pipeline:PipelineParallelism",
 }
@@ -48,6 +49,9 @@ class Axis:
     axis on as; None: planned as any recipe (the decision tree picks the strategy)."""
     keeps_a_named_engine: ClassVar[bool] = False
     """Whether a recipe's named DeepSpeed strategy (or `deepspeed` config) runs it, rather than `launched_as`."""
+    cpu_program: ClassVar[tuple[str, ...] | None] = None
+    """The program its self-launch runs on CPU processes instead of `finetune` (a CPU twin lifting a GPU-only
+    check: finetune/testing/)."""
 
     def __init__(self, settings: Any):
         self.settings = settings
@@ -66,6 +70,11 @@ class Axis:
         """How many of the launch's processes work on one batch together (the data-parallel size divides by it). An
         axis of Accelerate's mesh is counted with the mesh's other sizes (finetune.launch.parallelism)."""
         return 1 if self.accelerate_size else self.size
+
+    @classmethod
+    def check_size(cls, size: int, model_config) -> None:
+        """Refuses a size the model cannot take (an axis of Accelerate's mesh), before the sizes are resolved against
+        the world size."""
 
     @classmethod
     def refusal_here(cls, size: int, on_gpu: bool) -> str | None:

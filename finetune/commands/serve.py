@@ -175,7 +175,7 @@ def workspace_beside(source: Path) -> Path:
         return Path(tempfile.mkdtemp(prefix="finetune-serve-"))
 
 
-def tensor_parallel_size(config: dict, gpus: int) -> int:
+def serving_split(config: dict, gpus: int) -> int:
     """The GPUs vLLM shards the model over: the most of the `gpus` visible that divide its attention heads, and
     that its key-value heads divide or are divided by (vLLM's own rule for splitting them, replicating KV heads
     where there are fewer than GPUs). One GPU holds a model up to about 30B in bf16; a 70B needs several, and
@@ -272,7 +272,7 @@ def serve_command(args) -> int:
 
             import torch
 
-            tensor_parallel = tensor_parallel_size(json.loads((folder / "config.json").read_text()),
+            tensor_parallel = serving_split(json.loads((folder / "config.json").read_text()),
                                                    torch.cuda.device_count())
         on = f" on {tensor_parallel} GPUs (tensor parallel)" if tensor_parallel > 1 else ""
         print(f"serving {source} as `{name}` with {engine}{on} at http://{args.host}:{args.port}/v1 (Ctrl-C stops "

@@ -19,31 +19,22 @@ from typing import Any
 
 from finetune.errors import RecipeError
 
-# The sizes of Accelerate's device mesh this module names itself (recipe key -> the size's name in Accelerate's
-# `ParallelismConfig`); every registered axis of that mesh adds its own (finetune.axes, `accelerate_size`).
-CORE_SIZES = {
-    "tensor_parallel_size": "tp_size",
+# The data-parallel sizes of Accelerate's device mesh, ranks that see different batches (recipe key -> the size's name
+# in Accelerate's `ParallelismConfig`); every registered axis of that mesh adds its own (finetune.axes,
+# `accelerate_size`).
+DATA_SIZES = {
     "dp_shard_size": "dp_shard_size",
     "dp_replicate_size": "dp_replicate_size",
 }
-DATA_SIZES = ("dp_replicate_size", "dp_shard_size")  # ranks that see different batches
-# Transformers' FSDP2 path re-ties a tied `lm_head` to the embedding after sharding (transformers/distributed/fsdp.py);
-# under tensor parallelism the head then computes with a stale copy of the shared weight from the first update on, so
-# losses drift from a one-process run (measured: 0.013 at step 2 on the tiny preset, TP 2 × FSDP2 2).
-TIED_WITH_TP_AND_FSDP = (
-    "tied input and output embeddings (`tie_word_embeddings: true` in the model's config) with "
-    "`tensor_parallel_size` {tensor} and `dp_shard_size` {shard}: Transformers' FSDP2 re-tying leaves `lm_head` "
-    "computing with a stale copy of the shared weight after the first update, so the run would train a different "
-    "model than one process does. Use `dp_shard_size: 1` (tensor parallelism alone, or `dp_replicate_size` for the "
-    "other ranks), an untied model, or drop `tensor_parallel_size` for plain FSDP.")
+ACCELERATE_ORDER = ("dp_replicate_size", "dp_shard_size", "cp_size", "sp_size", "tp_size")  # how Accelerate lists them
 
 
 def accelerate_names() -> dict[str, str]:
-    """Every mesh size a recipe may give (its key) -> its name in Accelerate's `ParallelismConfig`: the data and
-    tensor sizes, then each registered mesh axis's."""
+    """Every mesh size a recipe may give (its key) -> its name in Accelerate's `ParallelismConfig`: each registered
+    mesh axis's, then the data-parallel sizes."""
     from finetune.axes import mesh_axes
 
-    return {**CORE_SIZES, **{axis.size_key: axis.accelerate_size for axis in mesh_axes()}}
+    return {**{axis.size_key: axis.accelerate_size for axis in mesh_axes()}, **DATA_SIZES}
 
 
 def variable(key: str) -> str:
@@ -232,8 +223,8 @@ def launched(environ=None) -> Parallelism | None:
 def describe_as_accelerate(parallelism: Parallelism) -> str:
     """`dp_replicate 2 × dp_shard 2`: the sizes above 1 as an Accelerate config names them (`all 1` for none)."""
     names = accelerate_names()
-    order = [*DATA_SIZES, *(key for key in reversed(names) if key not in CORE_SIZES),
-             "tensor_parallel_size"]
+    order = sorted(names, key=lambda key: ACCELERATE_ORDER.index(names[key]) if names[key] in ACCELERATE_ORDER
+                   else len(ACCELERATE_ORDER))
     named = [f"{names[key].removesuffix('_size')} {parallelism.size(key)}" for key in order
              if parallelism.size(key) > 1]
     return " × ".join(named) or "all 1"
@@ -256,7 +247,8 @@ def requested_on(training_inputs: dict[str, Any], on_gpu: bool, world_size: int,
                  environ=None) -> tuple[Parallelism, dict[str, str]]:
     """`requested` and `resolve` for a launch of `world_size` processes: an axis this machine cannot run at all (a
     mesh axis's `refusal_here`: context parallelism without GPUs) is refused first, in one line, whatever else is
-    wrong, then a TP size the model's heads cannot take (`model_config`: a callable giving the model's config);
+    wrong, then a size the model cannot take (`check_size`: TP's heads; `model_config`: a callable giving the
+    model's config);
     data-parallel sizes in a recipe that names no other axis are refused (Accelerate's FSDP configs say how plain FSDP
     shards)."""
     from finetune.axes import mesh_axes
@@ -266,14 +258,15 @@ def requested_on(training_inputs: dict[str, Any], on_gpu: bool, world_size: int,
         refusal = axis.refusal_here(asked.size(axis.size_key), on_gpu) if asked.size(axis.size_key) > 1 else None
         if refusal:
             raise RecipeError(refusal)
-    recipe_data_sizes = [key for key in DATA_SIZES[::-1] if sources.get(key) == "recipe"]
+    recipe_data_sizes = [key for key in DATA_SIZES if sources.get(key) == "recipe"]
     if recipe_data_sizes and not asked.named:
         others = [f"`{key}`" for key in accelerate_names() if key not in DATA_SIZES]
         raise RecipeError(f"`{recipe_data_sizes[0]}` shapes the data-parallel ranks beside {', '.join(others[:-1])} "
                           f"or {others[-1]}, and the recipe names none of them; plain FSDP takes its sharding from "
                           "the Accelerate config (fsdp_full_shard.yaml, multinode_fsdp_hybrid_shard.yaml).")
-    if asked.tensor_parallel_size > 1 and model_config is not None:
-        check_tensor_parallel_model(asked.tensor_parallel_size, model_config())
+    for axis in mesh_axes():  # a size the model cannot take (TP's heads)
+        if asked.size(axis.size_key) > 1 and model_config is not None:
+            axis.check_size(asked.size(axis.size_key), model_config())
     return resolve(asked, sources, world_size), sources
 
 
@@ -291,63 +284,3 @@ def resolve(asked: Parallelism, sources: dict[str, str], world_size: int) -> Par
         raise RecipeError(f"{product} = {asked.total}, but the launch has {world_size} process(es): the sizes of the "
                           f"axes multiply to the world size. Change a size, or launch {asked.total} processes.")
     return asked
-
-
-def check_tensor_parallel_model(tensor: int, model_config) -> None:
-    """A model Transformers can shard: its architecture has a TP plan (`base_model_tp_plan`, which `from_pretrained`
-    follows; without one every rank fails while loading) and each rank holds whole heads."""
-    if getattr(model_config, "base_model_tp_plan", None) is None:
-        raise RecipeError(f"`tensor_parallel_size: {tensor}`: the model's architecture "
-                          f"({getattr(model_config, 'model_type', 'unknown')}) has no tensor-parallel plan in "
-                          "Transformers (its config's base_model_tp_plan is None): drop `tensor_parallel_size` and "
-                          "shard it with ZeRO-3 or FSDP instead.")
-    check_heads(tensor, model_config)
-
-
-def check_heads(tensor: int, model_config) -> None:
-    """Each rank of a TP group holds whole attention and key-value heads."""
-    heads = getattr(model_config, "num_attention_heads", None)
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if count is not None and count % tensor:
-            divisors = [size for size in range(1, count + 1) if count % size == 0]
-            raise RecipeError(f"`tensor_parallel_size: {tensor}` does not divide the model's {name} ({count}): "
-                              f"each rank holds whole heads. Choose one of {divisors}.")
-
-
-# Set by finetune.testing.parallelism_on_cpu, the one program under which Accelerate builds a TP mesh on CPU processes.
-CPU_MESH_ALLOWED = "FINETUNE_PARALLELISM_ON_CPU"
-
-
-def check(parallelism: Parallelism, model_config, *, strategy_kind: str, use_lora: bool, on_gpu: bool = True,
-          environ=None, compiled: bool = False) -> None:
-    """What cannot work with tensor parallelism, said before any process group: TP that does not divide the heads,
-    tied embeddings under TP × FSDP2, an engine that does not run it, TP on CPU processes outside the CPU twin's
-    program. (Each axis on the seam checks itself: finetune.axes, `Axis.check`.)"""
-    if not parallelism.named:
-        return
-    environ = os.environ if environ is None else environ
-    if parallelism.loads_sharded and not on_gpu and environ.get(CPU_MESH_ALLOWED) != "1":
-        raise RecipeError(f"`tensor_parallel_size: {parallelism.tensor_parallel_size}` on CPU processes: Accelerate "
-                          "builds a tensor-parallel mesh for GPUs only. Its CPU twin runs under "
-                          "`-m finetune.testing.parallelism_on_cpu` (accelerate_configs/cpu_tensor_parallel.yaml), "
-                          "as `finetune train RECIPE.yaml --gpus 2 --strategy tensor_parallel` launches it.")
-    tensor = parallelism.tensor_parallel_size
-    if tensor > 1:
-        check_tensor_parallel_model(tensor, model_config)
-        if getattr(model_config, "tie_word_embeddings", False) and parallelism.dp_shard_size > 1:
-            raise RecipeError(TIED_WITH_TP_AND_FSDP.format(tensor=tensor, shard=parallelism.dp_shard_size))
-        if strategy_kind not in ("ddp", "single", "tensor_parallel"):
-            raise RecipeError(f"`tensor_parallel_size: {tensor}` under {strategy_kind}: Transformers shards the model "
-                              "itself while loading it (tensor parallel, with FSDP2 over `dp_shard_size`), so launch "
-                              "it as plain processes (accelerate_configs/tensor_parallel.yaml, or `finetune train "
-                              "--gpus N --strategy tensor_parallel`), not under a DeepSpeed or FSDP config.")
-        if use_lora:
-            raise RecipeError(f"`use_lora` with `tensor_parallel_size: {tensor}`: adapters on tensor-parallel layers "
-                              "are not supported here; train LoRA under DDP, ZeRO or FSDP instead.")
-        if compiled:  # seen on torch 2.13: dynamo stops in the first forward on every rank
-            raise RecipeError(f"`torch_compile: true` with `tensor_parallel_size: {tensor}`: torch.compile cannot "
-                              "trace the DTensor weights of Transformers' TP plan (dynamo fails while faking them: "
-                              "\"Attempted to set the storage of a tensor ... to a storage on different device "
-                              "meta\", the failure of pytorch/pytorch#119071); drop `torch_compile`, or train "
-                              "without tensor parallelism.")

@@ -413,7 +413,7 @@ def layer_split_parameters(shape: ModelShape) -> int:
 def stage_tensor_parallel(shape: ModelShape, setup: Setup) -> int:
     """The ways a decoder layer's matrices are split on one GPU: `tensor_parallel_size` under tensor parallelism and
     inside a pipeline stage (PP × TP), else 1. The split must be even in heads and key/value heads, as the TP plan
-    cuts them (finetune.launch.parallelism.check_tensor_parallel_model refuses the rest)."""
+    cuts them (finetune.train.axes.tensor.check_tensor_parallel_model refuses the rest)."""
     splits = setup.strategy == "tensor_parallel" or getattr(setup.axis, "splits_tensor_parallelism", False)
     t = setup.tensor_parallel_size if splits else 1
     if t > 1 and (shape.num_attention_heads % t or shape.num_key_value_heads % t):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from finetune.axes import all_axes, mesh_axes
+from finetune.axes import all_axes
 from finetune.errors import RecipeError
 from finetune.launch.devices import Gpu, default_precision
 from finetune.launch.strategies import SHIPPED, SHIPPED_BY_NAME, ShippedStrategy, Strategy
@@ -392,38 +392,12 @@ def axis_sizes(count: int, gpus: int, per_node: int) -> int:
 
 def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
     """The parallelism axes for this request, each at the size a node allows, with its memory per GPU (the estimator's
-    terms) and what it costs in communication or idle time: first the axes of Accelerate's mesh on the seam, as each
-    home plans its rows (`Axis.plan_rows`: SP × ZeRO-3), then tensor parallelism, then the other axes on the seam (a
-    pipeline's PP, PP × DP and, last, PP × TP × DP rows, the last chosen only when none of the others fits):
-
-    - TP × FSDP2: each layer's matrices split over a node's GPUs, FSDP2 over the rest; the split layers' activations
-      ÷ t; per layer and micro-batch, 2 all-reduces of the hidden states forward and 2 backward (NVLink only).
-
-    Full fine-tuning only for TP (LoRA is refused there); none on one GPU."""
+    terms) and what it costs in communication or idle time, as each axis's home plans its rows (`Axis.plan_rows`, in
+    the registry's order: SP × ZeRO-3, TP × FSDP2, then a pipeline's PP, PP × DP and, last, PP × TP × DP rows, the last
+    chosen only when none of the others fits); none on one GPU."""
     if request.gpus < 2:
         return []
-    rows = [row for axis in mesh_axes() for row in axis.plan_rows(request, shape, micro_batch_size)]
-    per_node = request.gpus // request.nodes
-    c = 4 if plan_precision(request) == "fp32" else 2
-    tokens = micro_batch_size * planned_sequence_length(request, micro_batch_size)
-    hidden = tokens * shape.hidden_size * c  # one micro-batch's hidden states
-    heads = math.gcd(shape.num_attention_heads, shape.num_key_value_heads)
-    full = not (request.lora_rank or request.qlora)
-    tensor = axis_sizes(heads, request.gpus, per_node)
-    if full and tensor > 1:
-        shard = request.gpus // tensor
-        options = {"strategy": "tensor_parallel", "tensor_parallel_size": tensor, "dp_shard_size": shard}
-        name = f"TP {tensor}" + (f" × FSDP2 {shard}" if shard > 1 else "")
-        rows.append(_axis_row(request, shape, micro_batch_size, name, "tensor_parallel", options,
-                              {"--tensor_parallel_size": tensor, "--dp_shard_size": shard},
-                              "accelerate_configs/ddp.yaml", shard,
-                              f"all-reduce per layer and micro-batch: 4 × {_size(hidden)} (NVLink)",
-                              f"TP {tensor} splits each layer's matrices within a node: the split layers' "
-                              f"activations ÷ {tensor}, states over all {request.gpus} GPUs"))
-    for axis in all_axes():  # the other axes on the seam (finetune.axes) plan their own rows
-        if not axis.accelerate_size:
-            rows += axis.plan_rows(request, shape, micro_batch_size)
-    return rows
+    return [row for axis in all_axes() for row in axis.plan_rows(request, shape, micro_batch_size)]
 
 
 def _axis_row(request: PlanRequest, shape, micro_batch_size: int, name: str, key: str, options: dict,

@@ -127,13 +127,7 @@ def _plan_launch(recipe: str, overrides: list[str], machine: Machine, sections) 
     training = sections.training_inputs
     named = training.get("strategy") if training.get("strategy") != "auto" else None
     axis = _recipe_axis(sections)
-    if axis == "tensor_parallel":  # a model Transformers cannot shard fails on every rank: refused before the launch
-        from finetune.launch.parallelism import check_tensor_parallel_model, process_count
-        from finetune.memory.shapes import resolve_config
-
-        check_tensor_parallel_model(process_count("tensor_parallel_size", training["tensor_parallel_size"],
-                                                  "the recipe"), resolve_config(sections.model.model_name_or_path))
-    for own in sections.axes:  # an axis on the seam plans its own launch (a pipeline: each stage's memory)
+    for own in sections.axes:  # each axis plans its own launch (a pipeline: each stage's memory), or checks it
         planned = own.plan_launch(recipe, overrides, machine, sections)
         if planned is not None:
             return _axis_launch(axis, machine), planned, without_option(overrides, "--strategy")
@@ -246,35 +240,30 @@ def predicted_per_rank(row: dict, machine: Machine) -> dict:
 
 
 def _recipe_axis(sections) -> str | None:
-    """The parallelism axis a recipe names that decides its launch, read as the run reads it (an axis on the seam
-    with a launch of its own, `Axis.launched_as`: finetune.axes; else tensor parallelism), if any."""
-    from finetune.launch.parallelism import requested
+    """The parallelism axis a recipe names that decides its launch (`Axis.launched_as`: finetune.axes), the one that
+    runs the steps first, if any."""
+    from finetune.axes import runner_of
 
     launching = [axis for axis in sections.axes if axis.launched_as]
-    if launching:
-        return launching[0].name
-    asked, _ = requested(sections.training_inputs, environ={})  # the recipe's sizes alone: none exported yet
-    return "tensor_parallel" if asked.loads_sharded else None
+    chosen = runner_of(sections.axes) or next(iter(launching), None)
+    return chosen.name if chosen is not None else None
 
 
 def _keeps_a_named_engine(axis: str) -> bool:
-    from finetune.axes import AXES, axis_class
+    from finetune.axes import axis_class
 
-    return axis in AXES and axis_class(axis).keeps_a_named_engine
+    return axis_class(axis).keeps_a_named_engine
 
 
 def _axis_launch(axis: str, machine: Machine) -> Launch:
-    """How an axis launches with its sizes given as recipe keys: an axis on the seam as the shipped strategy it names
-    (`Axis.launched_as`: plain processes for a pipeline, one a stage; DeepSpeed ZeRO-3 for sequence parallelism);
-    tensor parallelism as plain processes (Transformers shards the model; its CPU twin's program on CPU processes)."""
-    from finetune.axes import AXES, axis_class
+    """How an axis launches with its sizes given as recipe keys: as the shipped strategy it names (`Axis.launched_as`:
+    plain processes for a pipeline, one a stage, and for tensor parallelism; DeepSpeed ZeRO-3 for sequence
+    parallelism), on CPU processes under its CPU twin's program where it has one (`Axis.cpu_program`)."""
+    from finetune.axes import axis_class
 
-    if axis in AXES:
-        return _launch_of(axis_class(axis).launched_as, machine)
-    plain = SHIPPED_BY_NAME["ddp"].launch(cpu=machine.cpu)
-    if axis == "tensor_parallel" and machine.cpu:
-        return plain._replace(program=SHIPPED_BY_NAME["tensor_parallel"].launch(cpu=True).program)
-    return plain
+    chosen = axis_class(axis)
+    launch = _launch_of(chosen.launched_as, machine)
+    return launch._replace(program=chosen.cpu_program) if machine.cpu and chosen.cpu_program else launch
 
 
 def _deepspeed_launch_config(machine: Machine) -> str:

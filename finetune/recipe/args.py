@@ -501,24 +501,17 @@ class FinetuneTrainingArguments(TrainingArguments):
                           "these GPUs. Default: auto on GPUs, one process without. Under `accelerate launch` the "
                           "launch decides, and a strategy named here must be the one it runs."},
     )
-    tensor_parallel_size: int | None = field(
-        default=None,
-        metadata={"help": "Split each layer's matrices over this many processes (tensor parallelism: the model's own "
-                          "TP plan, loaded sharded through Transformers' DistributedConfig); keep it within a node. "
-                          "Must divide the attention and key-value heads. Launched as plain processes, not under a "
-                          "DeepSpeed or FSDP config. Beside pipeline parallelism it splits each stage's layers "
-                          "(PP × TP × DP: a multiple of pipeline × tensor processes; it must divide the MLP width "
-                          "too)."},
-    )
     dp_shard_size: int | None = field(
         default=None,
-        metadata={"help": "With tensor_parallel_size: the processes each TP group's parameters, gradients and "
-                          "optimizer states are sharded over (FSDP2). Default: the processes the other axes leave."},
+        metadata={"help": "Beside an axis of Accelerate's mesh (tensor, sequence or context parallelism): the "
+                          "processes each group's parameters, gradients and optimizer states are sharded over "
+                          "(FSDP2). Default: the processes the other axes leave."},
     )
     dp_replicate_size: int | None = field(
         default=None,
-        metadata={"help": "With tensor_parallel_size: full replicas of the sharded model (HSDP; e.g. the node count), "
-                          "only the gradient all-reduce crossing them. Default 1."},
+        metadata={"help": "Beside an axis of Accelerate's mesh (tensor, sequence or context parallelism): full "
+                          "replicas of the sharded model (HSDP; e.g. the node count), only the gradient all-reduce "
+                          "crossing them. Default 1."},
     )
     save_calibration: bool = field(
         default=True,

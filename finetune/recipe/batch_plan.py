@@ -57,10 +57,9 @@ class BatchPlan:
 
 def data_parallel_size(args) -> int:
     """Processes that see different batches under Trainer: the world size over the ranks that share one batch (a
-    tensor, sequence or context parallel group: `ranks_sharing_a_batch`, set when the recipe is parsed, else the
-    arguments' `tensor_parallel_size`), as Trainer's `get_dp_world_size` counts them."""
-    shared = getattr(args, "ranks_sharing_a_batch", None) or int(getattr(args, "tensor_parallel_size", None) or 1)
-    return args.world_size // shared
+    tensor, sequence or context parallel group: `ranks_sharing_a_batch`, set when the recipe is parsed), as Trainer's
+    `get_dp_world_size` counts them."""
+    return args.world_size // (getattr(args, "ranks_sharing_a_batch", None) or 1)
 
 
 def _positive(name: str, value) -> None:

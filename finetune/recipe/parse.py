@@ -20,7 +20,7 @@ from transformers import HfArgumentParser
 
 from finetune.axes import Axis, active_axes, axis_sections, on_the_mesh, runner_of
 from finetune.errors import RecipeError, did_you_mean, launched_rank
-from finetune.launch.parallelism import CORE_SIZES, Parallelism
+from finetune.launch.parallelism import DATA_SIZES, Parallelism
 from finetune.launch.strategies import Strategy
 from finetune.recipe.aliases import READ_FROM, TOOLS_DEFAULT, Translation, translate_command_line, translate_values
 from finetune.recipe.args import (
@@ -189,13 +189,12 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
                                                    sections.training_inputs, sections.sources)
     strategy, deepspeed_config = preflight_launch(training_inputs)
     inside = any(axis.splits_tensor_parallelism for axis in sections.axes)  # a pipeline's stages split their layers
-    parallelism, strategy = check_parallelism({**training_inputs, **sections.axis_inputs}, model,
-                                              lora.use_lora or lora.use_qlora, strategy, inside_stages=inside)
+    parallelism = check_parallelism({**training_inputs, **sections.axis_inputs}, model, inside_stages=inside)
     if parallelism.named:  # the resolved sizes, whoever named them, are what TrainingArguments carries
         if sections.method.name != "sft":
             raise RecipeError(f"`method: {sections.method.name}` with {parallelism.describe()}: only supervised "
                               "fine-tuning runs on these axes so far; train it under DDP, ZeRO or FSDP.")
-        training_inputs.update({key: parallelism.size(key) for key in CORE_SIZES})
+        training_inputs.update({key: parallelism.size(key) for key in DATA_SIZES})
     axes = on_the_mesh(sections.axes, parallelism)  # the mesh's axes at their resolved sizes, whoever named them
     for axis in axes:  # each axis refuses what it cannot run beside the rest
         strategy = axis.check(sections, parallelism, strategy)
@@ -222,7 +221,7 @@ def parse_recipe(recipe_path: str | Path | None = None, overrides: list[str] | N
     training_type, method_inputs = sections.method.training_arguments(data)  # TRL's config, where the method has one
     training = _build(training_type, {**training_inputs, **method_inputs}, sections.values, sections.overrides)
     training.ranks_sharing_a_batch = parallelism.ranks_sharing_a_batch  # what Trainer's data-parallel size divides out
-    if inside:  # the stages split their layers themselves (strategy.tensor_parallel_size): nothing loads sharded
+    if inside:  # the stages split their layers themselves (the pipeline's strategy): nothing loads sharded
         parallelism = Parallelism()
     parallelism = parallelism.replaced(bf16=bool(training.bf16))  # the precision FSDP2 gathers TP slices in
     return Recipe(model=model, data=data, lora=lora, training=training, method=sections.method,

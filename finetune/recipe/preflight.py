@@ -21,8 +21,6 @@ from finetune.errors import RecipeError, launched_rank
 from finetune.launch.devices import visible_gpu
 from finetune.launch.parallelism import (
     Parallelism,
-    check,
-    check_tensor_parallel_model,
     describe_as_accelerate,
     requested,
     requested_on,
@@ -71,31 +69,19 @@ def preflight_launch(training_inputs: dict[str, Any]) -> tuple[Strategy, dict | 
     return strategy, deepspeed
 
 
-def check_parallelism(training_inputs: dict[str, Any], model_args, use_lora: bool,
-                      strategy: Strategy, inside_stages: bool = False) -> tuple[Parallelism, Strategy]:
-    """The parallelism axes the recipe or the launch names, checked against the launch and the model; the strategy
-    becomes tensor parallel when the model is to be loaded sharded. `inside_stages`: a pipeline runs, whose stages
-    split their own layers over `tensor_parallel_size` ranks (finetune.train.axes.pipeline.loop): the sizes are checked
-    against the model and returned as asked, for `check_pipeline` to place on its mesh; nothing is loaded sharded."""
+def check_parallelism(training_inputs: dict[str, Any], model_args, inside_stages: bool = False) -> Parallelism:
+    """The sizes of Accelerate's mesh the recipe or the launch names, resolved against the launch (each axis checks
+    itself against the rest of the recipe: finetune.axes, `Axis.check`). `inside_stages`: a pipeline runs, whose
+    stages split their own layers (finetune.train.axes.pipeline.loop): the sizes are returned as asked, for the
+    pipeline to place on its mesh; nothing is loaded sharded."""
     from finetune.memory.shapes import resolve_config
 
+    if inside_stages:
+        return requested(training_inputs)[0]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     on_gpu = torch.cuda.is_available() and not is_true(training_inputs.get("use_cpu"))
     model_config = lru_cache(maxsize=1)(lambda: resolve_config(model_args.model_name_or_path))
-    if inside_stages:
-        asked, _ = requested(training_inputs)
-        if asked.tensor_parallel_size > 1:
-            check_stage_split(asked.tensor_parallel_size, model_config())
-        return asked, strategy
-    parallelism, sources = requested_on(training_inputs, on_gpu, world_size, model_config)
-    if not parallelism.named:
-        return parallelism, strategy
-    check(parallelism, model_config(), strategy_kind=strategy.kind, use_lora=use_lora, on_gpu=on_gpu,
-          compiled=is_true(training_inputs.get("torch_compile")))
-    if parallelism.loads_sharded and strategy.kind != "tensor_parallel":
-        source = "the recipe" if "recipe" in sources.values() else (strategy.source or "the launch")
-        strategy = Strategy.from_parallelism(parallelism, source, strategy.nodes)
-    return parallelism, strategy
+    return requested_on(training_inputs, on_gpu, world_size, model_config)[0]
 
 
 def check_optimizer_library(optim: Any) -> None:
@@ -159,17 +145,6 @@ def check_both_sharding_engines(training_inputs: dict[str, Any]) -> None:
     if fsdp not in (None, "", [], False) and deepspeed not in (None, "", {}):
         raise RecipeError(f"`fsdp: {fsdp}` and `deepspeed: {deepspeed}` ask for two sharding engines; keep one "
                           "(drop `fsdp` to train under DeepSpeed, or `deepspeed` to train under FSDP).")
-
-
-def check_stage_split(tensor: int, model_config) -> None:
-    """A pipeline stage's layers split over `tensor` ranks as the model's TP plan says (`base_model_tp_plan`): whole
-    attention and key-value heads on each rank, and the MLP's width cut evenly."""
-    check_tensor_parallel_model(tensor, model_config)
-    width = getattr(model_config, "intermediate_size", None)
-    if width is not None and width % tensor:
-        raise RecipeError(f"`tensor_parallel_size: {tensor}` does not divide the model's MLP width "
-                          f"(intermediate_size {width}): each rank holds an equal slice of it. Choose a size "
-                          f"that divides {width}.")
 
 
 def check_named_strategy(name: str | None, launched: Strategy, world_size: int, from_command_line: bool) -> None:

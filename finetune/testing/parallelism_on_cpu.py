@@ -15,7 +15,7 @@ import runpy
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from finetune.launch.parallelism import CPU_MESH_ALLOWED
+from finetune.train.axes.tensor import CPU_MESH_ALLOWED
 
 _multi_device = Accelerator.multi_device
 
@@ -26,5 +26,5 @@ def _multi_device_or_cpu(self) -> bool:
 
 if __name__ == "__main__":  # then exactly `python -m finetune ...`; importing this module changes nothing
     Accelerator.multi_device = property(_multi_device_or_cpu)
-    os.environ[CPU_MESH_ALLOWED] = "1"  # the recipe check's sign that this shim runs (finetune.launch.parallelism)
+    os.environ[CPU_MESH_ALLOWED] = "1"  # the recipe check's sign that this shim runs (finetune.train.axes.tensor)
     runpy.run_module("finetune", run_name="__main__", alter_sys=True)

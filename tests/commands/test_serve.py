@@ -19,7 +19,7 @@ from support import PROJECT_ROOT, finetune_command, free_port
 
 from finetune import presets
 from finetune.cli import main
-from finetune.commands.serve import SHUTDOWN_GRACE_SECONDS, run_server, server_command, tensor_parallel_size
+from finetune.commands.serve import SHUTDOWN_GRACE_SECONDS, run_server, server_command, serving_split
 from finetune.train.evaluation import stop_token_ids
 from finetune.train.trained_model import load_with_tokenizer
 
@@ -122,13 +122,13 @@ def test_vllm_is_given_the_served_folder_under_the_clients_name():
         "-m", "finetune.commands.serve", "demo", "--host", "127.0.0.1", "--port", "8000"]
     # On a node of 8 GPUs a 70B (64 heads, 8 KV heads: 141 GB in bf16, more than any one GPU) is sharded over all 8.
     llama_70b = {"num_attention_heads": 64, "num_key_value_heads": 8}
-    assert tensor_parallel_size(llama_70b, 8) == 8 and tensor_parallel_size(llama_70b, 1) == 1
-    assert server_command("vllm", "m", "127.0.0.1", 8000, tensor_parallel_size(llama_70b, 8))[-2:] == [
+    assert serving_split(llama_70b, 8) == 8 and serving_split(llama_70b, 1) == 1
+    assert server_command("vllm", "m", "127.0.0.1", 8000, serving_split(llama_70b, 8))[-2:] == [
         "--tensor-parallel-size", "8"]
     # vLLM's rule: heads divisible by the GPUs, KV heads divisible by them or dividing them.
-    assert tensor_parallel_size({"num_attention_heads": 14, "num_key_value_heads": 2}, 8) == 2  # not 7
-    assert tensor_parallel_size({"num_attention_heads": 40, "num_key_value_heads": 8}, 6) == 4  # not 5
-    assert tensor_parallel_size({"text_config": llama_70b}, 4) == 4  # a vision-language model's text config
+    assert serving_split({"num_attention_heads": 14, "num_key_value_heads": 2}, 8) == 2  # not 7
+    assert serving_split({"num_attention_heads": 40, "num_key_value_heads": 8}, 6) == 4  # not 5
+    assert serving_split({"text_config": llama_70b}, 4) == 4  # a vision-language model's text config
 
 
 # The untrained model's context: short, so that an answer capped at it is quick on a busy CPU.

@@ -8,6 +8,7 @@ before any process group, in one line."""
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,13 +20,14 @@ from finetune.checkpoints.complete import COMPLETE_MARKER
 from finetune.checkpoints.sharded_state import STATE_FOLDER
 from finetune.cli import main
 from finetune.errors import RecipeError
-from finetune.launch.parallelism import CPU_MESH_ALLOWED, Parallelism, check
+from finetune.launch.parallelism import Parallelism
 from finetune.launch.strategies import SHIPPED_BY_NAME
 from finetune.memory import model_shape
 from finetune.memory.estimate import Setup, fsdp_gathered_weights_bytes
 from finetune.memory.shapes import resolve_config
 from finetune.recipe.parse import parse_recipe
 from finetune.train.axes.context import ON_CPU
+from finetune.train.axes.tensor import CPU_MESH_ALLOWED, TensorArguments, TensorParallelism, check
 
 TP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel"].launch(cpu=True)
 TP_FSDP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel_fsdp"].launch(cpu=True)
@@ -184,21 +186,28 @@ def test_the_sizes_an_accelerate_config_exports_are_checked_as_the_recipes_are(m
     from finetune.recipe.args import ModelArguments
     from finetune.recipe.preflight import check_parallelism
 
+    def check_parallelism_and_tensor(inputs):  # the sizes resolved, then the tensor axis's own check, as parsing does
+        parallelism = check_parallelism(inputs, ModelArguments())
+        sections = SimpleNamespace(model=ModelArguments(), axes=(), training_inputs=inputs, sources={},
+                                   lora=SimpleNamespace(use_lora=False, use_qlora=False))
+        axis = TensorParallelism(TensorArguments(parallelism.tensor_parallel_size))
+        return parallelism, axis.check(sections, parallelism, Strategy("ddp"))
+
     for variable, value in (("WORLD_SIZE", "4"), ("ACCELERATE_USE_PARALLELISM_CONFIG", "true"),
                             ("PARALLELISM_CONFIG_TP_SIZE", "2"), ("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")):
         monkeypatch.setenv(variable, value)  # what `accelerate launch` exports for tensor_parallel_fsdp.yaml
     with pytest.raises(RecipeError, match="Accelerate builds a tensor-parallel mesh for GPUs only"):
-        check_parallelism({}, ModelArguments(), False, Strategy("ddp"))  # CPU processes, not the CPU twin's program
+        check_parallelism_and_tensor({})  # CPU processes, not the CPU twin's program
     monkeypatch.setenv(CPU_MESH_ALLOWED, "1")  # as finetune.testing.parallelism_on_cpu sets it
     with pytest.raises(RecipeError, match="stale copy"):  # the tiny preset ties its embeddings
-        check_parallelism({}, ModelArguments(), False, Strategy("ddp"))
+        check_parallelism_and_tensor({})
     with pytest.raises(RecipeError, match="`tensor_parallel_size: 4` in the recipe, but the Accelerate config"):
-        check_parallelism({"tensor_parallel_size": "4"}, ModelArguments(), False, Strategy("ddp"))
+        check_parallelism_and_tensor({"tensor_parallel_size": "4"})
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match="`method: dpo` with tensor_parallel_size 2: only supervised"):
         parse_recipe("recipes/dpo.yaml", ["--output_dir", "unused", "--model_name_or_path", "tiny"])
-    parallelism, strategy = check_parallelism({"save_strategy": "steps"}, ModelArguments(), False, Strategy("ddp"))
+    parallelism, strategy = check_parallelism_and_tensor({"save_strategy": "steps"})
     assert parallelism == Parallelism(tensor_parallel_size=2) and strategy.label == "tp2"
 
 

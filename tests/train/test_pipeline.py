@@ -489,16 +489,21 @@ def test_a_tp_size_the_stages_cannot_split_is_refused_by_name(tmp_path):
     """Beside a pipeline the TP size is checked against the model before any process group: whole heads and key/value
     heads on each rank, and an even cut of the MLP's width; what is accepted loads nothing sharded."""
     from finetune.recipe.preflight import check_parallelism
+    from finetune.train.axes.pipeline import PipelineArguments, PipelineParallelism
+    from finetune.train.axes.tensor import TensorArguments, TensorParallelism
 
     model = SimpleNamespace(model_name_or_path=str(save_hub_model(tmp_path / "hub", num_attention_heads=4,
                                                                   num_key_value_heads=4, intermediate_size=130)))
     ddp = Strategy("ddp")
+    sections = SimpleNamespace(model=model, axes=(PipelineParallelism(PipelineArguments(pipeline_parallel_size=2)),))
     for tensor, message in ((3, "does not divide the model's num_attention_heads \\(4\\)"),
                             (4, "does not divide the model's MLP width \\(intermediate_size 130\\)")):
+        parallelism = check_parallelism({"tensor_parallel_size": tensor}, model, inside_stages=True)
         with pytest.raises(RecipeError, match=f"`tensor_parallel_size: {tensor}` {message}"):
-            check_parallelism({"tensor_parallel_size": tensor}, model, False, ddp, inside_stages=True)
-    parallelism, strategy = check_parallelism({"tensor_parallel_size": 2}, model, False, ddp, inside_stages=True)
-    assert parallelism.tensor_parallel_size == 2 and parallelism.dp_shard_size == 1 and strategy == ddp
+            TensorParallelism(TensorArguments(tensor)).check(sections, parallelism, ddp)
+    parallelism = check_parallelism({"tensor_parallel_size": 2}, model, inside_stages=True)
+    assert parallelism.tensor_parallel_size == 2 and parallelism.dp_shard_size == 1
+    assert TensorParallelism(TensorArguments(2)).check(sections, parallelism, ddp) == ddp  # nothing loads sharded
 
 
 def test_the_estimator_gives_each_stage_its_layers_and_ends():

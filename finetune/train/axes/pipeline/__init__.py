@@ -120,7 +120,8 @@ class PipelineParallelism(Axis):
 
         training = sections.training_inputs
         stages = self.size
-        tensor = process_count("tensor_parallel_size", training.get("tensor_parallel_size"), "the recipe") or 1
+        tensor = process_count("tensor_parallel_size", sections.axis_inputs.get("tensor_parallel_size"),
+                               "the recipe") or 1
         if machine.processes % (stages * tensor):
             each = f"{stages} × {tensor} = {stages * tensor}" if tensor > 1 else f"{stages}"
             raise RecipeError(f"`pipeline_parallel_size: {stages}` runs one stage a process"
