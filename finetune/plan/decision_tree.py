@@ -390,6 +390,20 @@ def axis_sizes(count: int, gpus: int, per_node: int) -> int:
                default=1)
 
 
+def head_split(request: PlanRequest, shape) -> int:
+    """The size an axis that splits the heads takes (SP's all-to-all, TP's matrices): the largest within a node
+    dividing every attention and key-value head and the GPU count (1: none)."""
+    heads = math.gcd(shape.num_attention_heads, shape.num_key_value_heads)
+    return axis_sizes(heads, request.gpus, request.gpus // request.nodes)
+
+
+def hidden_states_bytes(request: PlanRequest, shape, micro_batch_size: int) -> int:
+    """One micro-batch's hidden states at the planned length in the compute dtype: what an axis's collectives move
+    per layer."""
+    c = 4 if plan_precision(request) == "fp32" else 2
+    return micro_batch_size * planned_sequence_length(request, micro_batch_size) * shape.hidden_size * c
+
+
 def axis_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
     """The parallelism axes for this request, each at the size a node allows, with its memory per GPU (the estimator's
     terms) and what it costs in communication or idle time, as each axis's home plans its rows (`Axis.plan_rows`, in

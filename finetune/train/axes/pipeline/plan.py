@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from finetune.memory.estimate import MemoryEstimate, held_precisions
-from finetune.plan.decision_tree import PlanRequest, _axis_row, _size, axis_launch_command, axis_sizes
+from finetune.plan.decision_tree import PlanRequest, _axis_row, _size, axis_launch_command, head_split
 from finetune.train.axes.pipeline.layout import (
     STEP_LENGTH_MULTIPLE,
     PipelineLayout,
@@ -122,8 +122,7 @@ def parallel_3d_row(request: PlanRequest, shape, micro_batch_size: int) -> dict 
     or QLoRA (the loop refuses adapters), a node of one GPU, or no p ≥ 2 left beside t."""
     if request.gpus < 2 or request.lora_rank or request.qlora:
         return None
-    per_node = request.gpus // request.nodes
-    tensor = axis_sizes(math.gcd(shape.num_attention_heads, shape.num_key_value_heads), request.gpus, per_node)
+    tensor = head_split(request, shape)
     stage_counts = [stages for stages in range(2, shape.num_layers + 1) if (request.gpus // tensor) % stages == 0]
     if tensor < 2 or not stage_counts:
         return None

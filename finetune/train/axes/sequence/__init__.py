@@ -106,17 +106,12 @@ class SequenceParallelism(Axis):
     def plan_rows(cls, request, shape, micro_batch_size: int) -> list[dict]:
         """SP × ZeRO-3: each sequence split over the GPUs of a node; activations ÷ sp, states sharded over every GPU;
         per layer and micro-batch, all-to-alls of q, k, v and the output forward and backward."""
-        import math
-
-        from finetune.plan.decision_tree import _axis_row, _size, axis_sizes, plan_precision, planned_sequence_length
+        from finetune.plan.decision_tree import _axis_row, _size, head_split, hidden_states_bytes
 
         if request.gpus < 2:
             return []
-        per_node = request.gpus // request.nodes
-        c = 4 if plan_precision(request) == "fp32" else 2
-        tokens = micro_batch_size * planned_sequence_length(request, micro_batch_size)
-        hidden = tokens * shape.hidden_size * c  # one micro-batch's hidden states
-        sequence = axis_sizes(math.gcd(shape.num_attention_heads, shape.num_key_value_heads), request.gpus, per_node)
+        hidden = hidden_states_bytes(request, shape, micro_batch_size)
+        sequence = head_split(request, shape)
         if sequence < 2:
             return []
         options = {"strategy": "deepspeed", "zero_stage": 3, "beside": (SequenceShare(sequence),)}

@@ -88,16 +88,12 @@ class TensorParallelism(Axis):
         """TP × FSDP2: each layer's matrices split over a node's GPUs, FSDP2 over the rest; the split layers'
         activations ÷ t; per layer and micro-batch, 2 all-reduces of the hidden states forward and 2 backward (NVLink
         only). Full fine-tuning only (LoRA is refused here)."""
-        import math
-
-        from finetune.plan.decision_tree import _axis_row, _size, axis_sizes, plan_precision, planned_sequence_length
+        from finetune.plan.decision_tree import _axis_row, _size, head_split, hidden_states_bytes
 
         if request.gpus < 2 or request.lora_rank or request.qlora:
             return []
-        per_node = request.gpus // request.nodes
-        c = 4 if plan_precision(request) == "fp32" else 2
-        hidden = micro_batch_size * planned_sequence_length(request, micro_batch_size) * shape.hidden_size * c
-        tensor = axis_sizes(math.gcd(shape.num_attention_heads, shape.num_key_value_heads), request.gpus, per_node)
+        hidden = hidden_states_bytes(request, shape, micro_batch_size)
+        tensor = head_split(request, shape)
         if tensor < 2:
             return []
         shard = request.gpus // tensor
