@@ -88,6 +88,28 @@ class Axis:
         return None
 
     @classmethod
+    def engine_layout(cls, parallelism):
+        """The layout of the engine this axis becomes at the mesh's sizes (`parallelism`), where it takes the place of
+        DDP, DeepSpeed or FSDP (tensor parallelism: the model loaded sharded); None where it does not."""
+        return None
+
+    @classmethod
+    def loaded_layout(cls, model):
+        """The engine layout read off a loaded model (`engine_layout` as the run got it); None for other models."""
+        return None
+
+    @classmethod
+    def recorded_layout(cls, record: dict):
+        """The engine layout a checkpoint's marker records (`record`: its layout); None to name it by the axis."""
+        return None
+
+    @classmethod
+    def files_a_resume_needs(cls, marker: dict, needs: list[list[str]]) -> list[list[str]]:
+        """What a resume needs of a checkpoint this axis's run saved (finetune.checkpoints.complete): for each need,
+        the names of which one must exist; `needs` are the state and RNG files every Trainer checkpoint has."""
+        return needs
+
+    @classmethod
     def plan_rows(cls, request, shape, micro_batch_size: int) -> list[dict]:
         """Its rows in `finetune plan`'s axes table (finetune.plan.decision_tree.axis_rows) for `request` on a model
         of `shape`: each with its memory per GPU and what it costs; none where it cannot run."""

@@ -243,7 +243,7 @@ def compared_axis_names(path, names) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("name", ["sequence_parallel", "context_parallel", "pipeline"])
+@pytest.mark.parametrize("name", ["sequence_parallel", "tensor_parallel", "context_parallel", "pipeline"])
 def test_each_axis_is_named_only_in_its_home(name):
     """As DPO for methods: a file outside an axis's home and the registry naming one of its recipe keys
     (`sequence_parallel_size`, `pipeline_schedule`, ...), or branching on its name (`kind == "pipeline"`), fails
@@ -252,7 +252,7 @@ def test_each_axis_is_named_only_in_its_home(name):
 
     from finetune.axes import AXES, axis_class
 
-    assert set(AXES) >= {"sequence_parallel", "context_parallel", "pipeline"}
+    assert set(AXES) >= {"sequence_parallel", "tensor_parallel", "context_parallel", "pipeline"}
     home = (*axis_home(name), REGISTRY)
     axis = axis_class(name)
     keys = re.compile("|".join(rf"\b{field.name}\b" for field in dataclasses.fields(axis.arguments)))

@@ -10,7 +10,6 @@ auto` takes the newest folder that has the marker and holds every file a resume 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from finetune import outputs
-from finetune.checkpoints.sharded_state import STATE_FOLDER
+from finetune.axes import AXES, axis_class
 from finetune.checkpoints.untrusted_files import (  # noqa: F401 (check_checkpoint_files: resume and export call it from here)
     CHECKPOINT_NAME,
     UnsafeCheckpointFile,
@@ -64,9 +63,8 @@ def checkpoint_layout(trainer) -> dict:
               "zero_stage": running.zero_stage, "sequences_per_step": trainer.global_batch_size}
     if running.kind == "fsdp":
         layout["fsdp_sharding"] = running.fsdp_sharding
-    if running.kind == "tensor_parallel":
-        layout.update(tensor_parallel_size=running.tensor_parallel_size, dp_shard_size=running.dp_shard_size,
-                      dp_replicate_size=running.dp_replicate_size)
+    if running.axis is not None:  # an axis in the engine's place (the model loaded tensor-parallel): its sizes
+        layout.update(running.axis.record(running))
     if running.kind == "deepspeed":
         zero = trainer.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
         layout["round_robin_gradients"] = zero.get("round_robin_gradients") is True
@@ -291,16 +289,12 @@ def check_explicit_checkpoint(path: str) -> None:
                           "use auto to pick the newest whole one.")
 
 
-# The process counts of the parallelism axes a layout may record, as `Strategy` names them
-PARALLEL_SIZES = tuple(field.name for field in dataclasses.fields(Strategy)
-                       if field.name.endswith("_parallel_size") or field.name.startswith("dp_"))
-
-
 def layout_strategy(layout: dict) -> Strategy:
-    """The strategy a checkpoint layout records (markers written before FSDP was recorded: from the ZeRO stage)."""
+    """The strategy a checkpoint layout records (markers written before FSDP was recorded: from the ZeRO stage); an
+    axis in the engine's place with the layout its marker records (`Axis.recorded_layout`)."""
     kind = layout.get("strategy") or ("ddp" if layout.get("zero_stage") is None else "deepspeed")
-    sizes = {key: layout[key] for key in PARALLEL_SIZES if key in layout}
-    return Strategy(kind, zero_stage=layout.get("zero_stage"), fsdp_sharding=layout.get("fsdp_sharding"), **sizes)
+    axis = axis_class(kind).recorded_layout(layout) if kind in AXES else None
+    return Strategy(kind, zero_stage=layout.get("zero_stage"), fsdp_sharding=layout.get("fsdp_sharding"), axis=axis)
 
 
 def describe_layout(layout: dict) -> str:
@@ -491,11 +485,8 @@ def files_a_resume_needs(folder: Path, rank: int | None = None) -> list[list[str
         if marker.get("zero_stage", 1):  # ZeRO-1/2/3 partition the optimizer: one file a rank
             needs += [[name] for name in rank_files(f"{tag}/*zero_pp_rank_{{rank}}_mp_rank_00_optim_states.pt",
                                                     ranks)]
-    elif kind == "tensor_parallel":  # the gathered weights, and the slices a resume loads (checkpoints.sharded_state)
-        needs += [["model.safetensors", "model.safetensors.index.json"], [f"{STATE_FOLDER}/.metadata"],
-                  ["scheduler.pt"]]
-    elif kind not in STRATEGIES:  # an axis's own loop (a pipeline's stages): the files its marker lists, no RNG state
-        needs = [["trainer_state.json"], *([name] for name in marker.get("files", ()) if Path(name).name == name)]
+    elif kind in AXES:  # an axis in the engine's place: what its run saves (a pipeline's stages, TP's slices)
+        needs = axis_class(kind).files_a_resume_needs(marker, needs)
     elif kind == "fsdp":
         # Accelerate's `save_fsdp_model`/`save_fsdp_optimizer`: a distributed checkpoint folder (sharded state
         # dicts, the shipped configs) or `.bin` files (full or local state dicts)

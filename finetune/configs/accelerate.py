@@ -40,14 +40,10 @@ def accelerate_config(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if strategy == "single":
-        distributed_type = "NO"
-    elif strategy in ("ddp", "tensor_parallel"):
-        # Not MULTI_CPU: without mpirun, `accelerate launch` starts ONE process for it. MULTI_GPU with
-        # use_cpu gives N gloo ranks (Trainer must also get use_cpu, which the recipe parser sets).
-        distributed_type = "MULTI_GPU"
-    else:
-        distributed_type = strategy.upper()
+    # Not MULTI_CPU for plain processes: without mpirun, `accelerate launch` starts ONE process for it. MULTI_GPU
+    # with use_cpu gives N gloo ranks (Trainer must also get use_cpu, which the recipe parser sets). A mesh axis in
+    # the engine's place launches plain processes too.
+    distributed_type = {"single": "NO", "deepspeed": "DEEPSPEED", "fsdp": "FSDP"}.get(strategy, "MULTI_GPU")
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": distributed_type,

@@ -1,14 +1,12 @@
 """Accelerate's device mesh: the sizes of its axes beyond plain data parallelism, under the names users know from
-axolotl: tensor (`tensor_parallel_size`), sharded and replicated data (`dp_shard_size`, `dp_replicate_size`), and
-every axis on the seam that is a dimension of that mesh (finetune.axes, `accelerate_size`: their homes under
-finetune/train/axes/ hold their keys, checks and run hooks).
+axolotl: sharded and replicated data (`dp_shard_size`, `dp_replicate_size`), and every axis on the seam that is a
+dimension of that mesh (finetune.axes, `accelerate_size`: their homes under finetune/train/axes/ hold their keys,
+checks, run hooks and, for one that takes the engine's place, its layout).
 
 The engines are Transformers' and Accelerate's: a tensor-parallel model is loaded sharded by `from_pretrained(...,
-distributed_config=DistributedConfig(tp_size, fsdp_size, dp_replicate_size))` (the model's own TP plan, FSDP2 over the
-other ranks), and Trainer builds Accelerate's `ParallelismConfig` from it. This module reads the sizes (from the
-recipe or from the variables `accelerate launch` exports for a config's `parallelism_config` section), resolves them
-against the launch, checks tensor parallelism against the model before any process group starts, and builds those
-objects.
+distributed_config=...)` (finetune.train.axes.tensor.layout), and Trainer builds Accelerate's `ParallelismConfig` from
+it. This module reads the sizes (from the recipe or from the variables `accelerate launch` exports for a config's
+`parallelism_config` section) and resolves them against the launch.
 """
 
 from __future__ import annotations
@@ -79,10 +77,6 @@ class Parallelism:
         return f"Parallelism({', '.join(f'{key}={size}' for key, size in self._sizes)})"
 
     @property
-    def tensor_parallel_size(self) -> int:
-        return self.size("tensor_parallel_size")
-
-    @property
     def dp_shard_size(self) -> int:
         return self.size("dp_shard_size")
 
@@ -103,10 +97,18 @@ class Parallelism:
     def ranks_sharing_a_batch(self) -> int:
         return self.total // self.data_parallel_size
 
+    def engine(self):
+        """The layout of the mesh axis that takes the engine's place at these sizes (`Axis.engine_layout`: tensor
+        parallelism, which Transformers loads sharded), or None: Accelerate's own engines run the mesh."""
+        from finetune.axes import mesh_axes
+
+        return next((layout for layout in (axis.engine_layout(self) for axis in mesh_axes()) if layout is not None),
+                    None)
+
     @property
     def loads_sharded(self) -> bool:
-        """Transformers shards the model while loading it (`DistributedConfig`): tensor parallelism."""
-        return self.tensor_parallel_size > 1
+        """Transformers shards the model while loading it (`distributed_config`)."""
+        return self.engine() is not None
 
     @property
     def named(self) -> bool:
@@ -114,7 +116,7 @@ class Parallelism:
         return any(key not in DATA_SIZES for key, _ in self._sizes)
 
     def describe(self) -> str:
-        """`tensor_parallel_size 2 × dp_shard_size 2`: the axes above 1, as the recipe names them."""
+        """`dp_replicate_size 2 × dp_shard_size 4`: the axes above 1, as the recipe names them."""
         return " × ".join(f"{key} {size}" for key, size in self._sizes) or "no parallelism axis"
 
     def to_dict(self) -> dict[str, int]:
@@ -143,16 +145,8 @@ class Parallelism:
                      if layout is not None)
 
     def distributed_config(self):
-        """Transformers' `DistributedConfig` that loads the model sharded: its own TP plan over `tensor_parallel_size`
-        ranks, FSDP2 over `dp_shard_size`, replicas over `dp_replicate_size`. Under bf16 FSDP2 gathers the slices in
-        bf16 and reduces their gradients in fp32 (Transformers' `fsdp_mixed_precision` policy), as Accelerate's FSDP2
-        does: without it the fp32 masters would be gathered and reduce-scattered in fp32, twice the bytes. (fp16
-        runs keep fp32 gathers: that policy is bf16 only.)"""
-        from transformers.distributed import DistributedConfig
-
-        return DistributedConfig(tp_size=self.tensor_parallel_size, fsdp_size=self.dp_shard_size,
-                                 dp_replicate_size=self.dp_replicate_size,
-                                 fsdp_mixed_precision=self.bf16 and self.dp_shard_size > 1)
+        """Transformers' `DistributedConfig` that loads the model sharded, as the engine's axis builds it."""
+        return self.engine().distributed_config(self.bf16)
 
 
 def requested(training_inputs: dict[str, Any], environ=None) -> tuple[Parallelism, dict[str, str]]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from finetune.axes import AXES, axis_class
 from finetune.configs.accelerate import FSDP_SHARDING as GENERATED_FSDP_SHARDING
 from finetune.configs.accelerate import STRATEGIES, accelerate_config, deepspeed_section_as_json
 from finetune.configs.deepspeed import NVME_PATH_PLACEHOLDER, deepspeed_config
@@ -35,9 +36,8 @@ _FSDP1_SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "h
 
 @dataclass(frozen=True)
 class Strategy:
-    """What a launch runs. `kind` is single, ddp, deepspeed, fsdp or tensor_parallel (the generator's names), or the
-    name of an axis that runs its own loop (finetune.axes), whose layout is `axis`; the other fields apply to
-    their kind."""
+    """What a launch runs. `kind` is single, ddp, deepspeed or fsdp (the generator's names), or the name of an axis
+    that takes the engine's place (finetune.axes), whose layout is `axis`; the other fields apply to their kind."""
 
     kind: str = "single"
     zero_stage: int | None = None            # DeepSpeed
@@ -46,17 +46,14 @@ class Strategy:
     fsdp_sharding: str | None = None         # FSDP: full_shard, shard_grad_op, hybrid_shard, no_shard
     fsdp_version: int | None = None          # FSDP: 1 or 2
     nodes: int = 1
-    # tensor_parallel: Transformers loads the model sharded (finetune.launch.parallelism): its TP plan over
-    # `tensor_parallel_size` ranks, FSDP2 over `dp_shard_size`, replicas over `dp_replicate_size`
-    tensor_parallel_size: int = 1
-    dp_shard_size: int = 1
-    dp_replicate_size: int = 1
     # the axes of Accelerate's mesh that run beside the engine (sequence parallelism under DeepSpeed: its layout,
     # finetune.train.axes.sequence), each naming, describing and recording itself; a recipe may name them under any
     # DeepSpeed config, so they are not part of which engine ran
     beside: tuple = field(default=(), compare=False)
-    # an axis that runs its own loop on plain processes (a pipeline: finetune.train.axes.pipeline): its layout, which
-    # names, describes and records it (`label`, `describe`, `record`) and sizes it for the estimator
+    # an axis that takes the engine's place on plain processes: one that runs its own loop (a pipeline:
+    # finetune.train.axes.pipeline) or that Transformers loads sharded (tensor parallelism:
+    # finetune.train.axes.tensor). Its layout names, describes and records it (`label`, `describe`, `record`), says
+    # whether it `shards_parameters`, and sizes it for the estimator
     axis: Any = None
     # DeepSpeed's bucket settings the estimator counts: elements, or None for "auto" (Trainer fills hidden²).
     reduce_bucket_size: int | None = field(default=None, compare=False)
@@ -77,11 +74,9 @@ class Strategy:
                    hpz_partition_size=_hpz(zero.get("zero_hpz_partition_size")), source=source)
 
     @classmethod
-    def from_parallelism(cls, parallelism, source: str, nodes: int = 1) -> Strategy:
-        """A tensor-parallel launch (`finetune.launch.parallelism.Parallelism` with `loads_sharded`)."""
-        return cls("tensor_parallel", nodes=nodes, tensor_parallel_size=parallelism.tensor_parallel_size,
-                   dp_shard_size=parallelism.dp_shard_size, dp_replicate_size=parallelism.dp_replicate_size,
-                   source=source)
+    def of_axis(cls, layout, source: str | None = None, nodes: int = 1) -> Strategy:
+        """The strategy of an axis in the engine's place, from its layout."""
+        return cls(layout.name, axis=layout, nodes=nodes, source=source)
 
     @classmethod
     def from_accelerate(cls, config: dict[str, Any], source: str = "Accelerate config") -> Strategy:
@@ -105,8 +100,8 @@ class Strategy:
         gathers them for forward and backward only)."""
         if self.kind == "deepspeed":
             return self.zero_stage == 3
-        if self.kind == "tensor_parallel":
-            return True  # each rank holds its slice of every split matrix
+        if self.axis is not None:
+            return self.axis.shards_parameters
         return self.kind == "fsdp" and self.fsdp_sharding != "no_shard"
 
     @property
@@ -116,12 +111,8 @@ class Strategy:
             offloads = [f"{key}={value}" for key, value in
                         (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)) if value]
             return "+".join([f"deepspeed_zero{self.zero_stage}", *offloads, *(axis.label() for axis in self.beside)])
-        if self.axis is not None:  # `pp2_tp2`
+        if self.axis is not None:  # `pp2_tp2`, `tp2_fsdp2`
             return self.axis.label(self)
-        if self.kind == "tensor_parallel":
-            return "".join([f"tp{self.tensor_parallel_size}",
-                            f"_fsdp{self.dp_shard_size}" if self.dp_shard_size > 1 else "",
-                            f"_replicas{self.dp_replicate_size}" if self.dp_replicate_size > 1 else ""])
         return f"fsdp_{self.fsdp_sharding}" if self.kind == "fsdp" else self.kind
 
     def describe(self) -> str:
@@ -131,11 +122,7 @@ class Strategy:
             return " × ".join([f"DeepSpeed ZeRO-{self.zero_stage}", *(axis.describe() for axis in self.beside)])
         if self.axis is not None:
             return self.axis.describe(self)
-        if self.kind == "tensor_parallel":
-            return " × ".join([f"tensor parallel {self.tensor_parallel_size}",
-                               *([f"FSDP2 {self.dp_shard_size}"] if self.dp_shard_size > 1 else []),
-                               *([f"{self.dp_replicate_size} replicas"] if self.dp_replicate_size > 1 else [])])
-        if self.kind not in STRATEGIES:  # an axis's own loop, as a checkpoint's marker records it (no layout)
+        if self.kind not in STRATEGIES:  # an axis in the engine's place, as a checkpoint's marker names it (no layout)
             return self.kind
         return f"FSDP {self.fsdp_sharding}" if self.kind == "fsdp" else "DDP or one process"
 
@@ -149,9 +136,6 @@ class Strategy:
                 record.update(axis.record())
         if self.kind == "fsdp":
             record.update(fsdp_sharding=self.fsdp_sharding, fsdp_version=self.fsdp_version)
-        if self.kind == "tensor_parallel":
-            record.update(tensor_parallel_size=self.tensor_parallel_size, dp_shard_size=self.dp_shard_size,
-                          dp_replicate_size=self.dp_replicate_size)
         if self.axis is not None:
             record.update(self.axis.record(self))
         if self.source is not None:
@@ -168,10 +152,8 @@ class Strategy:
                            beside=self.beside)
         if self.kind == "fsdp":
             options["fsdp_sharding"] = self.fsdp_sharding
-        if self.kind == "tensor_parallel":
-            options.update(tensor_parallel_size=self.tensor_parallel_size, dp_shard_size=self.dp_shard_size)
         if self.axis is not None:
-            options.update(axis=self.axis, tensor_parallel_size=self.tensor_parallel_size)
+            options["axis"] = self.axis
         return options
 
 
@@ -242,9 +224,9 @@ def read_accelerate(config: dict[str, Any], source: str = "Accelerate config") -
     if kind == "NO" or kind.startswith("MULTI_"):
         from finetune.launch.parallelism import from_accelerate_section
 
-        parallelism = from_accelerate_section(config.get("parallelism_config") or {}, source)
-        if parallelism.loads_sharded:
-            return Strategy.from_parallelism(parallelism, source, nodes), None
+        engine = from_accelerate_section(config.get("parallelism_config") or {}, source).engine()
+        if engine is not None:
+            return Strategy.of_axis(engine, source, nodes), None
         return Strategy("single" if kind == "NO" else "ddp", nodes=nodes, source=source), None
     raise RecipeError(f"{source}: distributed_type {kind} is not one this toolkit runs; use NO, MULTI_GPU, "
                       "DEEPSPEED or FSDP.")
@@ -386,16 +368,15 @@ def running_strategy(trainer) -> Strategy:
 
 
 def loaded_sharded(model) -> Strategy | None:
-    """The tensor-parallel strategy of a model Transformers loaded sharded (`DistributedConfig`), read off the model;
-    None for any other model."""
-    distributed = getattr(getattr(model, "config", None), "distributed_config", None)
-    if (getattr(model, "_tp_size", None) or 1) == 1 or distributed is None:
-        return None
-    from finetune.launch.parallelism import Parallelism
+    """The strategy of a model Transformers loaded sharded (`DistributedConfig`), read off the model by the mesh axis
+    that loads it so (`Axis.loaded_layout`); None for any other model."""
+    from finetune.axes import mesh_axes
 
-    return Strategy.from_parallelism(Parallelism(
-        tensor_parallel_size=model._tp_size, dp_shard_size=distributed.fsdp_size or 1,
-        dp_replicate_size=distributed.dp_replicate_size or 1), "the model Transformers loaded sharded")
+    for axis in mesh_axes():
+        layout = axis.loaded_layout(model)
+        if layout is not None:
+            return Strategy.of_axis(layout, "the model Transformers loaded sharded")
+    return None
 
 
 def _is_fsdp_sharded(model) -> bool:
@@ -441,8 +422,8 @@ class ShippedStrategy:
                     **({"parallelism": self.parallelism} if self.parallelism else {})}
         if self.kind == "fsdp":
             return {"strategy": "fsdp", "fsdp_sharding": self.fsdp_sharding}
-        if self.kind == "tensor_parallel":
-            return {"strategy": "tensor_parallel", "parallelism": self.parallelism,
+        if self.parallelism:  # an axis of the mesh in the engine's place: plain processes, as many as the mesh
+            return {"strategy": self.kind, "parallelism": self.parallelism,
                     "num_processes": math.prod(self.parallelism.values())}
         return {"strategy": self.kind, **({"num_processes": 1} if self.kind == "single" else {})}
 
@@ -466,9 +447,8 @@ class ShippedStrategy:
                 raise RecipeError(f"{self.label} does not run on CPU processes.")
             if self.kind == "ddp":
                 return Launch("accelerate_configs/cpu_ddp.yaml")
-            if self.kind == "tensor_parallel":
-                return Launch(f"accelerate_configs/cpu_{self.name}.yaml",
-                              program=("-m", "finetune.testing.parallelism_on_cpu"))
+            if self.kind in AXES:  # an axis in the engine's place: its CPU twin's program
+                return Launch(f"accelerate_configs/cpu_{self.name}.yaml", program=axis_class(self.kind).cpu_program)
             if self.kind == "fsdp":
                 suffix = "" if self.fsdp_sharding == "full_shard" else f"_{self.fsdp_sharding}"
                 return Launch(f"accelerate_configs/cpu_fsdp{suffix}.yaml",

@@ -150,14 +150,13 @@ class Setup:
     offload_optimizer: str | None = None      # "cpu" or "nvme" (DeepSpeed)
     offload_param: str | None = None          # "cpu" or "nvme" (DeepSpeed ZeRO-3)
     fsdp_sharding: str = "full_shard"
-    tensor_parallel_size: int = 1             # tensor_parallel: the model's TP plan over this many GPUs
-    dp_shard_size: int = 1                    # tensor_parallel: FSDP2 over this many GPUs of the rest
     beside: tuple = ()                        # axes of Accelerate's mesh beside the engine (finetune.axes):
                                               # their layouts, each giving the share of a sequence a GPU computes
                                               # (`activation_share`: Ulysses' 1/sp); ZeRO still shards over every GPU
-    axis: Any = None                          # an axis that runs its own loop (finetune.axes): its layout
-                                              # (a pipeline's stages, `rank`'s among them), which answers for its
-                                              # model states, activations and loading; `strategy` is its name
+    axis: Any = None                          # an axis that takes the engine's place (finetune.axes): its
+                                              # layout (a pipeline's stages, `rank`'s among them; the model loaded
+                                              # tensor-parallel), which answers for its model states, activations,
+                                              # buffers and loading; `strategy` is its name
     rank: int = 0                             # the global rank predicted, where ranks hold unequal shares (TP)
     precision: str = "bf16"                   # "fp32", or mixed "bf16"/"fp16"
     pure_bf16: bool = False                   # trainable weights, gradients and Adam states in bf16 (no fp32 master)
@@ -195,7 +194,7 @@ class Setup:
         """The fused kernels the forward really runs: Trainer applies Liger's at the start of `train`, which the
         own loop of an axis never calls (a pipeline's: finetune.train.axes.pipeline.loop), so it runs PyTorch's
         own."""
-        return FusedKernels() if self.axis is not None else self.kernels
+        return FusedKernels() if self.axis is not None and self.axis.runs_its_own_loop else self.kernels
 
     @property
     def liger_loss(self) -> str | None:
@@ -228,8 +227,8 @@ class Setup:
         """Ranks a model state is split over."""
         if self.strategy == "deepspeed" and self.zero_stage > 0:
             return self.num_gpus
-        if self.strategy == "tensor_parallel":
-            return self.dp_shard_size  # FSDP2 over the data-parallel ranks; the TP split is `tensor_parallel_elements`
+        if self.axis is not None:
+            return self.axis.shard_degree
         if self.strategy == "fsdp" and self.fsdp_sharding == "hybrid_shard":
             return self.gpus_per_node or self.num_gpus  # shard within a node, replicate across nodes
         if self.strategy == "fsdp" and self.fsdp_sharding != "no_shard":
@@ -360,11 +359,8 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     if setup.strategy == "deepspeed":
         params, grads, optimizer, offloaded = _deepspeed_states(trainable, frozen_bytes, setup,
                                                                 shape.largest_layer_parameters)
-    elif setup.axis is not None:  # an axis's own loop: what `setup.rank` holds of the model (a pipeline's stage)
+    elif setup.axis is not None:  # what `setup.rank` holds of the model (a pipeline's stage, its TP slices)
         params, grads, optimizer, offloaded = setup.axis.model_states(shape, setup)
-    elif setup.strategy == "tensor_parallel":  # full fine-tuning only (finetune.launch.parallelism refuses LoRA)
-        params, grads, optimizer, offloaded = _torch_states(tensor_parallel_elements(shape, setup), 0, setup,
-                                                            shard_degree=1)
     else:
         params, grads, optimizer, offloaded = _torch_states(trainable, frozen_bytes, setup)
     return MemoryEstimate(
@@ -411,15 +407,9 @@ def layer_split_parameters(shape: ModelShape) -> int:
 
 
 def stage_tensor_parallel(shape: ModelShape, setup: Setup) -> int:
-    """The ways a decoder layer's matrices are split on one GPU: `tensor_parallel_size` under tensor parallelism and
-    inside a pipeline stage (PP × TP), else 1. The split must be even in heads and key/value heads, as the TP plan
-    cuts them (finetune.train.axes.tensor.check_tensor_parallel_model refuses the rest)."""
-    splits = setup.strategy == "tensor_parallel" or getattr(setup.axis, "splits_tensor_parallelism", False)
-    t = setup.tensor_parallel_size if splits else 1
-    if t > 1 and (shape.num_attention_heads % t or shape.num_key_value_heads % t):
-        raise RecipeError(f"`tensor_parallel_size: {t}` does not divide {shape.name}'s {shape.num_attention_heads} "
-                          f"attention heads and {shape.num_key_value_heads} key/value heads.")
-    return t
+    """The ways a decoder layer's matrices are split on one GPU: as the axis in the engine's place splits them
+    (tensor parallelism, alone or inside a pipeline's stages), else 1."""
+    return setup.axis.matrix_split(shape) if setup.axis is not None else 1
 
 
 def sequence_share(setup: Setup) -> Setup:
@@ -428,27 +418,6 @@ def sequence_share(setup: Setup) -> Setup:
     for axis in setup.beside:
         setup = axis.activation_share(setup)
     return setup
-
-
-def tensor_parallel_elements(shape: ModelShape, setup: Setup) -> int:
-    """Parameters `setup.rank` holds under tensor parallelism, FSDP2's shards of them included. The model's TP plan
-    splits the block's linear layers t ways (q, k, v, gate, up by output rows, o and down by input columns) and the
-    vocabulary matrices by rows (the output head `colwise`, the input embedding with it, one matrix when tied);
-    FSDP2 then cuts every tensor by rows over the `dp_shard_size` ranks. Uneven rows are cut as `torch.chunk` cuts
-    them (⌈rows / n⌉ a rank, the rest on the last): the rank's place in the mesh (replicas × shards × TP, TP
-    innermost) decides its share."""
-    t, s = setup.tensor_parallel_size, setup.dp_shard_size
-    tp_rank, shard_rank = setup.rank % t, setup.rank // t % s
-    matrices = 1 if shape.tied_embeddings else 2
-    whole = shape.num_parameters - shape.block_linear_parameters - matrices * shape.vocab_size * shape.hidden_size
-    rows = _chunk(_chunk(shape.vocab_size, t, tp_rank), s, shard_rank)
-    return whole // s + shape.block_linear_parameters // (t * s) + matrices * rows * shape.hidden_size
-
-
-def _chunk(size: int, parts: int, index: int) -> int:
-    """The length of piece `index` when `torch.chunk` cuts `size` into `parts`."""
-    piece = math.ceil(size / parts)
-    return max(0, min(piece, size - index * piece))
 
 
 def reference_model_bytes(shape: ModelShape, setup: Setup) -> float:
@@ -928,13 +897,13 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> float:
 def temporary_bytes(shape: ModelShape, setup: Setup, trainable: int) -> float:
     """Communication buffers and gathered weights that come and go around each step."""
     w = _half_or_fp32(setup)
+    if setup.axis is not None:
+        return setup.axis.temporary_bytes(shape, setup, trainable)
     if setup.strategy == "ddp" and setup.num_gpus > 1:
         return _trainable_bytes(setup) * trainable  # DDP's reducer buckets: a flat copy of the gradients
     if setup.strategy == "fsdp":
         return fsdp_gathered_weights_bytes(shape, setup) + fsdp_gradient_buffer_bytes(shape, setup, trainable) \
             if setup.shard_degree > 1 else 0
-    if setup.strategy == "tensor_parallel" and setup.dp_shard_size > 1:
-        return fsdp_gathered_weights_bytes(shape, setup) + fsdp_gradient_buffer_bytes(shape, setup, trainable)
     if setup.strategy != "deepspeed":
         return 0
     if setup.zero_stage == 0:
@@ -953,7 +922,7 @@ def _fsdp_groups(shape: ModelShape, setup: Setup) -> tuple[int, int, int]:
     """The parameters of FSDP2's groups on one rank before sharding: a decoder block, the input embedding, and the
     output head with the final norm (with the embedding too when tied). Under tensor parallelism each is the rank's
     TP slice (the vocabulary matrices cut by rows, the block's linear layers t ways)."""
-    t = setup.tensor_parallel_size if setup.strategy == "tensor_parallel" else 1
+    t = stage_tensor_parallel(shape, setup)
     norms = shape.layer_parameters - shape.block_linear_parameters // shape.num_layers
     block = shape.block_linear_parameters // (shape.num_layers * t) + norms
     vocabulary = math.ceil(shape.vocab_size / t) * shape.hidden_size

@@ -168,7 +168,7 @@ def check_named_strategy(name: str | None, launched: Strategy, world_size: int, 
         raise RecipeError(f"{message}: launch with `finetune train RECIPE.yaml --strategy {name}` (it picks the "
                           "config), or leave `--strategy` out to run what the launcher says.")
     if launched_rank() == 0:
-        by_axes = launched.axis is not None or launched.kind == "tensor_parallel"
+        by_axes = launched.axis is not None
         says = "as the recipe's parallelism axes say" if by_axes and launched.source == "the recipe" \
             else "as its config says"
         print(f"warning: {message}, {says}; `finetune train RECIPE.yaml` without a launcher runs "

@@ -187,11 +187,11 @@ def test_unreadable_or_unsupported_configs_are_user_errors(tmp_path):
 
 def test_a_pipeline_with_tensor_parallelism_inside_its_stages_is_named_and_recorded_with_both_sizes():
     alone = Strategy("pipeline", axis=PipelineLayout(2))
-    split = Strategy("pipeline", axis=PipelineLayout(2), tensor_parallel_size=4)
+    split = Strategy("pipeline", axis=PipelineLayout(2, tensor=4))
     assert (alone.label, alone.describe(), alone.to_dict()) == (
         "pp2", "pipeline parallel 2", {"strategy": "pipeline", "pipeline_parallel_size": 2})
     assert (split.label, split.describe()) == ("pp2_tp4", "pipeline parallel 2 × tensor parallel 4 inside each stage")
     assert split.to_dict() == {"strategy": "pipeline", "pipeline_parallel_size": 2, "tensor_parallel_size": 4}
-    assert split.estimator_options() == {"strategy": "pipeline", "axis": PipelineLayout(2), "tensor_parallel_size": 4}
+    assert split.estimator_options() == {"strategy": "pipeline", "axis": PipelineLayout(2, tensor=4)}
     # as a checkpoint's marker records it, without its layout: named by its kind, never as DDP
-    assert Strategy("pipeline", tensor_parallel_size=4).describe() == "pipeline"
+    assert Strategy("pipeline").describe() == "pipeline"

@@ -28,6 +28,7 @@ from finetune.memory.shapes import resolve_config
 from finetune.recipe.parse import parse_recipe
 from finetune.train.axes.context import ON_CPU
 from finetune.train.axes.tensor import CPU_MESH_ALLOWED, TensorArguments, TensorParallelism, check
+from finetune.train.axes.tensor.layout import TensorSplit
 
 TP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel"].launch(cpu=True)
 TP_FSDP_ON_CPU = SHIPPED_BY_NAME["tensor_parallel_fsdp"].launch(cpu=True)
@@ -190,7 +191,7 @@ def test_the_sizes_an_accelerate_config_exports_are_checked_as_the_recipes_are(m
         parallelism = check_parallelism(inputs, ModelArguments())
         sections = SimpleNamespace(model=ModelArguments(), axes=(), training_inputs=inputs, sources={},
                                    lora=SimpleNamespace(use_lora=False, use_qlora=False))
-        axis = TensorParallelism(TensorArguments(parallelism.tensor_parallel_size))
+        axis = TensorParallelism(TensorArguments(parallelism.size("tensor_parallel_size")))
         return parallelism, axis.check(sections, parallelism, Strategy("ddp"))
 
     for variable, value in (("WORLD_SIZE", "4"), ("ACCELERATE_USE_PARALLELISM_CONFIG", "true"),
@@ -249,8 +250,8 @@ def test_tp_with_fsdp2_under_bf16_gathers_the_slices_in_bf16_and_trains_as_one_p
     # the largest group's TP slice in bf16, here the tail (final norm and head, kept from the forward's end to its
     # backward) at its copy-out; the untied hub model's vocabulary of 600 rows is cut 300 a TP rank.
     shape = model_shape(str(hub_model))
-    planned = fsdp_gathered_weights_bytes(shape, Setup(strategy="tensor_parallel", num_gpus=4, tensor_parallel_size=2,
-                                                       dp_shard_size=2, precision="bf16"))
+    planned = fsdp_gathered_weights_bytes(shape, Setup(strategy="tensor_parallel", num_gpus=4, axis=TensorSplit(2, 2),
+                                                       precision="bf16"))
     assert planned == 2 * 2 * (300 * shape.hidden_size + shape.hidden_size)
     measured = gathered_weights_peaks(tmp_path / "gathers")
     assert len(measured) == 4 and all(0 <= bytes_ - planned <= PADDING for bytes_ in measured), (measured, planned)

@@ -21,8 +21,8 @@ TOKENS = 1024  # one micro-batch: 1 row of 1,024 tokens
 
 
 def stage(rank: int, tensor: int = 4, **fields) -> Setup:
-    return Setup(strategy="pipeline", num_gpus=8, gpus_per_node=4, axis=PipelineLayout(2),
-                 tensor_parallel_size=tensor, rank=rank, sequence_length=TOKENS, gradient_accumulation_steps=4,
+    return Setup(strategy="pipeline", num_gpus=8, gpus_per_node=4, axis=PipelineLayout(2, tensor=tensor), rank=rank,
+                 sequence_length=TOKENS, gradient_accumulation_steps=4,
                  **fields)
 
 

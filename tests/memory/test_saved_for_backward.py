@@ -117,7 +117,9 @@ def test_a_tensor_parallel_rank_saves_its_share_of_the_casts_and_of_the_mlp_inpu
                   intermediate_size=config["intermediate_size"] // t, head_dim=config["hidden_size"] // heads)
     (tmp_path / "config.json").write_text(json.dumps(config))
     local = measure(str(tmp_path), Setup(**DDP, sequence_length=1024), loss=False).per_layer
-    tensor_parallel = Setup(strategy="tensor_parallel", num_gpus=t, tensor_parallel_size=t, sequence_length=1024)
+    from finetune.train.axes.tensor.layout import TensorSplit
+
+    tensor_parallel = Setup(strategy="tensor_parallel", num_gpus=t, axis=TensorSplit(t), sequence_length=1024)
     assert saved_per_layer_bytes(model_shape(model), tensor_parallel) == pytest.approx(local, rel=0.01)
 
 

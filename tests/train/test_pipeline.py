@@ -480,7 +480,7 @@ def test_what_the_pipeline_loop_does_not_run_is_refused_by_name(monkeypatch):
                            call["parallelism"], call["strategy"], lora=call["lora"])
     monkeypatch.setenv("WORLD_SIZE", "8")  # 2 replicas of 2 stages, each split over 2 TP ranks
     split = check_pipeline(dict(asked), data, False, "sft", Parallelism(tensor_parallel_size=2), ddp)
-    assert (split.kind, split.axis, split.tensor_parallel_size) == ("pipeline", PipelineLayout(2, "1f1b"), 2)
+    assert (split.kind, split.axis) == ("pipeline", PipelineLayout(2, "1f1b", tensor=2))
     with pytest.raises(RecipeError, match="with LoRA and `tensor_parallel_size`"):
         check_pipeline(dict(asked), data, True, "sft", Parallelism(tensor_parallel_size=2), ddp, lora=lora)
 
@@ -502,7 +502,7 @@ def test_a_tp_size_the_stages_cannot_split_is_refused_by_name(tmp_path):
         with pytest.raises(RecipeError, match=f"`tensor_parallel_size: {tensor}` {message}"):
             TensorParallelism(TensorArguments(tensor)).check(sections, parallelism, ddp)
     parallelism = check_parallelism({"tensor_parallel_size": 2}, model, inside_stages=True)
-    assert parallelism.tensor_parallel_size == 2 and parallelism.dp_shard_size == 1
+    assert parallelism.size("tensor_parallel_size") == 2 and parallelism.dp_shard_size == 1
     assert TensorParallelism(TensorArguments(2)).check(sections, parallelism, ddp) == ddp  # nothing loads sharded
 
 

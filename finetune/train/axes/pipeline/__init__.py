@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from finetune.axes import Axis
@@ -13,6 +14,7 @@ from finetune.errors import RecipeError
 from finetune.launch.parallelism import Parallelism, process_count
 from finetune.launch.strategies import Strategy, is_true
 from finetune.train.axes.pipeline.layout import PipelineLayout
+from finetune.train.axes.tensor import KEY as TENSOR_KEY
 
 # torch.distributed.pipelining's single-stage schedules a recipe may name
 SCHEDULES = ("gpipe", "1f1b")
@@ -30,9 +32,9 @@ class PipelineArguments:
                           "parallelism on torch.distributed.pipelining), each step's batch flowing through them in "
                           "`gradient_accumulation_steps` micro-batches. Launched as plain processes, one a stage; "
                           "a multiple of it runs that many replicas of the pipeline, data parallel; with "
-                          "tensor_parallel_size each stage's layers are split over that many processes (PP × TP × "
+                          f"{TENSOR_KEY} each stage's layers are split over that many processes (PP × TP × "
                           "DP). SFT, full fine-tuning or LoRA (`use_lora`: PP × DP; not QLoRA, DoRA, "
-                          "modules_to_save, nor LoRA with tensor_parallel_size)."},
+                          f"modules_to_save, nor LoRA with {TENSOR_KEY})."},
     )
     pipeline_schedule: str = field(
         default="1f1b",
@@ -98,6 +100,11 @@ class PipelineParallelism(Axis):
                               step_length=self.settings.pipeline_step_length)
 
     @classmethod
+    def files_a_resume_needs(cls, marker: dict, needs: list[list[str]]) -> list[list[str]]:
+        """The files its marker lists (each stage's), and no RNG state."""
+        return [["trainer_state.json"], *([name] for name in marker.get("files", ()) if Path(name).name == name)]
+
+    @classmethod
     def plan_rows(cls, request, shape, micro_batch_size: int) -> list[dict]:
         from finetune.train.axes.pipeline.plan import plan_rows
 
@@ -120,12 +127,11 @@ class PipelineParallelism(Axis):
 
         training = sections.training_inputs
         stages = self.size
-        tensor = process_count("tensor_parallel_size", sections.axis_inputs.get("tensor_parallel_size"),
-                               "the recipe") or 1
+        tensor = process_count(TENSOR_KEY, sections.axis_inputs.get(TENSOR_KEY), "the recipe") or 1
         if machine.processes % (stages * tensor):
             each = f"{stages} × {tensor} = {stages * tensor}" if tensor > 1 else f"{stages}"
             raise RecipeError(f"`pipeline_parallel_size: {stages}` runs one stage a process"
-                              f"{f' split over `tensor_parallel_size: {tensor}`' if tensor > 1 else ''}, but this "
+                              f"{f' split over `{TENSOR_KEY}: {tensor}`' if tensor > 1 else ''}, but this "
                               f"launch has {machine.processes} process(es): launch a multiple of {stages * tensor} "
                               f"(each {each} processes one replica of the pipeline, data parallel across replicas).")
         replicas = machine.processes // (stages * tensor)
@@ -176,9 +182,9 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
         raise RecipeError("`pipeline_hand_off_dtype: bf16` rounds the hidden states passed between stages to bf16, "
                           "which a run computing in fp32 would not do: set `bf16: true`, or hand off in fp32.")
     training_inputs["pipeline_hand_off_dtype"] = hand_off
-    world_size, tensor = int(os.environ.get("WORLD_SIZE", "1")), parallelism.tensor_parallel_size
+    world_size, tensor = int(os.environ.get("WORLD_SIZE", "1")), parallelism.size(TENSOR_KEY)
     if world_size % (size * tensor):
-        ranks = f"{size} × tensor_parallel_size {tensor} = {size * tensor}" if tensor > 1 else f"{size}"
+        ranks = f"{size} × {TENSOR_KEY} {tensor} = {size * tensor}" if tensor > 1 else f"{size}"
         raise RecipeError(f"`pipeline_parallel_size: {size}` runs one stage a process, but the launch has "
                           f"{world_size} process(es): launch a multiple of {ranks} (each {size * tensor} processes "
                           "one replica of the pipeline, data parallel across replicas).")
@@ -188,7 +194,7 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
                           f"{size} --strategy ddp`), not under a DeepSpeed or FSDP config.")
     # tensor parallelism runs inside each stage; the other axes need their own engines (Ulysses under DeepSpeed,
     # context parallelism under FSDP2) or shard what the stage's replicas hold whole
-    others = parallelism.replaced(tensor_parallel_size=1)
+    others = parallelism.replaced(**{TENSOR_KEY: 1})
     qlora, dora = bool(getattr(lora, "use_qlora", False)), bool(getattr(lora, "use_dora", False))
     refused = [(others != Parallelism(), f"{others.describe()} beside it"),
                # its 4-bit base is quantized while the whole model loads onto each GPU (bitsandbytes), where the
@@ -197,7 +203,7 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
                        "`use_lora` on the bf16 base)"),
                # torch's ColwiseParallel/RowwiseParallel split nn.Linear and nn.Embedding only, not peft's LoraLayer
                # wrapping them, and peft's own TP path is Transformers' `tp_plan` loading, not a stage's mesh
-               (use_lora and tensor > 1, "LoRA and `tensor_parallel_size` (torch's TP styles split plain linears, "
+               (use_lora and tensor > 1, f"LoRA and `{TENSOR_KEY}` (torch's TP styles split plain linears, "
                                          "not peft's adapted ones)"),
                (use_lora and dora, "`use_dora` (its magnitudes come from base weights a stage reads after peft "
                                    "builds the adapters on the meta device)"),
@@ -220,5 +226,4 @@ def check_pipeline(training_inputs: dict[str, Any], data_args, use_lora: bool, m
     if schedule == "1f1b" and micro_batches < size:
         raise RecipeError(f"`pipeline_schedule: 1f1b` over {size} stages needs at least {size} micro-batches a step "
                           f"(`gradient_accumulation_steps`, now {micro_batches}): raise it, or use gpipe.")
-    return Strategy(PipelineLayout.name, axis=PipelineLayout(size, schedule, hand_off), tensor_parallel_size=tensor,
-                    nodes=strategy.nodes, source="the recipe")
+    return Strategy.of_axis(PipelineLayout(size, schedule, hand_off, tensor), "the recipe", strategy.nodes)

@@ -22,6 +22,8 @@ from finetune.memory.estimate import (
     saved_per_layer_bytes,
     stage_tensor_parallel,
 )
+from finetune.train.axes.tensor import KEY as TENSOR_KEY
+from finetune.train.axes.tensor.layout import whole_heads
 
 # A step's rows are padded to its longest row rounded up to this many tokens (the multiple Transformers' collators
 # pad to for tensor cores), which also bounds how many shapes the loop builds torch's schedule for.
@@ -31,7 +33,7 @@ STEP_LENGTH_MULTIPLE = 8
 @dataclass(frozen=True)
 class PipelineLayout:
     """`stages` consecutive stages of the model's layers (`pipeline_parallel_size`), one a process (a TP group of
-    `tensor_parallel_size` processes under PP × TP), run by `schedule` (`pipeline_schedule`), handing the hidden
+    `tensor` processes under PP × TP), run by `schedule` (`pipeline_schedule`), handing the hidden
     states (and their gradients) from stage to stage in `hand_off` (`pipeline_hand_off_dtype`: fp32, or bf16 where
     the run computes in bf16). A launch's `Strategy` and the estimator's `Setup` carry it as their `axis`; it answers
     what they ask of an axis that runs its own loop."""
@@ -39,26 +41,34 @@ class PipelineLayout:
     stages: int
     schedule: str = "1f1b"
     hand_off: str = "fp32"
+    tensor: int = 1
     name: ClassVar[str] = "pipeline"
     splits_tensor_parallelism: ClassVar[bool] = True  # each stage's layers over the mesh's tp ranks (3D)
+    runs_its_own_loop: ClassVar[bool] = True  # finetune.train.axes.pipeline.loop
+    shards_parameters: ClassVar[bool] = False  # each stage holds its layers whole (a TP group: split as planned)
+    shard_degree: ClassVar[int] = 1
 
     # --- the launch's strategy (finetune.launch.strategies.Strategy)
-    def label(self, strategy) -> str:
+    def label(self, strategy=None) -> str:
         """`pp2`, or `pp2_tp4` with tensor parallelism inside its stages."""
-        tensor = strategy.tensor_parallel_size
-        return f"pp{self.stages}" + (f"_tp{tensor}" if tensor > 1 else "")
+        return f"pp{self.stages}" + (f"_tp{self.tensor}" if self.tensor > 1 else "")
 
-    def describe(self, strategy) -> str:
-        tensor = strategy.tensor_parallel_size
+    def describe(self, strategy=None) -> str:
         return f"pipeline parallel {self.stages}" + (
-            f" × tensor parallel {tensor} inside each stage" if tensor > 1 else "")
+            f" × tensor parallel {self.tensor} inside each stage" if self.tensor > 1 else "")
 
-    def record(self, strategy) -> dict:
+    def record(self, strategy=None) -> dict:
         """Its part of the strategy's record (effective_config.json, checkpoint markers)."""
-        tensor = strategy.tensor_parallel_size
-        return {"pipeline_parallel_size": self.stages, **({"tensor_parallel_size": tensor} if tensor > 1 else {})}
+        return {"pipeline_parallel_size": self.stages, **({TENSOR_KEY: self.tensor} if self.tensor > 1 else {})}
 
     # --- the estimator (finetune.memory.estimate.estimate)
+    def matrix_split(self, shape: ModelShape) -> int:
+        """A stage's layers are split over its TP group as the model's TP plan splits them."""
+        return whole_heads(shape, self.tensor)
+
+    def temporary_bytes(self, shape: ModelShape, setup: Setup, trainable: int) -> float:
+        return 0  # torch's receive buffers are counted with the activations (`pipeline_activation_bytes`)
+
     def model_states(self, shape: ModelShape, setup: Setup) -> tuple:
         """Parameters, gradients, optimizer states and offloaded bytes of `setup.rank`'s stage: its layers in full
         fine-tuning, or under LoRA its base frozen (as loaded) and its layers' adapters trained."""
@@ -74,7 +84,7 @@ class PipelineLayout:
         """Host RAM each global rank takes to load its part, by rank: its stage's on the (dp, pp, tp) mesh, TP
         innermost (`pipeline_loaded_stage_bytes`)."""
         stages = pipeline_loaded_stage_bytes(shape, setup)
-        t = setup.tensor_parallel_size
+        t = self.tensor
         return tuple(stages[rank // t % len(stages)] for rank in range(max(setup.num_gpus, len(stages) * t)))
 
 
@@ -91,7 +101,7 @@ def pipeline_stage_layers(num_layers: int, stages: int) -> list[range]:
 def pipeline_stage_elements(shape: ModelShape, setup: Setup) -> int:
     """Parameters one rank of `setup.rank`'s pipeline stage holds: its layers (`pipeline_stage_layers`), the input
     embedding on the first stage, the final norm and the output head on the last; a tied head is a second copy of the
-    embedding there. With tensor parallelism inside the stage (`tensor_parallel_size` t) each layer's linear matrices
+    embedding there. With tensor parallelism inside the stage (t ranks) each layer's linear matrices
     are split t ways as the model's TP plan splits them (q, k, v, gate, up by output rows, o and down by input
     columns: Megatron-LM's column- and row-parallel layers, Shoeybi et al. 2019), while the norms, the embedding and
     the head stay whole on every rank of the stage."""

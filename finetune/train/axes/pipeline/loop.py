@@ -48,7 +48,7 @@ the final save is one `adapter_model.safetensors` for the whole model beside its
 rank 0 (the adapters are small), and `finetune export --merge-lora` merges a stage checkpoint into its base. With
 `lora_dropout` the masks are drawn per rank, so the losses are not a one-process run's to the last digit.
 
-Tensor and data parallelism beside it (3D): a launch of r × p × t processes (`tensor_parallel_size` t) runs r
+Tensor and data parallelism beside it (3D): a launch of r × p × t processes (t: tensor parallelism's size) runs r
 replicas of the p-stage pipeline, each stage split over t ranks, on a (`dp`, `pp`, `tp`) device mesh, TP innermost.
 Within a stage the decoder layers are tensor parallel as the model's TP plan names each linear
 (`base_model_tp_plan`), with torch's DTensor styles (`ColwiseParallel`, `RowwiseParallel`: Megatron-LM's split, as
@@ -101,6 +101,7 @@ from finetune.train.axes.pipeline.stages import (
     stage_layers,
     whole,
 )
+from finetune.train.axes.tensor import KEY as TENSOR_KEY
 from finetune.train.tracking import TrackedRunCallback, run_parameters
 
 FINAL_SHARD = "model-{stage:05d}-of-{stages:05d}.safetensors"  # the final model: one shard a stage, as Transformers
@@ -591,7 +592,7 @@ class PipelineTrainer:
 
         final = self.final_dtype()
         return {"world_size": self.world, "strategy": "pipeline", "zero_stage": None,
-                "pipeline_parallel_size": self.stage.count, "tensor_parallel_size": self.tensor_parallel,
+                "pipeline_parallel_size": self.stage.count, TENSOR_KEY: self.tensor_parallel,
                 "pipeline_schedule": self.schedule_name, "pipeline_replicas": self.replicas,
                 "sequences_per_step": self.args.per_device_train_batch_size * self.micro_batches * self.replicas,
                 "final_weights_dtype": final and dtype_name(final),  # what `finetune export` writes by default
@@ -624,12 +625,12 @@ class PipelineTrainer:
         from finetune.checkpoints.complete import read_marker
 
         saved = read_marker(folder)
-        was = (saved.get("pipeline_parallel_size", self.stage.count), saved.get("tensor_parallel_size", 1))
+        was = (saved.get("pipeline_parallel_size", self.stage.count), saved.get(TENSOR_KEY, 1))
         now = (self.stage.count, self.tensor_parallel)
         if was != now:
             raise RecipeError(f"{folder} holds {was[0]} stage(s) split over {was[1]} TP rank(s), and this run has "
                               f"{now[0]} split over {now[1]}: resume with `pipeline_parallel_size: {was[0]}` and "
-                              f"`tensor_parallel_size: {was[1]}`, or start afresh from its weights (`finetune export "
+                              f"`{TENSOR_KEY}: {was[1]}`, or start afresh from its weights (`finetune export "
                               f"{folder} WEIGHTS_DIR`, then `model_name_or_path: WEIGHTS_DIR`).")
 
     @property
@@ -754,8 +755,7 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
 
     args, lora = trainer.args, trainer.recipe.lora
     layout = trainer.recipe.strategy.axis
-    setup = Setup(strategy=layout.name, num_gpus=trainer.world, axis=layout,
-                  tensor_parallel_size=trainer.tensor_parallel, rank=trainer.stage.index,
+    setup = Setup(strategy=layout.name, num_gpus=trainer.world, axis=layout, rank=trainer.stage.index,
                   precision="bf16" if args.bf16 else "fp32",
                   optimizer=optimizer_kind(args.optim) or "adamw", micro_batch_size=args.per_device_train_batch_size,
                   lora_rank=lora.lora_r if lora.use_lora else 0,
@@ -771,7 +771,7 @@ def predicted_memory(trainer: PipelineTrainer, shape) -> dict:
             "estimate": {"setup": {"strategy": setup.strategy, "num_gpus": setup.num_gpus,
                                    "pipeline_parallel_size": layout.stages, "pipeline_schedule": layout.schedule,
                                    "pipeline_hand_off_dtype": layout.hand_off,
-                                   "tensor_parallel_size": setup.tensor_parallel_size, "rank": setup.rank}}}
+                                   TENSOR_KEY: layout.tensor, "rank": setup.rank}}}
 
 
 def report_effective_config(trainer: PipelineTrainer, recipe, pipeline: dict) -> dict:
@@ -807,7 +807,7 @@ def train_pipeline(recipe, model, stage: Stage, tokenizer, data, resume: str | N
     if save_on_preemption(args):  # on by default under SLURM: SIGTERM saves the step every rank agrees on
         trainer.callbacks.add_callback(PreemptionCallback())
     pipeline = {"stages": [[layers.start, layers.stop] for layers in stage_layers(stage.shape.num_layers, size)],
-                "schedule": trainer.schedule_name, "tensor_parallel_size": trainer.tensor_parallel,
+                "schedule": trainer.schedule_name, TENSOR_KEY: trainer.tensor_parallel,
                 "micro_batches": trainer.micro_batches, "replicas": trainer.replicas, "step_length": step_length,
                 "hand_off_dtype": recipe.strategy.axis.hand_off,
                 "bubble_fraction": pipeline_bubble_fraction(size, trainer.micro_batches)}

@@ -15,6 +15,7 @@ from finetune.train.axes.pipeline.layout import (
     pipeline_recv_buffer_bytes,
     pipeline_stage_layers,
 )
+from finetune.train.axes.tensor import KEY as TENSOR_KEY
 
 
 def plan_rows(request: PlanRequest, shape, micro_batch_size: int) -> list[dict]:
@@ -44,8 +45,7 @@ def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int
     holds its stage as in one pipeline, and each step all-reduces every stage's gradients across the replicas. With
     `tensor` (PP × TP × DP, 3D parallelism), each stage is a TP group of that many GPUs within a node
     (`parallel_3d_row`)."""
-    options = {"strategy": PipelineLayout.name, "axis": PipelineLayout(stages, schedule, hand_off),
-               "tensor_parallel_size": tensor}
+    options = {"strategy": PipelineLayout.name, "axis": PipelineLayout(stages, schedule, hand_off, tensor)}
     bubble = pipeline_bubble_fraction(stages, micro_batches)
     name = (f"PP {stages}" + (f" × TP {tensor}" if tensor > 1 else "") + (f" × DP {replicas}" if replicas > 1 else "")
             + f" ({schedule.upper()})")
@@ -55,7 +55,7 @@ def pipeline_row(request: PlanRequest, shape, micro_batch_size: int, stages: int
     else:
         why = f"PP {stages} holds 1/{stages} of the layers a GPU" + (
             f", {replicas} pipelines data parallel (one a node)" if replicas > 1 else "")
-    overrides = {"--pipeline_parallel_size": stages, **({"--tensor_parallel_size": tensor} if tensor > 1 else {}),
+    overrides = {"--pipeline_parallel_size": stages, **({f"--{TENSOR_KEY}": tensor} if tensor > 1 else {}),
                  "--gradient_accumulation_steps": micro_batches}
     row = _axis_row(request, shape, micro_batch_size, name, "pipeline", options, overrides,
                     "accelerate_configs/ddp.yaml", replicas,

@@ -19,6 +19,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 from finetune import presets
 from finetune.errors import RecipeError
 from finetune.train.axes.pipeline.layout import pipeline_stage_layers
+from finetune.train.axes.tensor import KEY as TENSOR_KEY
 
 FINAL_SHARD = "model-{stage:05d}-of-{stages:05d}.safetensors"  # the final model: one shard a stage, as Transformers
 # names the shards of a sharded save; its index and single-file names are Transformers' own
@@ -204,9 +205,9 @@ def split_layers(stage: Stage, mesh, config) -> None:
         if not pattern.startswith("layers."):
             continue  # the ends: whole on every rank
         if style not in (*SPLIT_STYLES, SUMMED_STYLE):
-            raise RecipeError(f"`tensor_parallel_size` beside a pipeline splits layers as colwise or rowwise; this "
+            raise RecipeError(f"`{TENSOR_KEY}` beside a pipeline splits layers as colwise or rowwise; this "
                               f"model's TP plan splits `{pattern}` as `{style}`, which the stages do not run: train "
-                              "it without tensor_parallel_size.")
+                              f"it without {TENSOR_KEY}.")
         if style == SUMMED_STYLE:
             summed.append(pattern)
         else:
@@ -258,7 +259,7 @@ def cut_stage(recipe, model, rank: int | None = None) -> Stage:
     # adapters and `base_layer` names are no part of the model the estimator counts)
     shape = model_shape(recipe.model.model_name_or_path) if hasattr(model, "peft_config") else shape_of(model)
     rank = dist.get_rank() if rank is None else rank
-    size, tensor = recipe.strategy.axis.stages, getattr(recipe.strategy, "tensor_parallel_size", 1) or 1
+    size, tensor = recipe.strategy.axis.stages, recipe.strategy.axis.tensor
     stage = build_stage(model, rank // tensor % size, size, recipe.strategy.axis.hand_off)  # (dp, pp, tp), TP inner
     stage.shape = shape
     if dist.is_initialized():

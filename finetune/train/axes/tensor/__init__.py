@@ -1,9 +1,10 @@
-"""Tensor parallelism's home on the axis seam, for what a recipe asks of it: its key, its checks against the model and
-the launch, its plan row and its self-launch. Transformers applies it while loading the model (`from_pretrained(...,
-distributed_config=DistributedConfig(tp_size, fsdp_size, dp_replicate_size))`: the model's own TP plan, FSDP2 over the
-other ranks), and Trainer builds Accelerate's `ParallelismConfig` from it; inside a pipeline's stages the pipeline
-splits the layers itself (finetune.train.axes.pipeline.stages). The engine's side (the strategy the sharded model
-runs as, its memory terms, its sharded checkpoints) is still read where the other strategies are."""
+"""Tensor parallelism's home on the axis seam: its key, its checks against the model and the launch, its plan row and
+its self-launch, and the engine it runs as (`TensorSplit`, in layout.py: how a strategy names and records it, how it is
+read back off a loaded model and a checkpoint, what a resume needs, its memory terms). Transformers applies it while
+loading the model (`from_pretrained(..., distributed_config=DistributedConfig(tp_size, fsdp_size,
+dp_replicate_size))`: the model's own TP plan, FSDP2 over the other ranks), and Trainer builds Accelerate's
+`ParallelismConfig` from it; inside a pipeline's stages the pipeline splits the layers itself
+(finetune.train.axes.pipeline.stages)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from finetune.axes import Axis
 from finetune.errors import RecipeError
 
+KEY = "tensor_parallel_size"
 # Set by finetune.testing.parallelism_on_cpu, the one program under which Accelerate builds a TP mesh on CPU processes.
 CPU_MESH_ALLOWED = "FINETUNE_PARALLELISM_ON_CPU"
 # Transformers' FSDP2 path re-ties a tied `lm_head` to the embedding after sharding (transformers/distributed/fsdp.py);
@@ -44,7 +46,7 @@ class TensorParallelism(Axis):
     description = ("each layer's matrices split over several processes (the model's own TP plan), FSDP2 over the "
                    "ranks it leaves")
     arguments = TensorArguments
-    size_key = "tensor_parallel_size"
+    size_key = KEY
     accelerate_size = "tp_size"
     launched_as = "ddp"  # plain processes: Transformers shards the model itself
     cpu_program = ("-m", "finetune.testing.parallelism_on_cpu")
@@ -70,10 +72,38 @@ class TensorParallelism(Axis):
               use_lora=sections.lora.use_lora or sections.lora.use_qlora,
               on_gpu=torch.cuda.is_available() and not is_true(training.get("use_cpu")),
               compiled=is_true(training.get("torch_compile")))
-        if strategy.kind != "tensor_parallel":
+        if strategy.kind != self.name:
             source = "the recipe" if self.size_key in sections.sources else (strategy.source or "the launch")
-            strategy = Strategy.from_parallelism(parallelism, source, strategy.nodes)
+            strategy = Strategy.of_axis(self.engine_layout(parallelism), source, strategy.nodes)
         return strategy
+
+    # --- the engine it runs as (finetune.launch.strategies, finetune.checkpoints.complete)
+    @classmethod
+    def engine_layout(cls, parallelism):
+        from finetune.train.axes.tensor.layout import TensorSplit
+
+        size = parallelism.size(cls.size_key)
+        return TensorSplit(size, parallelism.dp_shard_size, parallelism.dp_replicate_size) if size > 1 else None
+
+    @classmethod
+    def loaded_layout(cls, model):
+        from finetune.train.axes.tensor.layout import TensorSplit
+
+        return TensorSplit.of_model(model)
+
+    @classmethod
+    def recorded_layout(cls, record: dict):
+        from finetune.train.axes.tensor.layout import TensorSplit
+
+        return TensorSplit.from_record(record)
+
+    @classmethod
+    def files_a_resume_needs(cls, marker: dict, needs: list[list[str]]) -> list[list[str]]:
+        """The gathered weights, the slices a resume loads (finetune.checkpoints.sharded_state) and the scheduler."""
+        from finetune.checkpoints.sharded_state import STATE_FOLDER
+
+        return [*needs, ["model.safetensors", "model.safetensors.index.json"], [f"{STATE_FOLDER}/.metadata"],
+                ["scheduler.pt"]]
 
     def plan_launch(self, recipe: str, overrides: list[str], machine, sections) -> dict | None:
         """A model Transformers cannot shard fails on every rank: refused before the launch, which then goes as the
@@ -97,7 +127,9 @@ class TensorParallelism(Axis):
         if tensor < 2:
             return []
         shard = request.gpus // tensor
-        options = {"strategy": "tensor_parallel", cls.size_key: tensor, "dp_shard_size": shard}
+        from finetune.train.axes.tensor.layout import TensorSplit
+
+        options = {"strategy": cls.name, "axis": TensorSplit(tensor, shard)}
         name = f"TP {tensor}" + (f" × FSDP2 {shard}" if shard > 1 else "")
         return [_axis_row(request, shape, micro_batch_size, name, cls.name, options,
                           {f"--{cls.size_key}": tensor, "--dp_shard_size": shard}, "accelerate_configs/ddp.yaml",
