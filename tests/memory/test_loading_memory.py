@@ -145,15 +145,21 @@ def test_the_load_probe_counts_its_own_span_not_the_process_earlier_peak():
     """A process that was larger before the span (its imports' buffers freed, its pages reclaimed under memory
     pressure) must not charge that to the span: the probe reads the kernel's high-water mark reset at its start, and
     the process's lifetime peak is still what `peak_resident_bytes` reports."""
+    import gc
+    import mmap
+
     from finetune.memory.ledger import HostLoadProbe, peak_resident_bytes
 
-    def touched(size: int) -> bytearray:
-        block = bytearray(size)
-        block[::4096] = b"x" * len(block[::4096])  # resident, page by page
+    def touched(size: int) -> mmap.mmap:
+        """Fresh anonymous pages, made resident one by one: whatever the allocator holds from earlier tests in this
+        worker, they add `size` to the resident set."""
+        block = mmap.mmap(-1, size)
+        for offset in range(0, size, mmap.PAGESIZE):
+            block[offset] = 1
         return block
 
-    earlier = touched(256 * MiB)
-    del earlier  # freed to the system (an mmapped block)
+    gc.collect()  # an earlier test's garbage freed now, not inside the span (the set would shrink under it)
+    touched(256 * MiB).close()  # the process larger before the span, then returned to the system
     lifetime = peak_resident_bytes()
     probe = HostLoadProbe()
     held = touched(64 * MiB)
