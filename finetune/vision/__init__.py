@@ -6,5 +6,7 @@
   lacks (torchvision), its image-only form, said so once, videos refused by name.
 - `encode`: a conversation with images as the model's inputs (`input_ids`, `pixel_values`, the model's extra inputs
   such as `image_grid_thw` and `mm_token_type_ids`) and labels on the assistant's tokens only.
+- `collate`: batches of such rows, encoded as each batch is built (no pixels stored with the dataset).
+- `data`: rows with images in the peers' formats, read as one conversation shape and RGB images.
 - `synthetic`: images drawn in code (coloured shapes) with questions a model can learn to answer.
 """

@@ -132,3 +132,23 @@ def test_synthetic_rows_are_seeded_and_answerable():
         pixels = set(row["images"][0].getdata())
         if "colour" in question:
             assert synthetic.COLOURS[answer] in pixels  # the asked colour is drawn
+
+
+def test_the_collator_pads_tokens_and_concatenates_each_rows_images(processor):
+    import torch
+
+    from finetune.vision.collate import VisionCollator
+
+    rows = [{"messages": TWO_IMAGES_TWO_TURNS, "images": IMAGES}, synthetic.rows(1, seed=5)[0]]
+    batch = VisionCollator(processor)(rows)
+    alone = [encode_vision_conversation(row["messages"], row["images"], processor) for row in rows]
+    lengths = [len(row["input_ids"]) for row in alone]
+    assert batch["input_ids"].shape == (2, max(lengths))
+    assert batch["attention_mask"].sum(dim=1).tolist() == lengths
+    short = lengths.index(min(lengths))
+    assert (batch["labels"][short, min(lengths):] == IGNORE_INDEX).all()
+    assert (batch["input_ids"][short, min(lengths):] == processor.tokenizer.pad_token_id).all()
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 6], [1, 8, 8], [1, 4, 4]]  # three images, in row order
+    assert batch["pixel_values"].shape[0] == sum(t * h * w for t, h, w in batch["image_grid_thw"].tolist())
+    model = build_model(processor)
+    assert torch.isfinite(model(**batch).loss)
