@@ -128,7 +128,7 @@ def read_image(image, data_dir: str | Path | None = None):
     try:
         with Image.open(io.BytesIO(data)) as opened:
             return opened.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as error:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as error:
         raise RecipeError(f"{name} is not an image that can be read: {error}.") from None
 
 

@@ -23,6 +23,18 @@ def png(colour=RED, size=(24, 20)) -> bytes:
     return buffer.getvalue()
 
 
+def claimed_size_png(width: int, height: int) -> bytes:
+    """A 1 × 1 PNG whose header claims `width` × `height` pixels (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    data = bytearray(png(size=(1, 1)))
+    header = struct.pack(">II", width, height) + bytes(data[24:29])
+    data[16:29] = header
+    data[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + header))
+    return bytes(data)
+
+
 @pytest.fixture()
 def data_dir(tmp_path):
     (tmp_path / "images").mkdir()
@@ -75,6 +87,12 @@ def test_each_format_reads_as_the_same_conversation_and_learns_only_the_answer(n
      r"^row 3: image `https://example.com/cat.png` is a URL; nothing is downloaded at run time"),
     ({"messages": FORMATS["trl"]["messages"], "images": ["broken.png"]},
      r"^row 3: `broken.png` is not an image that can be read: "),
+    ({"messages": FORMATS["trl"]["messages"], "images": [b"\x89PNG\r\n\x1a\n" + b"\0" * 64]},
+     r"^row 3: the image is not an image that can be read: "),
+    ({"messages": FORMATS["trl"]["messages"], "images": [claimed_size_png(50_000, 50_000)]},
+     r"^row 3: the image is not an image that can be read: Image size \(2500000000 pixels\) exceeds limit"),
+    ({"messages": FORMATS["trl"]["messages"], "images": [None]},
+     r"^row 3: an image given as NoneType; expected a path, bytes, a data: URL or a datasets Image\.$"),
     ({"messages": FORMATS["trl"]["messages"], "images": []},
      r"^row 3: 1 image marker\(s\) or part\(s\) and 0 image\(s\)"),
     ({"conversations": [{"from": "human", "value": "<image><image>Same?"}, {"from": "gpt", "value": "yes"}],
