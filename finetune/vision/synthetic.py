@@ -1,6 +1,10 @@
 """Images drawn in code, with questions a small vision-language model can learn to answer: a coloured shape (square,
-circle or triangle, in one of four colours) at a random place and size on a light background, asked its colour or
-its shape. Seeded: the same seed draws the same rows on every rank."""
+circle or triangle, in one of four colours) near the centre of a light background, 5/8 to 7/8 of the image wide,
+asked its colour or its shape. Seeded: the same seed draws the same rows on every rank.
+
+Measured on the tiny Qwen2-VL (finetune.vision.presets), one CPU process, 2,000 rows, 2 epochs at batch 16: held-out
+exact match 0.98 of 60 rows (colour 1.0, shape 0.97) in 24 s. With the shape anywhere at half to nearly the whole
+width, the shape question stayed near chance (0.37; 0.43 at 64 × 64 pixels and 4 epochs)."""
 
 from __future__ import annotations
 
@@ -12,14 +16,15 @@ QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is this
 
 
 def draw(shape: str, colour: str, side: int = 32, rng: random.Random | None = None):
-    """A `side` × `side` image of one `shape` in `colour`: its size and place drawn from `rng`."""
+    """A `side` × `side` image of one `shape` in `colour`: its size and a pixel's shift from the centre drawn from
+    `rng`."""
     from PIL import Image, ImageDraw
 
     rng = rng or random.Random(0)
     background = tuple(rng.randint(225, 255) for _ in range(3))
     image = Image.new("RGB", (side, side), background)
-    size = rng.randint(side // 2, side - 4)
-    left, top = rng.randint(0, side - size), rng.randint(0, side - size)
+    size = rng.randint(side * 5 // 8, side * 7 // 8)
+    left, top = (side - size) // 2 + rng.randint(-1, 1), (side - size) // 2 + rng.randint(-1, 1)
     box = (left, top, left + size - 1, top + size - 1)
     pen = ImageDraw.Draw(image)
     fill = COLOURS[colour]
