@@ -101,9 +101,8 @@ def _learned_span(processor, messages, index: int, text: str) -> tuple[int, int]
 
 def _image_token_ids(processor) -> set[int]:
     """The ids the processor expands an image into, and the vision markers around them: never learned."""
-    tokenizer = processor.tokenizer
+    added = processor.tokenizer.added_tokens_encoder  # the added tokens only: no walk of the whole vocabulary
     ids = {getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None)}
-    for name in ("<|vision_start|>", "<|vision_end|>", "<start_of_image>", "<end_of_image>", "<image>"):
-        token = tokenizer.convert_tokens_to_ids(name) if name in tokenizer.get_vocab() else None
-        ids.add(token)
+    ids.update(added.get(name) for name in ("<|vision_start|>", "<|vision_end|>", "<start_of_image>", "<end_of_image>",
+                                            "<image>"))
     return {token for token in ids if token is not None}
