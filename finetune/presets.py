@@ -76,13 +76,19 @@ def build_model_config(tokenizer):
 
 def build_model(tokenizer, seed: int = 0, dtype=None):
     """A randomly initialised tiny Llama; the same seed gives the same weights on every rank."""
-    import torch
     from transformers import LlamaForCausalLM
 
-    config = build_model_config(tokenizer)
+    return seeded_model(LlamaForCausalLM, build_model_config(tokenizer), tokenizer, seed, dtype)
+
+
+def seeded_model(model_class, config, tokenizer, seed: int = 0, dtype=None):
+    """`model_class(config)` with weights drawn from `seed` (the same on every rank, the global RNG untouched), in
+    `dtype`, generating with the tokenizer's pad and end tokens."""
+    import torch
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     if dtype is not None:
         model = model.to(dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

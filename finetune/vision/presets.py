@@ -58,7 +58,6 @@ def build_processor():
 
 def build_model(processor, seed: int = 0, dtype=None):
     """A randomly initialised tiny Qwen2-VL; the same seed gives the same weights on every rank."""
-    import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     tokenizer = processor.tokenizer
@@ -70,11 +69,4 @@ def build_model(processor, seed: int = 0, dtype=None):
         image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
         vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
         tie_word_embeddings=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
-    if dtype is not None:
-        model = model.to(dtype)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
+    return presets.seeded_model(Qwen2VLForConditionalGeneration, config, tokenizer, seed, dtype)
