@@ -379,9 +379,11 @@ def token_counts(dataset: Dataset, name: str = "input_ids") -> np.ndarray:
     return pyarrow.compute.list_value_length(dataset.with_format("arrow")[name]).to_numpy(zero_copy_only=False)
 
 
-def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_format: str) -> tuple[Dataset, dict]:
+def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_format: str,
+                    encode=None) -> tuple[Dataset, dict]:
+    """`encode`: what `datasets.map` runs over each row (default: the text path's `Encoder`)."""
     max_length = data_args.max_seq_length
-    encode = Encoder(name, tokenizer, data_args, dataset_format)
+    encode = encode or Encoder(name, tokenizer, data_args, dataset_format)
     started = time.time()
     num_proc = getattr(data_args, "dataset_num_proc", None)
     num_proc = num_proc if (num_proc or 1) > 1 else None
@@ -432,21 +434,34 @@ def generation_examples(split: Dataset, dataset_format: str, limit: int) -> list
 
 def prepare_datasets(raw, tokenizer, data_args, training_args) -> PreparedData:
     """Tokenizes each source once (rank 0 first; the other ranks then read the `datasets` cache it wrote),
-    mixes the training sources by weight and concatenates their eval splits."""
+    mixes the training sources by weight and concatenates their eval splits. A vision-language model's tokenizer
+    carries its processor (finetune.vision.processor_of): its rows are read with their images and encoded by the
+    processor (finetune.vision.pipeline)."""
+    from finetune.vision import processor_of
+
+    processor = processor_of(tokenizer)
     trains, evals, examples, sources = [], [], [], []
     with training_args.main_process_first(desc="tokenizing the dataset"):
         for source in raw.sources:
             dataset_format = detect_format(source.train.column_names, source.declared_format(data_args))
-            train, train_summary = _tokenize_split(source.train, "train", tokenizer, data_args, dataset_format)
+            encoders = _vision_encoders(processor, source, data_args) if processor is not None else {}
+            train, train_summary = _tokenize_split(source.train, "train", tokenizer, data_args, dataset_format,
+                                                   encoders.get("train"))
             record = {"name": source.name, "format": dataset_format, "train": train_summary, "eval": None}
             trains.append(train)
             if source.eval is not None:
                 detect_format(source.eval.column_names, dataset_format)  # the eval split must have the same columns
                 eval_split = source.splits(data_args.max_eval_samples)["eval"]
-                evaluation, record["eval"] = _tokenize_split(eval_split, "eval", tokenizer, data_args, dataset_format)
+                evaluation, record["eval"] = _tokenize_split(eval_split, "eval", tokenizer, data_args, dataset_format,
+                                                             encoders.get("eval"))
                 evals.append(evaluation)
                 wanted = data_args.generation_eval_samples - len(examples)
-                examples += generation_examples(eval_split, dataset_format, wanted) if wanted > 0 else []
+                if wanted > 0 and processor is not None:
+                    from finetune.vision.pipeline import vision_generation_examples
+
+                    examples += vision_generation_examples(eval_split, encoders["eval"].data_dir, wanted)
+                elif wanted > 0:
+                    examples += generation_examples(eval_split, dataset_format, wanted)
             sources.append(record)
     for record, train in zip(sources, trains):
         if len(train) == 0:
@@ -458,3 +473,14 @@ def prepare_datasets(raw, tokenizer, data_args, training_args) -> PreparedData:
     summary = {"sources": sources, "weights": raw.weights, "train_rows": len(train),
                "eval_rows": len(evaluation) if evaluation is not None else 0}
     return PreparedData(train, evaluation, examples, summary)
+
+
+def _vision_encoders(processor, source, data_args) -> dict:
+    """The row encoders of a source with images, by split: image paths are relative to each split's data file."""
+    from finetune.vision.pipeline import VisionEncoder, check_vision_data_options, data_dir_of
+
+    check_vision_data_options(data_args)
+    train_dir = data_dir_of(source.name)
+    eval_dir = data_dir_of(data_args.eval_file) if data_args.eval_file else train_dir
+    return {"train": VisionEncoder("train", processor, data_args, train_dir),
+            "eval": VisionEncoder("eval", processor, data_args, eval_dir)}

@@ -77,6 +77,19 @@ def load_tokenizer(model_args):
 
 def _tokenizer(model_args):
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
+    from finetune.vision import is_vision_model
+
+    if is_vision_model(model_args.model_name_or_path):
+        from finetune.vision.processors import vision_processor
+
+        return vision_processor(model_args)  # its tokenizer, carrying it (finetune.vision.processor_of)
+    vision_keys = {"min_pixels": model_args.min_pixels, "max_pixels": model_args.max_pixels,
+                   "freeze_projector": model_args.freeze_projector,
+                   "freeze_vision_tower: false": not model_args.freeze_vision_tower}
+    given = [key for key, value in vision_keys.items() if value]
+    if given:
+        raise RecipeError(f"`{given[0]}` is for a vision-language model; {model_args.model_name_or_path} reads "
+                          "text only (its folder has no `vision_config` and no processor).")
     if name == presets.TINY_MODEL:
         return presets.build_tokenizer()
     check_local_path(model_args.model_name_or_path, "model_name_or_path")
@@ -98,6 +111,12 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strate
     rank whose weights another rank will send it (`sharded_from_rank_zero`); ignored under QLoRA, whose 4-bit weights
     are quantized while loading. `parallelism` that `loads_sharded`: Transformers loads each rank's slices
     (`DistributedConfig`, finetune.launch.parallelism)."""
+    from finetune.vision import is_vision_model
+
+    if is_vision_model(model_args.model_name_or_path):
+        from finetune.vision.models import load_vision_model
+
+        return load_vision_model(model_args, tokenizer, seed, qlora, parallelism, shapes_only)
     if parallelism is not None and parallelism.loads_sharded:
         return _load_sharded(model_args, tokenizer, seed, parallelism)
     if model_args.model_name_or_path == presets.TINY_MODEL and not qlora:

@@ -72,11 +72,19 @@ def lora_config(model, lora_args):
     from peft import LoraConfig
 
     modules_to_save = check_module_names(model, lora_args.modules_to_save, "modules_to_save")
+    targets = lora_target_modules(model, lora_args.lora_target_modules)
+    if hasattr(model.config, "vision_config"):  # a vision-language model (finetune.vision.models)
+        from finetune.vision.models import language_model_linear_layers, trained_projector_modules
+
+        if not lora_args.lora_target_modules:  # the language model's linear layers, not the vision tower's
+            targets = language_model_linear_layers(model)
+        projector = [name for name in trained_projector_modules(model) if name not in (modules_to_save or [])]
+        modules_to_save = [*(modules_to_save or []), *projector] or None  # `freeze_projector: false`: it trains
     return LoraConfig(
         r=lora_args.lora_r,
         lora_alpha=lora_args.lora_alpha,
         lora_dropout=lora_args.lora_dropout,
-        target_modules=lora_target_modules(model, lora_args.lora_target_modules),
+        target_modules=targets,
         use_dora=lora_args.use_dora,
         use_rslora=lora_args.use_rslora,
         modules_to_save=modules_to_save,

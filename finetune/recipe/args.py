@@ -50,6 +50,24 @@ class ModelArguments:
                           "Jinja text, a file holding it, `chatml`, or `tokenizer_default`. Saved with the "
                           "tokenizer and recorded in effective_config.json."},
     )
+    freeze_vision_tower: bool = field(
+        default=True,
+        metadata={"help": "A vision-language model's vision tower keeps its weights (frozen), as in TRL's and "
+                          "LLaMA-Factory's recipes; false trains it too."},
+    )
+    freeze_projector: bool = field(
+        default=False,
+        metadata={"help": "A vision-language model's projector (the layers mapping image features into the language "
+                          "model: Qwen2-VL's merger, LLaVA's multi_modal_projector) keeps its weights; by default it "
+                          "trains, in full, under LoRA too."},
+    )
+    min_pixels: int | None = field(
+        default=None, metadata={"help": "Fewest pixels an image is resized to (Qwen2-VL's family); None: the "
+                                        "processor's own."})
+    max_pixels: int | None = field(
+        default=None, metadata={"help": "Most pixels an image is resized to (Qwen2-VL's family): fewer pixels, fewer "
+                                        "image tokens (about one per 28 × 28 pixels for Qwen2-VL); None: the "
+                                        "processor's own."})
     router_aux_loss_coef: float | None = field(
         default=None,
         metadata={"help": "Weight of a mixture-of-experts model's load-balancing loss, added to the loss (TRL's "

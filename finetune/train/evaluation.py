@@ -20,6 +20,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from finetune.data.tokenize import turn_end_ids
 from finetune.launch.strategies import loaded_sharded
+from finetune.vision.encode import answer_text
 
 
 def stop_token_ids(tokenizer, generation_config, chat_template: bool = True) -> list[int]:
@@ -55,10 +56,16 @@ def until_stop(ids: list[int], stop_ids: list[int]) -> list[int]:
 
 @torch.no_grad()
 def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int,
-                     batch_size: int = 64, synced: bool = False) -> list[str]:
+                     batch_size: int = 64, synced: bool = False, images: list[list] | None = None) -> list[str]:
     """Greedy answers for chat prompts, each up to the token that ends it, decoded without special tokens. `synced`:
-    every rank runs each forward together until all are done (a model whose weights are split over the ranks)."""
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    every rank runs each forward together until all are done (a model whose weights are split over the ranks).
+    `images`: each prompt's images (PIL), for a vision-language model, whose tokenizer carries its processor
+    (finetune.vision.processor_of)."""
+    from finetune.vision import processor_of
+
+    processor = processor_of(tokenizer)
+    render = processor if processor is not None else tokenizer
+    texts = [render.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     stop_ids = stop_token_ids(tokenizer, model.generation_config)
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     was_training = model.training
@@ -66,9 +73,14 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     answers = []
     try:
         for start in range(0, len(texts), batch_size):
-            batch = tokenizer(
-                texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
-            ).to(model.device)
+            if processor is not None:
+                shown = [image for row in (images or [])[start : start + batch_size] for image in row or []]
+                batch = processor(text=texts[start : start + batch_size], images=shown or None, return_tensors="pt",
+                                  padding=True, add_special_tokens=False).to(model.device)
+            else:
+                batch = tokenizer(
+                    texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+                ).to(model.device)
             output = model.generate(
                 **batch,
                 max_new_tokens=max_new_tokens,
@@ -90,13 +102,13 @@ def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int) -> 
     them; a model Transformers loaded sharded, whose every forward needs every rank, answers all of them on each)."""
     if loaded_sharded(model) is not None:
         answers = generate_answers(model, tokenizer, [example["prompt"] for example in examples], max_new_tokens,
-                                   synced=True)
+                                   synced=True, images=[example.get("images") for example in examples])
         results = {index: answer.strip() for index, answer in enumerate(answers)}
     else:
         state = PartialState()
         with state.split_between_processes(list(enumerate(examples)), apply_padding=True) as shard:
             answers = generate_answers(model, tokenizer, [example["prompt"] for _, example in shard],
-                                       max_new_tokens)
+                                       max_new_tokens, images=[example.get("images") for _, example in shard])
             scored = [(index, answer.strip()) for (index, _), answer in zip(shard, answers)]
         results = dict(gather_object(scored))  # padding repeats the last index; dict() removes it
     hits = defaultdict(list)
@@ -104,7 +116,7 @@ def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int) -> 
     for index, example in enumerate(examples):
         answer = results[index]
         hits[example["task"]].append(answer == example["reference"].strip())
-        samples.append({"task": example["task"], "prompt": example["prompt"][-1]["content"],
+        samples.append({"task": example["task"], "prompt": answer_text(example["prompt"][-1]),
                         "reference": example["reference"], "answer": answer})
     per_task = {task: sum(flags) / len(flags) for task, flags in sorted(hits.items())}
     return {"per_task": per_task, "samples": samples}

@@ -104,7 +104,9 @@ def train(recipe: Recipe) -> dict:
             args.eval_on_start = False  # nothing to evaluate on: no 'before' column
 
         check_fsdp_wrap_classes(model)
-        frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora else None
+        # LoRA's base, a vision-language model's frozen tower: checked unchanged on every rank
+        frozen_check = FrozenWeightsCallback() if recipe.lora.use_lora or any(
+            not parameter.requires_grad for parameter in model.parameters()) else None
         memory_report = MemoryReportCallback(sequence_length=recipe.data.max_seq_length,
                                              method=method.terms()) if args.memory_report else None
         throughput = ThroughputCallback(peak_tflops=args.peak_tflops) if args.throughput_report else None

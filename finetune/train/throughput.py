@@ -60,7 +60,7 @@ class FlopsModel:
     def of(cls, model) -> FlopsModel:
         """Counts the model's parameters by the weights they stand for (`stored_numel`); the input embedding is a
         lookup, not a matmul, unless the output head shares it."""
-        config = model.config
+        config = model.config.get_text_config()  # a vision-language model: its language model's
         embedding = model.get_input_embeddings().weight
         tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embedding
         trainable = frozen = 0

@@ -10,3 +10,43 @@
 - `data`: rows with images in the peers' formats, read as one conversation shape and RGB images.
 - `synthetic`: images drawn in code (coloured shapes) with questions a model can learn to answer.
 """
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The attribute a vision-language model's tokenizer carries its processor under (`load_tokenizer` sets it): the
+# pipeline's stages take the tokenizer, as for a text model, and ask it for the processor where images are involved
+PROCESSOR_ATTRIBUTE = "vision_processor"
+
+
+def processor_of(tokenizer):
+    """The processor a vision-language model's tokenizer carries, or None (a text model's)."""
+    return getattr(tokenizer, PROCESSOR_ATTRIBUTE, None)
+
+
+def with_processor(processor):
+    """The processor's tokenizer, carrying the processor (`processor_of`)."""
+    tokenizer = processor.tokenizer
+    setattr(tokenizer, PROCESSOR_ATTRIBUTE, processor)
+    return tokenizer
+
+
+def is_vision_model(name: str) -> bool:
+    """Whether `name` is a vision-language model: the embedded `tiny-vl`, or a folder whose config has a vision
+    part (`vision_config`) and whose processor was saved beside it."""
+    from finetune.vision.presets import TINY_VL_MODEL
+
+    if name == TINY_VL_MODEL:
+        return True
+    folder = Path(name).expanduser()
+    config = folder / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        has_vision = "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return has_vision and any((folder / file).is_file() for file in ("processor_config.json",
+                                                                      "preprocessor_config.json"))

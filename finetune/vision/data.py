@@ -29,15 +29,40 @@ INLINE_KEYS = ("path", "url", "base64", "image")
 def vision_example(example: dict, row, data_dir: str | Path | None = None) -> tuple[list[dict], list]:
     """`(messages, images)` of one row: messages whose image content is `{"type": "image"}` parts, and the images as
     RGB PIL images in their order. `row` names the row in errors."""
+    messages, images, _ = vision_row(example, f"row {row}", data_dir)
+    return messages, images
+
+
+def vision_row(example: dict, where: str, data_dir: str | Path | None = None) -> tuple[list[dict], list, list[dict]]:
+    """`(messages, images, stored)` of one row: as `vision_example`, and each image as a dataset keeps it
+    (`stored_image`); `where` begins each error."""
     try:
         messages, given = _messages_and_images(example)
         parts = sum(1 for message in messages for part in message["content"] if part["type"] == "image")
         if len(given) != parts:
             raise RecipeError(f"{parts} image marker(s) or part(s) and {len(given)} image(s): give one image for each, "
                               "in order.")
-        return messages, [read_image(image, data_dir) for image in given]
+        return messages, [read_image(image, data_dir) for image in given], [stored_image(image, data_dir)
+                                                                             for image in given]
     except RecipeError as error:
-        raise RecipeError(f"row {row}: {error}") from None
+        raise RecipeError(f"{where}: {error}") from None
+
+
+def stored_image(image, data_dir: str | Path | None = None) -> dict:
+    """An image as a `datasets` Image value keeps it, `{"bytes", "path"}`: a file by its path (resolved against the
+    data file's folder; not copied), anything else by its bytes (a PIL image as PNG). `read_image` reads it back."""
+    if isinstance(image, dict):
+        image = image.get("bytes") or image.get("path")
+    if isinstance(image, str) and image.startswith("data:"):
+        return {"bytes": _data_url(image), "path": None}
+    if isinstance(image, str | Path):
+        path = Path(image) if Path(image).is_absolute() or data_dir is None else Path(data_dir) / image
+        return {"bytes": None, "path": str(path.resolve())}
+    if isinstance(image, bytes | bytearray):
+        return {"bytes": bytes(image), "path": None}
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")  # a PIL image (checked readable by `read_image` first)
+    return {"bytes": buffer.getvalue(), "path": None}
 
 
 def _messages_and_images(example: dict) -> tuple[list[dict], list]:

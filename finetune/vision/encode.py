@@ -53,7 +53,7 @@ def encode_vision_conversation(messages: list[dict], images: list, processor) ->
     gained = [0]
     for replacement in replaced:
         gained.append(replacement["new_span"][1] - replacement["span"][1])
-    image_ids = _image_token_ids(processor)
+    image_ids = image_token_ids(processor)
     labels = [IGNORE_INDEX] * len(input_ids)
     for span in spans:
         if span is None:
@@ -99,7 +99,7 @@ def _learned_span(processor, messages, index: int, text: str) -> tuple[int, int]
     return start, end
 
 
-def _image_token_ids(processor) -> set[int]:
+def image_token_ids(processor) -> set[int]:
     """The ids the processor expands an image into, and the vision markers around them: never learned."""
     added = processor.tokenizer.added_tokens_encoder  # the added tokens only: no walk of the whole vocabulary
     ids = {getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None)}

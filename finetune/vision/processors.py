@@ -92,3 +92,51 @@ def _chat_template(path: str) -> str | None:
 
     file = Path(path) / "chat_template.jinja"
     return file.read_text() if file.is_file() else None
+
+
+def vision_processor(model_args):
+    """The processor of the recipe's vision-language model (`tiny-vl`: built in code), its image sizes bounded by the
+    recipe's `min_pixels`/`max_pixels`, its chat template the recipe's `chat_template` when given; returned as its
+    tokenizer carrying it (finetune.vision.with_processor), which is what the pipeline's stages take."""
+    from finetune.models.loading import check_local_path, loading_refusals
+    from finetune.vision import with_processor
+    from finetune.vision.presets import TINY_VL_MODEL, build_processor
+
+    name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
+    if name == TINY_VL_MODEL:
+        processor = build_processor()
+    else:
+        check_local_path(name, "model_name_or_path")
+        with loading_refusals(model_args):
+            processor = load_processor(name)
+    bound_image_sizes(processor, model_args.min_pixels, model_args.max_pixels)
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token is None:  # padding positions carry label -100 and attention 0
+        tokenizer.pad_token = tokenizer.eos_token
+    if processor.chat_template is None:
+        processor.chat_template = tokenizer.chat_template
+    if processor.chat_template is None:
+        from finetune.errors import RecipeError
+
+        raise RecipeError(f"the processor of {name} has no chat template, which places each image in the "
+                          "conversation: give one with `chat_template` (the model card's).")
+    return with_processor(processor)
+
+
+def bound_image_sizes(processor, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Sets the pixel bounds an image is resized within (Qwen2-VL's family: `size`'s shortest and longest edge, in
+    pixels); refused by name for a processor that resizes otherwise."""
+    if min_pixels is None and max_pixels is None:
+        return
+    from finetune.errors import RecipeError
+
+    image_processor = processor.image_processor
+    size = getattr(image_processor, "size", None)
+    if getattr(image_processor, "merge_size", None) is None or getattr(size, "longest_edge", None) is None:
+        raise RecipeError(f"`min_pixels`/`max_pixels`: {type(image_processor).__name__} does not resize by a pixel "
+                          "count (Qwen2-VL's family does); drop them, its images take the size its config sets.")
+    low = min_pixels if min_pixels is not None else size.shortest_edge
+    high = max_pixels if max_pixels is not None else size.longest_edge
+    if low > high:
+        raise RecipeError(f"`min_pixels: {low}` is more than `max_pixels: {high}`.")
+    image_processor.size = type(size)(shortest_edge=low, longest_edge=high)

@@ -38,7 +38,8 @@ def draw(shape: str, colour: str, side: int = 32, rng: random.Random | None = No
 
 
 def rows(count: int, seed: int = 0, side: int = 32) -> list[dict]:
-    """`count` rows in TRL's format: `messages` whose user turn holds an image part and a question, and `images`."""
+    """`count` rows in TRL's format: `messages` whose user turn holds an image part and a question, and `images`;
+    `task` says which question (`colour` or `shape`), for exact match per task."""
     rng = random.Random(seed)
     out = []
     for index in range(count):
@@ -49,5 +50,19 @@ def rows(count: int, seed: int = 0, side: int = 32) -> list[dict]:
                          {"role": "assistant", "content": [{"type": "text",
                                                             "text": colour if asked == "colour" else shape}]}],
             "images": [draw(shape, colour, side, rng)],
+            "task": asked,
         })
     return out
+
+
+DATASET = "synthetic-shapes"  # `dataset: synthetic-shapes`: these rows, drawn in code
+TRAIN_ROWS, EVAL_ROWS = 2000, 64
+
+
+def splits():
+    """The named dataset: `train` and `eval` splits of `rows`, drawn from different seeds (no eval image is a
+    training one), the images as a `datasets` Image column."""
+    from datasets import Dataset, DatasetDict
+
+    return DatasetDict(train=Dataset.from_list(rows(TRAIN_ROWS, seed=0)), eval=Dataset.from_list(rows(EVAL_ROWS,
+                                                                                                      seed=1)))

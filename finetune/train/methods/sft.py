@@ -59,18 +59,25 @@ class SupervisedFineTuning(Method):
         from finetune.axes import axes_collator
         from finetune.checkpoints.complete import recipe_values
         from finetune.data.collate import data_collator
+        from finetune.vision import processor_of
 
         if recipe.data.streaming:  # each process reads its own rows of the stream (finetune.data.streaming)
             recipe.training.accelerator_config.dispatch_batches = False
+        processor = processor_of(tokenizer)
+        if processor is not None:  # rows with images: their pixels are computed as each batch is built
+            from finetune.vision.collate import VisionCollator
+
+            recipe.training.remove_unused_columns = False  # the collator reads the `images` column
+            collator = VisionCollator(processor)
+        else:
+            collator = data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free, model=model)
         return self.trainer_class()(
             model=model,
             args=recipe.training,
             train_dataset=data.train,
             eval_dataset=data.eval,
-            data_collator=axes_collator(recipe, tokenizer,
-                                        data_collator(tokenizer, recipe.data.packing, recipe.data.padding_free,
-                                                      model=model)),
-            processing_class=tokenizer,
+            data_collator=axes_collator(recipe, tokenizer, collator),
+            processing_class=processor or tokenizer,  # saved with the model: the processor's files with a VLM's
             callbacks=callbacks,
             recipe_values=recipe_values(recipe),
             train_data=data.summary["train_fingerprint"],

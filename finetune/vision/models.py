@@ -1,0 +1,126 @@
+"""A vision-language model to train: loaded (or `tiny-vl` built in code), its parts named (the vision tower, the
+projector that maps its features into the language model, the language model), and frozen as the recipe asks
+(`freeze_vision_tower`, on by default; `freeze_projector`)."""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.errors import RecipeError
+
+# Where Transformers' vision-language models keep their parts, by module name: the vision tower (Qwen2-VL's `visual`,
+# LLaVA's and Gemma 3's `vision_tower`, Idefics3's and SmolVLM's `vision_model`), the projector (LLaVA's and Gemma 3's
+# `multi_modal_projector`, Qwen2-VL's `merger` inside its tower, Idefics3's `connector`), the language model
+TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
+PROJECTOR_NAMES = ("multi_modal_projector", "merger", "deepstack_merger_list", "connector", "mm_projector")
+LANGUAGE_MODEL_NAMES = ("language_model",)
+
+
+def load_vision_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, parallelism=None,
+                      shapes_only: bool = False):
+    """The vision-language model, its parts frozen as `freeze_vision_tower` and `freeze_projector` say."""
+    from finetune.models.loading import DTYPES, check_local_path, loading_refusals, stored_dtype
+    from finetune.vision import processor_of
+    from finetune.vision.presets import TINY_VL_MODEL, build_model
+
+    name = model_args.model_name_or_path
+    if qlora:
+        raise RecipeError("`use_qlora` with a vision-language model is not supported yet: train it with `use_lora` "
+                          "(the base in bf16) or in full.")
+    if parallelism is not None and parallelism.loads_sharded:
+        raise RecipeError("tensor parallelism with a vision-language model is not supported yet: use DDP, a ZeRO "
+                          "stage or FSDP.")
+    dtype = DTYPES[model_args.torch_dtype]
+    if name == TINY_VL_MODEL:
+        if shapes_only:
+            from accelerate import init_empty_weights
+
+            with init_empty_weights():
+                model = build_model(processor_of(tokenizer), seed=seed, dtype=None if dtype == "auto" else dtype)
+        else:
+            model = build_model(processor_of(tokenizer), seed=seed, dtype=None if dtype == "auto" else dtype)
+        if model_args.attn_implementation is not None:
+            with loading_refusals(model_args):
+                model.set_attn_implementation(model_args.attn_implementation)
+        model.config.name_or_path = model.name_or_path = TINY_VL_MODEL
+    else:
+        from transformers import AutoModelForImageTextToText
+
+        check_local_path(name, "model_name_or_path")
+        with loading_refusals(model_args):
+            if shapes_only:
+                from accelerate import init_empty_weights
+                from transformers import AutoConfig
+
+                config = AutoConfig.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
+                with init_empty_weights():
+                    model = AutoModelForImageTextToText.from_config(
+                        config, dtype=stored_dtype(name) if dtype == "auto" else dtype,
+                        trust_remote_code=model_args.trust_remote_code)
+            else:
+                model = AutoModelForImageTextToText.from_pretrained(
+                    name, dtype=dtype, attn_implementation=model_args.attn_implementation,
+                    trust_remote_code=model_args.trust_remote_code)
+        model.checkpoint_dtype = stored_dtype(name) or model.dtype
+    freeze_vision_parts(model, model_args.freeze_vision_tower, model_args.freeze_projector)
+    return model
+
+
+def _part_of(name: str, names: tuple[str, ...]) -> bool:
+    return any(piece in names for piece in name.split("."))
+
+
+def vision_parameter_names(model) -> dict[str, list[str]]:
+    """The parameter names of the vision tower (without the projector inside it, as Qwen2-VL's `merger`), of the
+    projector, and of the language model with its head: `{"tower", "projector", "language"}`."""
+    parts = {"tower": [], "projector": [], "language": []}
+    for name, _ in model.named_parameters():
+        if _part_of(name, PROJECTOR_NAMES):
+            parts["projector"].append(name)
+        elif _part_of(name, TOWER_NAMES):
+            parts["tower"].append(name)
+        else:
+            parts["language"].append(name)
+    if not parts["tower"]:
+        raise RecipeError(f"no vision tower found in {type(model).__name__} (no module named "
+                          f"{', '.join(TOWER_NAMES)}): it cannot be trained as a vision-language model here.")
+    return parts
+
+
+def freeze_vision_parts(model, tower: bool = True, projector: bool = False) -> dict[str, list[str]]:
+    """Freezes the vision tower (`tower`) and the projector (`projector`); returns the parts' parameter names."""
+    parts = vision_parameter_names(model)
+    frozen = set(parts["tower"] if tower else []) | set(parts["projector"] if projector else [])
+    for name, parameter in model.named_parameters():
+        if name in frozen:
+            parameter.requires_grad_(False)
+    return parts
+
+
+def language_model_linear_layers(model) -> str:
+    """peft's `target_modules` for LoRA on the language model's linear layers only (a regular expression over module
+    names): the default under LoRA, as in TRL's and LLaMA-Factory's vision-language recipes; the head is left out,
+    as peft's `all-linear` leaves it."""
+    import re
+
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and _part_of(name, LANGUAGE_MODEL_NAMES) \
+                and not _part_of(name, TOWER_NAMES + PROJECTOR_NAMES):
+            names.add(name.rsplit(".", 1)[-1])
+    if not names:
+        raise RecipeError(f"no linear layer found in the language model of {type(model).__name__} (a module named "
+                          f"{', '.join(LANGUAGE_MODEL_NAMES)}): name the layers with `lora_target_modules`.")
+    return rf"^(?:.*\.)?(?:{'|'.join(LANGUAGE_MODEL_NAMES)})\..*\.(?:{'|'.join(sorted(map(re.escape, names)))})$"
+
+
+def trained_projector_modules(model) -> list[str]:
+    """The projector modules that train in full beside LoRA's adapters (peft's `modules_to_save`): those whose weights
+    are not frozen (`freeze_projector: false`)."""
+    found = []
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last in PROJECTOR_NAMES and any(p.requires_grad for p in module.parameters()):
+            found.append(last)
+    return sorted(set(found))
+
