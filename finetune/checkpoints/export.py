@@ -56,18 +56,32 @@ def _base_model(name: str | None, seed: int | None, source: Path):
         model = presets.build_model(presets.build_tokenizer(), seed=seed)
         model.config.name_or_path = model.name_or_path = presets.TINY_MODEL  # what the adapter names as its base
         return model
+    from finetune.vision import is_vision_model
+
+    if is_vision_model(name):  # the vision-language model the adapter was trained on, as training loaded it
+        from finetune.models.loading import load_tokenizer
+        from finetune.recipe.args import ModelArguments
+        from finetune.vision.models import load_vision_model
+
+        model_args = ModelArguments(model_name_or_path=name)
+        seed = (run_seed(source) if seed is None else seed) if name == "tiny-vl" else 0
+        return load_vision_model(model_args, load_tokenizer(model_args), seed)
     return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES["auto"])
 
 
 def model_class(config_dir: Path):
     """The Auto class that rebuilds what `config_dir/config.json` describes: a scorer (a reward model,
-    `...ForSequenceClassification`) or, by default, a causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    `...ForSequenceClassification`), a vision-language model (its config has a `vision_config`) or, by default, a
+    causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     config = config_dir / "config.json"
-    architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    values = json.loads(config.read_text()) if config.is_file() else {}
+    architectures = values.get("architectures") or []
     if any(str(name).endswith("ForSequenceClassification") for name in architectures):
         return AutoModelForSequenceClassification
+    if "vision_config" in values:
+        return AutoModelForImageTextToText
     return AutoModelForCausalLM
 
 

@@ -32,6 +32,8 @@ def chat_command_parser(subparsers) -> None:
                                "(default: generate through peft)", seed_help="seed that built the `tiny` base "
                                "(default: the one the run recorded), and of sampling (default 0)")
     parser.add_argument("--prompt", help="answer this one user turn and exit (default: read turns from stdin)")
+    parser.add_argument("--image", action="append", metavar="PATH",
+                        help="an image shown with the first prompt (a vision-language model's run; repeat for more)")
     parser.add_argument("--system", help="a system turn that opens the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
     parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy decoding)")
@@ -68,10 +70,13 @@ class Conversation:
     plain text and on its own, as it learned: a history would be text it never saw."""
 
     def __init__(self, model, tokenizer, generation: dict, system: str | None = None, show_prompt: bool = False,
-                 plain_text_format: str | None = None):
+                 plain_text_format: str | None = None, images: list | None = None):
         from finetune.train.evaluation import stop_token_ids
+        from finetune.vision import processor_of
 
         self.model, self.tokenizer, self.generation = model, tokenizer, generation
+        self.processor = processor_of(tokenizer)  # a vision-language model's (finetune.vision)
+        self.images = list(images or [])  # shown with the first user turn
         self.opening = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.opening)
         self.show_prompt = show_prompt
@@ -89,6 +94,10 @@ class Conversation:
             return self.tokenizer.decode(inputs["input_ids"][0], clean_up_tokenization_spaces=False), inputs
         from finetune.train.trained_model import render_prompt
 
+        if self.processor is not None:  # the processor renders the image parts and expands them into image tokens
+            prompt = render_prompt(self.processor, messages)
+            return prompt, self.processor(text=[prompt], images=self.images or None, return_tensors="pt",
+                                          add_special_tokens=False)
         prompt = render_prompt(self.tokenizer, messages)
         return prompt, self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
 
@@ -98,7 +107,11 @@ class Conversation:
 
         from finetune.train.evaluation import until_stop
 
-        messages = [*self.messages, {"role": "user", "content": text}]
+        turn = {"role": "user", "content": text}
+        if self.processor is not None:  # content as parts; the images in the conversation's first user turn
+            first = not any(message["role"] == "user" for message in self.messages)
+            turn["content"] = [*([{"type": "image"}] * len(self.images) if first else []), {"type": "text", "text": text}]
+        messages = [*self.messages, turn]
         prompt, inputs = self.encode(messages)
         if self.show_prompt:
             print(f"[prompt] {prompt!r}", file=sys.stderr, flush=True)
@@ -112,6 +125,23 @@ class Conversation:
         if not self.plain_text:
             self.messages = [*messages, {"role": "assistant", "content": answer}]
         return answer
+
+
+def chat_images(paths: list[str] | None, tokenizer, checkpoint: str) -> list:
+    """The `--image` files as RGB images (each unreadable one refused by name), for a vision-language model only."""
+    from finetune.errors import RecipeError
+    from finetune.vision import processor_of
+    from finetune.vision.data import read_image
+
+    if not paths:
+        return []
+    if processor_of(tokenizer) is None:
+        raise RecipeError(f"--image: {checkpoint} is a text model (no processor was saved with it): it cannot read "
+                          "images.")
+    try:
+        return [read_image(path) for path in paths]
+    except RecipeError as error:
+        raise RecipeError(f"--image: {error}") from None
 
 
 def read_turn(stream, on_terminal: bool) -> str | None:
@@ -166,7 +196,8 @@ def chat_command(args) -> int:
         print(f"trained on {trained_on} data: each prompt goes in as plain text, without a chat template, as in "
               "training, and each turn is answered on its own", file=sys.stderr, flush=True)
     set_seed(0 if args.seed is None else args.seed)  # None: the base's seed is read from the run
-    conversation = Conversation(model, tokenizer, generation, args.system, args.show_prompt, trained_on)
+    conversation = Conversation(model, tokenizer, generation, args.system, args.show_prompt, trained_on,
+                                images=chat_images(args.image, tokenizer, args.checkpoint))
     if args.prompt is not None:
         conversation.ask(args.prompt)
         return 0

@@ -411,6 +411,11 @@ def print_data_lengths(console, plan: dict) -> None:
         console.print(f"Data {source['name']}: {source['train']['rows_kept']:,} training rows, tokens per row "
                       f"p50/p90/p99/max {lengths['p50']}/{lengths['p90']}/{lengths['p99']}/{lengths['max']} before "
                       "truncation.")
+        images = source["train"].get("image_tokens")
+        if images:  # a vision-language model's rows: their images' tokens, as its processor expands them
+            console.print(f"Images of {source['name']}: {images['total']:,} image tokens in all, up to "
+                          f"{images['max_per_row']} a row (p50 {images['p50']}); the vision tower's activations are "
+                          "planned at the fullest row's.")
     for split, packing in plan["data"].get("packing", {}).items():
         if split == "train":
             console.print(f"Packed: {packing['rows']:,} rows of up to {packing['row_length']} tokens, "

@@ -111,6 +111,7 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
     from finetune.checkpoints.export import weights_bytes, writing_export
     from finetune.train.evaluation import record_stop_tokens
     from finetune.train.trained_model import load_with_tokenizer, plain_text_format
+    from finetune.vision import processor_of
 
     plain_text = plain_text_format(source) is not None
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's consolidation prints
@@ -121,7 +122,7 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     with writing_export(folder, weights_bytes(model), "the served model"):
         model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
+        (processor_of(tokenizer) or tokenizer).save_pretrained(folder)  # a vision-language model's processor whole
     return plain_text
 
 
@@ -208,6 +209,45 @@ def capped_at_context(model, inputs: dict, generation_config):
     return generation_config
 
 
+def serve_image_only_processors() -> None:
+    """A vision-language model's processor loaded as training loaded it (finetune.vision.processors.load_processor):
+    `transformers serve` builds it with AutoProcessor, which for Qwen2-VL's family needs torchvision for its video half
+    even to read images; where torchvision is missing its image-only form serves image content parts the same."""
+    from transformers.cli.serving import model_manager
+
+    from finetune.vision.processors import load_processor
+
+    original = model_manager.ModelManager._load_processor
+
+    def load(self, model_id_and_revision: str, gguf_file: str | None = None):
+        model_id, _ = model_manager.split_revision(model_id_and_revision)
+        if gguf_file is None and (Path(model_id) / "processor_config.json").is_file():
+            return load_processor(model_id)
+        return original(self, model_id_and_revision, gguf_file)
+
+    model_manager.ModelManager._load_processor = load
+
+
+def parse_answers_only_in_their_family_template(utils) -> None:
+    """`transformers serve` parses an answer (its reasoning, tool calls) by a template it picks by model type
+    (Qwen2-VL's: ChatML, the answer after `<|im_start|>assistant`) when the tokenizer names none. A model trained on
+    another chat template (a recipe's `chat_template`, the tiny models') never writes that anchor, and the parser
+    then returns the prompt with the answer. The family's template is used only where the chat template renders its
+    anchor; otherwise the answer is served as decoded."""
+    chosen = utils.get_response_template
+
+    def response_template(processor, model):
+        template = chosen(processor, model)
+        tokenizer = getattr(processor, "tokenizer", processor)
+        rendered = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None) or ""
+        anchor = (template or {}).get("start_anchor")
+        if anchor and getattr(tokenizer, "response_template", None) is None and anchor.strip() not in rendered:
+            return None
+        return template
+
+    utils.get_response_template = response_template
+
+
 def serve_within_context(argv: list[str]) -> None:
     """`transformers serve ARGV`, its sequential generation manager (one per model, built by
     `GenerationState.get_manager`) capping each request at the context (`capped_at_context`)."""
@@ -224,6 +264,8 @@ def serve_within_context(argv: list[str]) -> None:
                                                         capped_at_context(model, inputs, gen_config), *args, **kwargs)
 
     utils.GenerateManager = ContextBoundGenerateManager
+    serve_image_only_processors()
+    parse_answers_only_in_their_family_template(utils)
     sys.argv = ["transformers", "serve", *argv]
     transformers_cli.main()
 

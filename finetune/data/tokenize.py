@@ -394,7 +394,8 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
     lengths, reasons, labelled = (column(encoded, name) for name in ("original_length", "drop", "labelled"))
     is_kept = reasons == ""
     kept = encoded.filter(lambda drop: drop == "", input_columns="drop")
-    kept = kept.remove_columns(ENCODER_RECORDS)
+    images = column(encoded, "image_tokens")[is_kept] if "image_tokens" in encoded.column_names else None
+    kept = kept.remove_columns([name for name in (*ENCODER_RECORDS, "image_tokens") if name in kept.column_names])
     kept_lengths = lengths[is_kept] if splits_overlong(data_args) else np.minimum(lengths[is_kept], max_length)
     summary = {
         "rows": len(split),
@@ -410,6 +411,9 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
                     if (count := (reasons == reason).sum())},
         "from_cache": from_cache,
     }
+    if images is not None and len(images):  # rows with images: their image tokens (finetune.vision.pipeline)
+        summary["image_tokens"] = {"total": int(images.sum()), "max_per_row": int(images.max()),
+                                   "p50": int(np.percentile(images, 50))}
     return kept, summary
 
 

@@ -188,6 +188,11 @@ class Setup:
     peft: bool = False                        # a live model with peft adapters (its lora_rank need not be known):
                                               # a reference model is then the policy with its adapters disabled
     kernels: FusedKernels = field(default_factory=FusedKernels)  # Liger's fused kernels patched into the model
+    vision_tower_frozen: bool = True          # a vision-language model's tower keeps its weights (and saves no
+                                              # activations: nothing before it trains); `freeze_vision_tower`
+    projector_frozen: bool = False            # its projector keeps its weights (`freeze_projector`)
+    image_tokens: int = 0                     # image tokens in one micro-batch (all its rows'); each stands for
+                                              # `patches_per_token` patches the tower computes
 
     @property
     def applied_kernels(self) -> FusedKernels:
@@ -346,10 +351,10 @@ class MemoryEstimate:
 def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     setup.check()
     if setup.lora_rank:  # the whole base is frozen; adapters come on top of it
-        trainable = setup.trainable_parameters or lora_trainable_parameters(shape, setup)
+        trainable = setup.trainable_parameters or lora_trainable_parameters(shape, setup) + vision_trained(shape, setup)
         frozen = shape.num_parameters
     else:
-        trainable = setup.trainable_parameters or shape.num_parameters
+        trainable = setup.trainable_parameters or shape.num_parameters - vision_frozen(shape, setup)
         frozen = shape.num_parameters - trainable
     quantized = shape.block_linear_parameters if setup.qlora else 0
     # QLoRA: what is not quantized (embeddings, norms, head) is fp32 where peft's k-bit preparation upcasts it
@@ -370,8 +375,8 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         params_bytes=int(params),
         grads_bytes=int(grads),
         optimizer_bytes=int(optimizer),
-        activations_bytes=int(setup.axis.activations_bytes(shape, setup) if setup.axis is not None
-                              else activation_bytes(shape, sequence_share(setup))),
+        activations_bytes=int((setup.axis.activations_bytes(shape, setup) if setup.axis is not None
+                               else activation_bytes(shape, sequence_share(setup))) + vision_activation_bytes(shape, setup)),
         temporary_bytes=int(temporary_bytes(shape, setup, trainable)),
         offloaded={key: int(value) for key, value in offloaded.items() if value},
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),
@@ -489,6 +494,43 @@ def gathered_policy_bytes(shape: ModelShape, setup: Setup) -> int:
             and setup.zero_stage == 3):
         return 0
     return shape.num_parameters * _half_or_fp32(setup)
+
+
+def vision_frozen(shape: ModelShape, setup: Setup) -> int:
+    """Parameters of a vision-language model's vision side that full fine-tuning leaves frozen: the tower
+    (`freeze_vision_tower`, on by default) and the projector (`freeze_projector`)."""
+    if shape.vision is None:
+        return 0
+    return shape.vision.tower_parameters * setup.vision_tower_frozen + \
+        shape.vision.projector_parameters * setup.projector_frozen
+
+
+def vision_trained(shape: ModelShape, setup: Setup) -> int:
+    """What a LoRA run trains in full on a vision-language model's vision side beside the adapters on its language
+    model (finetune.models.lora): a copy of each part not frozen (peft's `modules_to_save`)."""
+    if shape.vision is None:
+        return 0
+    return shape.vision.tower_parameters * (not setup.vision_tower_frozen) + \
+        shape.vision.projector_parameters * (not setup.projector_frozen)
+
+
+def vision_activation_bytes(shape: ModelShape, setup: Setup) -> float:
+    """A vision tower's activations in one micro-batch, P patches (`image_tokens` × `patches_per_token`) of width h,
+    MLP width i, L blocks, c bytes of the compute dtype. A trained tower keeps per block, per patch, what a
+    pre-norm ViT block saves under SDPA: the two norms' inputs and outputs, q, k, v, the attention output and the
+    projection's input (≈ 8h), the MLP's input, pre- and post-activation (h + 2i): c·P·(9h + 2i) a block. A frozen
+    one keeps nothing (no input of it needs a gradient): its peak is one block's working set, c·P·(4h + i). The
+    patches themselves come in as fp32 pixels (`patch_elements` each: Qwen2-VL's 3 channels × 2 frames × 14²)."""
+    vision = shape.vision
+    if vision is None or not setup.image_tokens:
+        return 0.0
+    c = held_precisions(setup).compute
+    patches = setup.image_tokens * vision.patches_per_token
+    h, i = vision.hidden_size, vision.intermediate_size
+    pixels = 4 * patches * vision.patch_elements
+    if setup.vision_tower_frozen:
+        return pixels + c * patches * (4 * h + i)
+    return pixels + vision.num_layers * c * patches * (9 * h + 2 * i)
 
 
 def lora_trainable_parameters(shape: ModelShape, setup: Setup) -> int:

@@ -59,6 +59,20 @@ class LinearShape:
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """A vision-language model's vision side (finetune.vision.models names its parts): the tower's and the
+    projector's parameters, and the tower's widths, for its activations."""
+    tower_parameters: int
+    projector_parameters: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    patches_per_token: int  # patches merged into one image token (Qwen2-VL: spatial_merge_size²)
+    patch_elements: int  # pixel values of one patch (channels × frames × patch side²)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     name: str
     num_parameters: int          # unique parameters (tied embeddings counted once)
@@ -73,6 +87,7 @@ class ModelShape:
     linears: tuple[LinearShape, ...]
     tied_embeddings: bool = False  # the output head is the input embedding (one matrix)
     attention_projections: tuple[str, ...] = ()  # names of the linears inside attention modules (by class)
+    vision: VisionShape | None = None  # a vision-language model's vision tower and projector
 
     @property
     def kv_width(self) -> int:
@@ -105,6 +120,12 @@ def resolve_config(name: str):
 
     if name == presets.TINY_MODEL:
         return presets.build_model_config(presets.build_tokenizer())
+    from finetune.vision.presets import TINY_VL_MODEL
+
+    if name == TINY_VL_MODEL:
+        from finetune.vision.presets import build_config, build_processor
+
+        return build_config(build_processor().tokenizer)
     known = KNOWN_SHAPES.get(ALIASES.get(name.lower(), name))
     if known is not None:
         fields = dict(known)
@@ -143,7 +164,12 @@ def model_shape(name: str) -> ModelShape:
     config = resolve_config(name)
     try:
         with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config)
+            if hasattr(config, "vision_config"):  # a vision-language model
+                from transformers import AutoModelForImageTextToText
+
+                model = AutoModelForImageTextToText.from_config(config)
+            else:
+                model = AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError) as error:  # a config with no causal-LM class in this Transformers
         raise RecipeError(f"cannot build a causal LM from the config of {name} ({str(error).splitlines()[0]}).") \
             from None
@@ -181,6 +207,32 @@ def shape_of(model, name: str | None = None) -> ModelShape:
         linears=linears,
         tied_embeddings=_tied_embeddings(model),
         attention_projections=tuple(attention_projections(model)),
+        vision=vision_shape(model),
+    )
+
+
+def vision_shape(model) -> VisionShape | None:
+    """The vision side of a vision-language model (None for a text model)."""
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        return None
+    from finetune.vision.models import vision_parameter_names
+
+    parts = vision_parameter_names(model)
+    sizes = dict((name, getattr(parameter, "ds_numel", parameter.numel())) for name, parameter
+                 in model.named_parameters())
+    hidden = getattr(vision, "embed_dim", None) or vision.hidden_size
+    ratio = getattr(vision, "mlp_ratio", None)
+    return VisionShape(
+        tower_parameters=sum(sizes[name] for name in parts["tower"]),
+        projector_parameters=sum(sizes[name] for name in parts["projector"]),
+        hidden_size=hidden,
+        intermediate_size=int(hidden * ratio) if ratio else getattr(vision, "intermediate_size", 4 * hidden),
+        num_layers=getattr(vision, "depth", None) or getattr(vision, "num_hidden_layers", 1),
+        num_attention_heads=getattr(vision, "num_heads", None) or getattr(vision, "num_attention_heads", 1),
+        patches_per_token=(getattr(vision, "spatial_merge_size", None) or 1) ** 2,
+        patch_elements=(getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3)
+        * (getattr(vision, "temporal_patch_size", None) or 1) * (getattr(vision, "patch_size", None) or 14) ** 2,
     )
 
 
@@ -204,10 +256,17 @@ def _tied_embeddings(model) -> bool:
 
 
 def _decoder_layers(model):
-    """The repeated blocks: the largest `ModuleList` in the model (`model.layers`, `transformer.h`, ...)."""
+    """The repeated blocks: the largest `ModuleList` in the model (`model.layers`, `transformer.h`, ...); in a
+    vision-language model, in its language model (its vision tower may have more blocks)."""
     import torch
 
-    lists = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)]
+    from finetune.vision.models import LANGUAGE_MODEL_NAMES
+
+    inside = model
+    if hasattr(model.config, "vision_config"):
+        inside = next((module for name, module in model.named_modules()
+                       if name.rsplit(".", 1)[-1] in LANGUAGE_MODEL_NAMES), model)
+    lists = [module for module in inside.modules() if isinstance(module, torch.nn.ModuleList)]
     if not lists:
         raise RecipeError(f"cannot find the repeated decoder blocks of {type(model).__name__}.")
     return max(lists, key=len)

@@ -104,6 +104,10 @@ class PlanRequest:
     attention: str = "sdpa"
     # Token count of every training row after truncation (and packing); None: every row is `sequence_length` long.
     token_lengths: tuple[int, ...] | None = None
+    # A vision-language model's: image tokens of the row with the most (from the data), and which parts are frozen
+    image_tokens_per_row: int = 0
+    vision_tower_frozen: bool = True
+    projector_frozen: bool = False
     padding_free: bool = False  # each micro-batch flattened into one row (its tokens, no padding)
     packing: bool = False  # rows of several examples told apart by position ids
     your_strategy: Strategy | None = None  # the strategy the recipe or `--config` launches, checked beside the tree
@@ -170,6 +174,8 @@ def _setup(request: PlanRequest, options: dict, micro_batch_size: int) -> Setup:
         gpus_per_node=request.gpus // request.nodes if request.nodes > 1 else None,
         gradient_accumulation_steps=accumulation_steps(request, micro_batch_size),
         method=method_terms(request), kernels=request.kernels,
+        image_tokens=micro_batch_size * request.image_tokens_per_row,
+        vision_tower_frozen=request.vision_tower_frozen, projector_frozen=request.projector_frozen,
     )
 
 

@@ -101,7 +101,11 @@ def request_from_recipe(recipe: str, gpus: int, gpu_memory_gib: float, gpu: Gpu 
         method_terms=sections.method.terms(),
         kernels=FusedKernels.from_trainer_arguments(training.get("use_liger_kernel"),
                                                     training.get("liger_kernel_config")),
-        num_generations=getattr(sections.method.settings, "num_generations", None), **hardware,
+        num_generations=getattr(sections.method.settings, "num_generations", None),
+        image_tokens_per_row=max((source["train"].get("image_tokens", {}).get("max_per_row", 0)
+                                  for source in summary.get("sources", [])), default=0),
+        vision_tower_frozen=sections.model.freeze_vision_tower, projector_frozen=sections.model.freeze_projector,
+        **hardware,
     )
     if lengths is not None and not lengths:
         raise RecipeError(f"recipe `{recipe}`: no training row is left after the data policies.")

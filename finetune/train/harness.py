@@ -47,6 +47,7 @@ class LocalTask:
     name: str
     source: str
     examples: list[dict] = field(default_factory=list)  # {"messages": [...prompt turns], "reference": str}
+    shows_images: bool = False  # its examples carry `images` too (a vision-language model's task)
 
 
 @dataclass
@@ -117,6 +118,8 @@ def jsonl_task(path: Path) -> LocalTask:
                                                              if line.strip()]
     if not isinstance(rows, list) or not rows or not all(isinstance(row, dict) for row in rows):
         raise RecipeError(f"task file {path} holds no rows of data (one JSON object a line).")
+    if has_images(rows[0]):  # a vision-language task: scored by the toolkit's own exact match (`score_with_images`)
+        return image_task(path, rows)
     dataset_format = detect_format(rows[0].keys())
     examples = []
     for number, row in enumerate(rows, start=1):
@@ -134,6 +137,35 @@ def jsonl_task(path: Path) -> LocalTask:
                               f"{error}); give every row the same columns.") from None
     name = re.sub(r"\W+", "_", path.stem).strip("_") or "task"
     return LocalTask(name, str(path), examples)
+
+
+def has_images(row: dict) -> bool:
+    """Whether a task row shows images: an `images` (or LLaVA's `image`) column, or image parts in its messages."""
+    if row.get("images") or row.get("image"):
+        return True
+    return any(isinstance(message, dict) and isinstance(message.get("content"), list)
+               and any(isinstance(part, dict) and part.get("type") in ("image", "image_url")
+                       for part in message["content"]) for message in row.get("messages") or [])
+
+
+def image_task(path: Path, rows: list[dict]) -> LocalTask:
+    """A task file whose rows show images (any format training reads for a vision-language model,
+    finetune.vision.data; image paths relative to the file): each conversation cut before its last assistant turn,
+    with the images its prompt shows."""
+    from finetune.vision.encode import answer_text, image_parts
+    from finetune.vision.data import vision_row
+
+    examples = []
+    for number, row in enumerate(rows, start=1):
+        messages, images, _ = vision_row(row, f"{path}:{number}", path.parent)
+        answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+        if not answers or not answer_text(messages[answers[-1]]).strip():
+            raise RecipeError(f"{path}:{number}: the conversation has no assistant answer in text to score against.")
+        prompt = messages[: answers[-1]]
+        examples.append({"messages": prompt, "images": images[: image_parts(prompt)],
+                         "reference": answer_text(messages[answers[-1]])})
+    name = re.sub(r"\W+", "_", path.stem).strip("_") or "task"
+    return LocalTask(name, str(path), examples, shows_images=True)
 
 
 def prompt_and_reference(messages: list[dict], where: str) -> dict:
@@ -270,6 +302,11 @@ def evaluate_run(source: str | Path, selection: TaskSelection, *, compare_base: 
                               "MODEL (a directory, hub id, or tiny).")
     record = {"model": str(source), "tasks": [task.name for task in selection.local] + selection.registered,
               "max_new_tokens": max_new_tokens, "limit": limit}
+    from finetune.vision import processor_of
+
+    if processor_of(tokenizer) is not None or any(task.shows_images for task in selection.local):
+        return evaluate_with_images(source, selection, model, tokenizer, record, path, tasks_folder, base_name, seed,
+                                    batch_size, limit)
     written = Written()
     try:
         if selection.local:
@@ -291,10 +328,68 @@ def evaluate_run(source: str | Path, selection: TaskSelection, *, compare_base: 
     return record
 
 
+def evaluate_with_images(source: Path, selection: TaskSelection, model, tokenizer, record: dict, path: Path,
+                         tasks_folder: Path, base_name: str | None, seed: int | None, batch_size: int,
+                         limit: int | None) -> dict:
+    """A vision-language model, or tasks that show images: lm-eval's text harness cannot give a model images, so
+    each local task is scored by the toolkit's own exact match (finetune.train.evaluation: the processor renders the
+    prompt and its images, generation stops where training taught it, surrounding whitespace ignored, as lm-eval's
+    `exact_match` here); the same record and answers are written."""
+    from finetune.vision import processor_of
+
+    if processor_of(tokenizer) is None:
+        shown = next(task for task in selection.local if task.shows_images)
+        raise RecipeError(f"task {shown.name} ({shown.source}) shows images; {source} is a text model (no processor "
+                          "was saved with it): it cannot read them.")
+    if selection.registered:
+        raise RecipeError(f"{source} is a vision-language model: lm-eval's tasks ({', '.join(selection.registered)}) "
+                          "are run through its text harness here, which cannot give it images; score it on your own "
+                          "JSONL tasks (rows with images, exact match).")
+    record["scorer"] = "exact match with images"
+    written = Written()
+    try:
+        record["scores"], samples = score_with_images(model, tokenizer, selection.local, record["max_new_tokens"],
+                                                      batch_size, limit)
+        del model
+        if base_name is not None:
+            record["base_model"] = base_name
+            from finetune.checkpoints.export import _base_model
+
+            base = _base_model(base_name, seed, source)
+            record["before"], _ = score_with_images(base, tokenizer, selection.local, record["max_new_tokens"],
+                                                    batch_size, limit)
+        write_answers(tasks_folder, samples, written)
+        written.file(path).write_text(json.dumps(record, indent=2) + "\n")
+    except BaseException:
+        written.remove()
+        raise
+    record["results_file"] = str(path)
+    return record
+
+
+def score_with_images(model, tokenizer, tasks: list[LocalTask], max_new_tokens: int, batch_size: int,
+                      limit: int | None) -> tuple[dict, dict]:
+    """`({task: {"exact_match": value}}, {task: [answers]})` of a vision-language model on local tasks."""
+    from finetune.train.evaluation import generate_answers
+
+    model = placed_for_evaluation(model).eval()
+    scores, samples = {}, {}
+    for task in tasks:
+        examples = task.examples[:limit] if limit else task.examples
+        answers = generate_answers(model, tokenizer, [example["messages"] for example in examples], max_new_tokens,
+                                   batch_size=batch_size, images=[example.get("images") for example in examples])
+        hits = [answer.strip() == example["reference"].strip() for answer, example in zip(answers, examples)]
+        scores[task.name] = {"exact_match": sum(hits) / len(hits) if hits else 0.0}
+        samples[task.name] = [{"doc": {"prompt": example["messages"][-1], "images": len(example.get("images") or [])},
+                               "target": example["reference"], "answer": answer, "exact_match": float(hit)}
+                              for example, answer, hit in zip(examples, answers, hits)]
+    return scores, samples
+
+
 def answer_length(model, asked: int | None, trained: int | None) -> int:
     """Tokens an answer may take: asked, else the run's, else 256; the prompt must keep room in the model's context
     (lm-eval's check), so a default is halved to fit and a value asked for that does not fit is refused."""
-    context = getattr(model.config, "max_position_embeddings", None)
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if asked is not None and context is not None and asked >= context:
         raise RecipeError(f"--max-new-tokens {asked} leaves no room for the prompt in the model's {context} "
                           "positions: give fewer.")
@@ -508,7 +603,7 @@ def print_scores(record: dict, console=None) -> None:
 
     console = console or Console()
     before = record.get("before")
-    table = Table(title=f"lm-eval: {record['model']}" + (f" against {record['base_model']}" if before else ""))
+    table = Table(title=f"{record.get('scorer', 'lm-eval')}: {record['model']}" + (f" against {record['base_model']}" if before else ""))
     table.add_column("task")
     table.add_column("metric")
     if before is not None:

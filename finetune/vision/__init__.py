@@ -34,19 +34,28 @@ def with_processor(processor):
 
 
 def is_vision_model(name: str) -> bool:
-    """Whether `name` is a vision-language model: the embedded `tiny-vl`, or a folder whose config has a vision
-    part (`vision_config`) and whose processor was saved beside it."""
+    """Whether `name` is a vision-language model: the embedded `tiny-vl`; a folder whose config has a vision part
+    (`vision_config`) with an image processor saved beside it; or a folder of a run that trained one (its processor
+    saved, `processor_config.json`, or a LoRA adapter whose base is one)."""
     from finetune.vision.presets import TINY_VL_MODEL
 
     if name == TINY_VL_MODEL:
         return True
     folder = Path(name).expanduser()
-    config = folder / "config.json"
-    if not config.is_file():
-        return False
+    if (folder / "processor_config.json").is_file():
+        return True
+    adapter = _read_json(folder / "adapter_config.json")
+    if adapter and adapter.get("base_model_name_or_path") and adapter["base_model_name_or_path"] != name:
+        return is_vision_model(adapter["base_model_name_or_path"])
+    config = _read_json(folder / "config.json")
+    return bool(config) and "vision_config" in config and (folder / "preprocessor_config.json").is_file()
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
     try:
-        has_vision = "vision_config" in json.loads(config.read_text())
+        found = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
-    return has_vision and any((folder / file).is_file() for file in ("processor_config.json",
-                                                                      "preprocessor_config.json"))
+        return None
+    return found if isinstance(found, dict) else None

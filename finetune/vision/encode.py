@@ -106,3 +106,21 @@ def image_token_ids(processor) -> set[int]:
     ids.update(added.get(name) for name in ("<|vision_start|>", "<|vision_end|>", "<start_of_image>", "<end_of_image>",
                                             "<image>"))
     return {token for token in ids if token is not None}
+
+
+def image_token_count(processor, height: int, width: int) -> int:
+    """The tokens an image of `height` × `width` pixels becomes, by the processor's resize rules (Qwen2-VL's family:
+    the image resized within its pixel bounds to a multiple of the patch × merge size, one token per merged patch
+    group) or its fixed count (LLaVA's `image_seq_length`), without computing a pixel."""
+    count = getattr(processor, "_get_num_multimodal_tokens", None)
+    if count is not None:
+        try:
+            return int(count(image_sizes=[[height, width]]).num_image_tokens[0])
+        except (NotImplementedError, AttributeError, TypeError):
+            pass
+    fixed = getattr(processor, "image_seq_length", None)
+    if fixed is None:
+        raise RecipeError(f"{type(processor).__name__} says neither how many tokens an image becomes nor a fixed "
+                          "count (`image_seq_length`): its images cannot be planned.")
+    return int(fixed)
+

@@ -55,16 +55,17 @@ class VisionEncoder:
                 raise RecipeError(f"{where} has {length} tokens, its images ending at token {last_image + 1}, more "
                                   f"than `max_seq_length: {limit}` (`overlong_policy: error`): raise max_seq_length, "
                                   "or lower `max_pixels` so each image takes fewer tokens.")
-            return self._record([], [], {}, stored, length, "overlong")
+            return self._record([], [], {}, stored, length, "overlong", 0)
         input_ids, labels, drop = apply_length_policies(input_ids, labels, self.data_args, where)
         extra = {name: encoded[name][: len(input_ids)] for name in TOKEN_COLUMNS if name in encoded}
-        return self._record(input_ids, labels, extra, stored, length, drop)
+        image_tokens = sum(token == self.processor.image_token_id for token in input_ids)
+        return self._record(input_ids, labels, extra, stored, length, drop, image_tokens)
 
     @staticmethod
-    def _record(input_ids, labels, extra, stored, length, drop) -> dict:
+    def _record(input_ids, labels, extra, stored, length, drop, image_tokens) -> dict:
         return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels, **extra,
                 "images": stored, "original_length": length, "drop": drop,
-                "labelled": sum(label != IGNORE_INDEX for label in labels)}
+                "labelled": sum(label != IGNORE_INDEX for label in labels), "image_tokens": image_tokens}
 
 
 def vision_generation_examples(split, data_dir: Path | None, limit: int) -> list[dict]:

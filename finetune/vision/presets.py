@@ -58,15 +58,21 @@ def build_processor():
 
 def build_model(processor, seed: int = 0, dtype=None):
     """A randomly initialised tiny Qwen2-VL; the same seed gives the same weights on every rank."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
 
     tokenizer = processor.tokenizer
+    return presets.seeded_model(Qwen2VLForConditionalGeneration, build_config(tokenizer), tokenizer, seed, dtype)
+
+
+def build_config(tokenizer):
+    """The tiny Qwen2-VL's config, its vocabulary and vision token ids those of `tokenizer` (the processor's)."""
+    from transformers import Qwen2VLConfig
+
     token = tokenizer.convert_tokens_to_ids
-    config = Qwen2VLConfig(
+    return Qwen2VLConfig(
         text_config=dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **TEXT_CONFIG),
         vision_config=dict(hidden_size=TEXT_CONFIG["hidden_size"], **VISION_CONFIG),
         image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
         vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
         tie_word_embeddings=True)
-    return presets.seeded_model(Qwen2VLForConditionalGeneration, config, tokenizer, seed, dtype)
