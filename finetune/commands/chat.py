@@ -110,7 +110,8 @@ class Conversation:
         turn = {"role": "user", "content": text}
         if self.processor is not None:  # content as parts; the images in the conversation's first user turn
             first = not any(message["role"] == "user" for message in self.messages)
-            turn["content"] = [*([{"type": "image"}] * len(self.images) if first else []), {"type": "text", "text": text}]
+            shown = [{"type": "image"}] * len(self.images) if first else []
+            turn["content"] = [*shown, {"type": "text", "text": text}]
         messages = [*self.messages, turn]
         prompt, inputs = self.encode(messages)
         if self.show_prompt:

@@ -376,7 +376,8 @@ def estimate(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         grads_bytes=int(grads),
         optimizer_bytes=int(optimizer),
         activations_bytes=int((setup.axis.activations_bytes(shape, setup) if setup.axis is not None
-                               else activation_bytes(shape, sequence_share(setup))) + vision_activation_bytes(shape, setup)),
+                               else activation_bytes(shape, sequence_share(setup)))
+                              + vision_activation_bytes(shape, setup)),
         temporary_bytes=int(temporary_bytes(shape, setup, trainable)),
         offloaded={key: int(value) for key, value in offloaded.items() if value},
         grads_between_micro_steps_bytes=int(grads_between_micro_steps(trainable, grads, setup)),

@@ -152,8 +152,8 @@ def image_task(path: Path, rows: list[dict]) -> LocalTask:
     """A task file whose rows show images (any format training reads for a vision-language model,
     finetune.vision.data; image paths relative to the file): each conversation cut before its last assistant turn,
     with the images its prompt shows."""
-    from finetune.vision.encode import answer_text, image_parts
     from finetune.vision.data import vision_row
+    from finetune.vision.encode import answer_text, image_parts
 
     examples = []
     for number, row in enumerate(rows, start=1):
@@ -603,7 +603,8 @@ def print_scores(record: dict, console=None) -> None:
 
     console = console or Console()
     before = record.get("before")
-    table = Table(title=f"{record.get('scorer', 'lm-eval')}: {record['model']}" + (f" against {record['base_model']}" if before else ""))
+    against = f" against {record['base_model']}" if before else ""
+    table = Table(title=f"{record.get('scorer', 'lm-eval')}: {record['model']}{against}")
     table.add_column("task")
     table.add_column("metric")
     if before is not None:
