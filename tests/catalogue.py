@@ -137,6 +137,19 @@ def demo(output_dir: Path):
                timeout=900)
 
 
+def vision_row(name: str, *extra: str):
+    def train(output_dir: Path):
+        return run(finetune_command("train", "recipes/vision.yaml", "--gpus", "2", "--output_dir", str(output_dir),
+                                    *extra), timeout=600)
+    return train
+
+
+row("vision/full", 250, "the vision-language recipe as `finetune train recipes/vision.yaml --gpus 2` runs it: the tiny "
+                        "Qwen2-VL, its vision tower frozen, under ZeRO-2 on 2 processes")(vision_row("full"))
+row("vision/lora", 250, "the vision-language recipe with LoRA on the language model (the projector trained in full), "
+                        "under ZeRO-2 on 2 processes")(vision_row("lora", "--use_lora", "true"))
+
+
 class Catalogue:
     """The rows of one test session, kept in `folder` (seen by every worker): `catalogue[name]` trains the row if no
     worker has yet, and returns `SimpleNamespace(output_dir, returncode, output, args, steps)`."""

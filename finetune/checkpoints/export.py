@@ -249,7 +249,8 @@ def export(source: str | Path, out_dir: str | Path, merge_lora: bool = False, dt
     before = {path.name for path in out_dir.iterdir()} if out_dir.is_dir() else set()  # a user's files (--force)
     with writing_export(out_dir, weights_bytes(model), "the exported model"):
         model.save_pretrained(out_dir, safe_serialization=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                     "processor_config.json", "preprocessor_config.json"):  # a vision-language model's processor too
             found = beside(source, name)
             if found is not None:
                 (out_dir / name).write_bytes(found.read_bytes())

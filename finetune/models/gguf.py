@@ -52,6 +52,11 @@ def layout_of(model) -> Layout:
     if name.endswith("ForSequenceClassification"):
         raise RecipeError(f"--gguf: the checkpoint is a {name} (a reward model or classifier), and this export "
                           "writes causal LMs that generate, not scorers: export it without --gguf (safetensors).")
+    if hasattr(model.config, "vision_config"):
+        raise RecipeError(f"--gguf: {name} is a vision-language model, which llama.cpp runs as a language model plus a "
+                          "separate vision projector file (mmproj) this export does not write: export without --gguf "
+                          "(safetensors, with its processor) and convert with llama.cpp's convert_hf_to_gguf.py "
+                          "(--mmproj for the vision part).")
     if name not in LAYOUTS:
         raise RecipeError(f"--gguf: {name} is not an architecture this export writes ({', '.join(LAYOUTS)}): export "
                           "without --gguf and convert with llama.cpp's convert_hf_to_gguf.py.")

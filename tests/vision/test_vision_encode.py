@@ -134,14 +134,19 @@ def test_synthetic_rows_are_seeded_and_answerable():
             assert synthetic.COLOURS[answer] in pixels  # the asked colour is drawn
 
 
-def test_the_collator_pads_tokens_and_concatenates_each_rows_images(processor):
+def test_the_collator_pads_tokens_and_computes_each_rows_pixels_in_row_order(processor):
     import torch
 
+    from finetune.recipe.args import DataArguments
     from finetune.vision.collate import VisionCollator
+    from finetune.vision.pipeline import VisionEncoder
 
-    rows = [{"messages": TWO_IMAGES_TWO_TURNS, "images": IMAGES}, synthetic.rows(1, seed=5)[0]]
+    encoder = VisionEncoder("train", processor, DataArguments(max_seq_length=512), None)
+    rows = [encoder({"messages": TWO_IMAGES_TWO_TURNS, "images": IMAGES}, 0), encoder(synthetic.rows(1, seed=5)[0], 1)]
+    assert all(isinstance(image, dict) and image["bytes"] for row in rows for image in row["images"])  # stored
     batch = VisionCollator(processor)(rows)
-    alone = [encode_vision_conversation(row["messages"], row["images"], processor) for row in rows]
+    alone = [encode_vision_conversation(row["messages"], row["images"], processor)
+             for row in ({"messages": TWO_IMAGES_TWO_TURNS, "images": IMAGES}, synthetic.rows(1, seed=5)[0])]
     lengths = [len(row["input_ids"]) for row in alone]
     assert batch["input_ids"].shape == (2, max(lengths))
     assert batch["attention_mask"].sum(dim=1).tolist() == lengths
@@ -149,6 +154,6 @@ def test_the_collator_pads_tokens_and_concatenates_each_rows_images(processor):
     assert (batch["labels"][short, min(lengths):] == IGNORE_INDEX).all()
     assert (batch["input_ids"][short, min(lengths):] == processor.tokenizer.pad_token_id).all()
     assert batch["image_grid_thw"].tolist() == [[1, 4, 6], [1, 8, 8], [1, 4, 4]]  # three images, in row order
-    assert batch["pixel_values"].shape[0] == sum(t * h * w for t, h, w in batch["image_grid_thw"].tolist())
+    assert torch.equal(batch["pixel_values"], torch.cat([torch.as_tensor(row["pixel_values"]) for row in alone]))
     model = build_model(processor)
     assert torch.isfinite(model(**batch).loss)
