@@ -99,3 +99,60 @@ def seeded_model(model_class, config, tokenizer, seed: int = 0, dtype=None):
 def synthetic_data_dir() -> Path:
     """Where the generated synthetic dataset ships inside the package."""
     return Path(str(resources.files("finetune") / "datasets" / SYNTHETIC_DATASET))
+
+
+# --- the embedded tiny vision-language model (`model_name_or_path: tiny-vl`) -----------------------------------------
+# Qwen2-VL's architecture (its vision tower, its merger, M-RoPE) at toy widths, over the tiny tokenizer extended by
+# Qwen2-VL's vision tokens, with a chat template rendering image parts as Qwen2-VL's does. Its config lives here, where
+# the planner reads shapes; finetune.models.vision.presets builds the model and its processor.
+TINY_VL_MODEL = "tiny-vl"
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+# The tiny vision-language chat template, content given as a list of parts: images as Qwen2-VL's placeholder, text as
+# is.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{% set content = message['content'] %}"
+    "{% else %}{% set content = namespace(text='') %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}"
+    "{% set content.text = content.text + '<|vision_start|><|image_pad|><|vision_end|>' %}"
+    "{% elif part['type'] == 'text' %}{% set content.text = content.text + part['text'] %}{% endif %}"
+    "{% endfor %}{% set content = content.text %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}"
+    "<|assistant|>{% generation %}{{ content }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}"
+    "<|{{ message['role'] }}|>{{ content }}{{ eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+VL_VISION_CONFIG = dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, patch_size=8, temporal_patch_size=2,
+                        spatial_merge_size=2)
+VL_TEXT_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
+
+
+def build_vl_tokenizer():
+    """The tiny tokenizer extended by Qwen2-VL's vision tokens, with the tiny vision-language chat template."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    tokenizer.model_max_length = VL_TEXT_CONFIG["max_position_embeddings"]
+    return tokenizer
+
+
+def build_vl_config(tokenizer):
+    """The tiny Qwen2-VL's config, its vocabulary and vision token ids those of `tokenizer` (the processor's)."""
+    from transformers import Qwen2VLConfig
+
+    token = tokenizer.convert_tokens_to_ids
+    return Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **VL_TEXT_CONFIG),
+        vision_config=dict(hidden_size=VL_TEXT_CONFIG["hidden_size"], **VL_VISION_CONFIG),
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+        tie_word_embeddings=True)

@@ -10,7 +10,8 @@ from support import PROJECT_ROOT
 
 NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
 TRAINING_NOTEBOOKS = {"01_full_finetune.ipynb": ["."], "02_lora_qlora_t4.ipynb": ["lora"],
-                      "04_preference_dpo.ipynb": ["sft"], "05_reward_grpo.ipynb": ["sft"]}
+                      "04_preference_dpo.ipynb": ["sft"], "05_reward_grpo.ipynb": ["sft"],
+                      "06_vision_language.ipynb": ["."]}
 # DPO runs: the held-out reward accuracy rises from 0 (before the first step the policy is the reference).
 PREFERENCE_NOTEBOOKS = {"04_preference_dpo.ipynb": "dpo"}
 
@@ -19,10 +20,10 @@ def code_cells(notebook):
     return [cell for cell in notebook.cells if cell.cell_type == "code"]
 
 
-def test_the_five_notebooks_are_shipped():
+def test_the_six_notebooks_are_shipped():
     assert [path.name for path in NOTEBOOKS] == ["01_full_finetune.ipynb", "02_lora_qlora_t4.ipynb",
                                                  "03_memory_planning.ipynb", "04_preference_dpo.ipynb",
-                                                 "05_reward_grpo.ipynb"]
+                                                 "05_reward_grpo.ipynb", "06_vision_language.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)

@@ -56,16 +56,13 @@ def _base_model(name: str | None, seed: int | None, source: Path):
         model = presets.build_model(presets.build_tokenizer(), seed=seed)
         model.config.name_or_path = model.name_or_path = presets.TINY_MODEL  # what the adapter names as its base
         return model
-    from finetune.vision import is_vision_model
+    from finetune.models.vision import is_vision_model
 
     if is_vision_model(name):  # the vision-language model the adapter was trained on, as training loaded it
-        from finetune.models.loading import load_tokenizer
-        from finetune.recipe.args import ModelArguments
-        from finetune.vision.models import load_vision_model
+        from finetune.models.vision.loading import load_base_vision_model
 
-        model_args = ModelArguments(model_name_or_path=name)
-        seed = (run_seed(source) if seed is None else seed) if name == "tiny-vl" else 0
-        return load_vision_model(model_args, load_tokenizer(model_args), seed)
+        return load_base_vision_model(name, (run_seed(source) if seed is None else seed)
+                                      if name == presets.TINY_VL_MODEL else 0)
     return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES["auto"])
 
 

@@ -71,11 +71,11 @@ class Conversation:
 
     def __init__(self, model, tokenizer, generation: dict, system: str | None = None, show_prompt: bool = False,
                  plain_text_format: str | None = None, images: list | None = None):
+        from finetune.models.vision import processor_of
         from finetune.train.evaluation import stop_token_ids
-        from finetune.vision import processor_of
 
         self.model, self.tokenizer, self.generation = model, tokenizer, generation
-        self.processor = processor_of(tokenizer)  # a vision-language model's (finetune.vision)
+        self.processor = processor_of(tokenizer)  # a vision-language model's (finetune.models.vision)
         self.images = list(images or [])  # shown with the first user turn
         self.opening = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.opening)
@@ -130,9 +130,9 @@ class Conversation:
 
 def chat_images(paths: list[str] | None, tokenizer, checkpoint: str) -> list:
     """The `--image` files as RGB images (each unreadable one refused by name), for a vision-language model only."""
+    from finetune.data.vision.data import read_image
     from finetune.errors import RecipeError
-    from finetune.vision import processor_of
-    from finetune.vision.data import read_image
+    from finetune.models.vision import processor_of
 
     if not paths:
         return []

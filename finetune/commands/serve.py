@@ -109,9 +109,9 @@ def write_served_model(source: str, folder: Path, base_model: str | None, seed: 
     import contextlib
 
     from finetune.checkpoints.export import weights_bytes, writing_export
+    from finetune.models.vision import processor_of
     from finetune.train.evaluation import record_stop_tokens
     from finetune.train.trained_model import load_with_tokenizer, plain_text_format
-    from finetune.vision import processor_of
 
     plain_text = plain_text_format(source) is not None
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's consolidation prints
@@ -210,12 +210,13 @@ def capped_at_context(model, inputs: dict, generation_config):
 
 
 def serve_image_only_processors() -> None:
-    """A vision-language model's processor loaded as training loaded it (finetune.vision.processors.load_processor):
-    `transformers serve` builds it with AutoProcessor, which for Qwen2-VL's family needs torchvision for its video half
-    even to read images; where torchvision is missing its image-only form serves image content parts the same."""
+    """A vision-language model's processor loaded as training loaded it
+    (finetune.models.vision.processors.load_processor): `transformers serve` builds it with AutoProcessor, which for
+    Qwen2-VL's family needs torchvision for its video half even to read images; where torchvision is missing its
+    image-only form serves image content parts the same."""
     from transformers.cli.serving import model_manager
 
-    from finetune.vision.processors import load_processor
+    from finetune.models.vision.processors import load_processor
 
     original = model_manager.ModelManager._load_processor
 

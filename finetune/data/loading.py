@@ -187,9 +187,9 @@ def _load_named(dataset: str, config: str | None = None, key: str = "dataset", *
         directory = presets.synthetic_data_dir()
         files = {"train": str(directory / "train.jsonl"), "eval": str(directory / "eval.jsonl")}
         return synthetic_tasks(_load(dataset, "json", data_files=files), config)
-    from finetune.vision import synthetic as vision_synthetic
+    from finetune.data.vision import synthetic as vision_synthetic
 
-    if dataset == vision_synthetic.DATASET:  # images drawn in code (finetune.vision.synthetic)
+    if dataset == vision_synthetic.DATASET:  # images drawn in code (finetune.data.vision.synthetic)
         check_no_config(dataset, config, key)
         return vision_synthetic.splits()
     path = Path(dataset)

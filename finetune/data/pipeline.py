@@ -20,11 +20,11 @@ from finetune.errors import RecipeError
 def prepare_data(recipe, tokenizer, model) -> PreparedData:
     """Tokenized (and, if asked, packed) data and its summary: read from the cache `finetune preprocess` wrote when
     its key matches (finetune.data.cache), else tokenized here."""
-    from finetune.vision import processor_of
+    from finetune.models.vision import processor_of
 
     args = recipe.training
     if processor_of(tokenizer) is not None:  # before the packing preparation and the stream below
-        from finetune.vision.pipeline import check_vision_data_options
+        from finetune.data.vision.pipeline import check_vision_data_options
 
         check_vision_data_options(recipe.data)
     if recipe.data.packing or recipe.data.padding_free:

@@ -411,7 +411,7 @@ def _tokenize_split(split: Dataset, name: str, tokenizer, data_args, dataset_for
                     if (count := (reasons == reason).sum())},
         "from_cache": from_cache,
     }
-    if images is not None and len(images):  # rows with images: their image tokens (finetune.vision.pipeline)
+    if images is not None and len(images):  # rows with images: their image tokens (finetune.data.vision.pipeline)
         summary["image_tokens"] = {"total": int(images.sum()), "max_per_row": int(images.max()),
                                    "p50": int(np.percentile(images, 50))}
     return kept, summary
@@ -439,9 +439,9 @@ def generation_examples(split: Dataset, dataset_format: str, limit: int) -> list
 def prepare_datasets(raw, tokenizer, data_args, training_args) -> PreparedData:
     """Tokenizes each source once (rank 0 first; the other ranks then read the `datasets` cache it wrote),
     mixes the training sources by weight and concatenates their eval splits. A vision-language model's tokenizer
-    carries its processor (finetune.vision.processor_of): its rows are read with their images and encoded by the
-    processor (finetune.vision.pipeline)."""
-    from finetune.vision import processor_of
+    carries its processor (finetune.models.vision.processor_of): its rows are read with their images and encoded by the
+    processor (finetune.data.vision.pipeline)."""
+    from finetune.models.vision import processor_of
 
     processor = processor_of(tokenizer)
     trains, evals, examples, sources = [], [], [], []
@@ -461,7 +461,7 @@ def prepare_datasets(raw, tokenizer, data_args, training_args) -> PreparedData:
                 evals.append(evaluation)
                 wanted = data_args.generation_eval_samples - len(examples)
                 if wanted > 0 and processor is not None:
-                    from finetune.vision.pipeline import vision_generation_examples
+                    from finetune.data.vision.pipeline import vision_generation_examples
 
                     examples += vision_generation_examples(eval_split, encoders["eval"].data_dir, wanted)
                 elif wanted > 0:
@@ -481,7 +481,7 @@ def prepare_datasets(raw, tokenizer, data_args, training_args) -> PreparedData:
 
 def _vision_encoders(processor, source, data_args) -> dict:
     """The row encoders of a source with images, by split: image paths are relative to each split's data file."""
-    from finetune.vision.pipeline import VisionEncoder, check_vision_data_options, data_dir_of
+    from finetune.data.vision.pipeline import VisionEncoder, check_vision_data_options, data_dir_of
 
     check_vision_data_options(data_args)
     train_dir = data_dir_of(source.name)

@@ -58,9 +58,17 @@ class LinearShape:
     in_layers: bool  # inside the repeated decoder blocks (what QLoRA quantizes and LoRA adapts)
 
 
+# Where Transformers' vision-language models keep their parts, by module name: the vision tower (Qwen2-VL's `visual`,
+# LLaVA's and Gemma 3's `vision_tower`, Idefics3's and SmolVLM's `vision_model`), the projector (LLaVA's and Gemma 3's
+# `multi_modal_projector`, Qwen2-VL's `merger` inside its tower, Idefics3's `connector`), the language model
+TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
+PROJECTOR_NAMES = ("multi_modal_projector", "merger", "deepstack_merger_list", "connector", "mm_projector")
+LANGUAGE_MODEL_NAMES = ("language_model",)
+
+
 @dataclass(frozen=True)
 class VisionShape:
-    """A vision-language model's vision side (finetune.vision.models names its parts): the tower's and the
+    """A vision-language model's vision side (`vision_parameter_names` names its parts): the tower's and the
     projector's parameters, and the tower's widths, for its activations."""
     tower_parameters: int
     projector_parameters: int
@@ -120,12 +128,8 @@ def resolve_config(name: str):
 
     if name == presets.TINY_MODEL:
         return presets.build_model_config(presets.build_tokenizer())
-    from finetune.vision.presets import TINY_VL_MODEL
-
-    if name == TINY_VL_MODEL:
-        from finetune.vision.presets import build_config, build_processor
-
-        return build_config(build_processor().tokenizer)
+    if name == presets.TINY_VL_MODEL:
+        return presets.build_vl_config(presets.build_vl_tokenizer())
     known = KNOWN_SHAPES.get(ALIASES.get(name.lower(), name))
     if known is not None:
         fields = dict(known)
@@ -211,13 +215,33 @@ def shape_of(model, name: str | None = None) -> ModelShape:
     )
 
 
+def part_of(name: str, names: tuple[str, ...]) -> bool:
+    """Whether a parameter or module name lies inside a module named one of `names`."""
+    return any(piece in names for piece in name.split("."))
+
+
+def vision_parameter_names(model) -> dict[str, list[str]]:
+    """The parameter names of the vision tower (without the projector inside it, as Qwen2-VL's `merger`), of the
+    projector, and of the language model with its head: `{"tower", "projector", "language"}`."""
+    parts = {"tower": [], "projector": [], "language": []}
+    for name, _ in model.named_parameters():
+        if part_of(name, PROJECTOR_NAMES):
+            parts["projector"].append(name)
+        elif part_of(name, TOWER_NAMES):
+            parts["tower"].append(name)
+        else:
+            parts["language"].append(name)
+    if not parts["tower"]:
+        raise RecipeError(f"no vision tower found in {type(model).__name__} (no module named "
+                          f"{', '.join(TOWER_NAMES)}): it cannot be trained as a vision-language model here.")
+    return parts
+
+
 def vision_shape(model) -> VisionShape | None:
     """The vision side of a vision-language model (None for a text model)."""
     vision = getattr(model.config, "vision_config", None)
     if vision is None:
         return None
-    from finetune.vision.models import vision_parameter_names
-
     parts = vision_parameter_names(model)
     sizes = dict((name, getattr(parameter, "ds_numel", parameter.numel())) for name, parameter
                  in model.named_parameters())
@@ -259,8 +283,6 @@ def _decoder_layers(model):
     """The repeated blocks: the largest `ModuleList` in the model (`model.layers`, `transformer.h`, ...); in a
     vision-language model, in its language model (its vision tower may have more blocks)."""
     import torch
-
-    from finetune.vision.models import LANGUAGE_MODEL_NAMES
 
     inside = model
     if hasattr(model.config, "vision_config"):

@@ -77,12 +77,12 @@ def load_tokenizer(model_args):
 
 def _tokenizer(model_args):
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
-    from finetune.vision import is_vision_model
+    from finetune.models.vision import is_vision_model
 
     if is_vision_model(model_args.model_name_or_path):
-        from finetune.vision.processors import vision_processor
+        from finetune.models.vision.processors import vision_processor
 
-        return vision_processor(model_args)  # its tokenizer, carrying it (finetune.vision.processor_of)
+        return vision_processor(model_args)  # its tokenizer, carrying it (finetune.models.vision.processor_of)
     vision_keys = {"min_pixels": model_args.min_pixels, "max_pixels": model_args.max_pixels,
                    "freeze_projector": model_args.freeze_projector,
                    "freeze_vision_tower: false": not model_args.freeze_vision_tower}
@@ -111,10 +111,10 @@ def load_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, strate
     rank whose weights another rank will send it (`sharded_from_rank_zero`); ignored under QLoRA, whose 4-bit weights
     are quantized while loading. `parallelism` that `loads_sharded`: Transformers loads each rank's slices
     (`DistributedConfig`, finetune.launch.parallelism)."""
-    from finetune.vision import is_vision_model
+    from finetune.models.vision import is_vision_model
 
     if is_vision_model(model_args.model_name_or_path):
-        from finetune.vision.models import load_vision_model
+        from finetune.models.vision.loading import load_vision_model
 
         return load_vision_model(model_args, tokenizer, seed, qlora, parallelism, shapes_only)
     if parallelism is not None and parallelism.loads_sharded:

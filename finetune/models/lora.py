@@ -73,8 +73,8 @@ def lora_config(model, lora_args):
 
     modules_to_save = check_module_names(model, lora_args.modules_to_save, "modules_to_save")
     targets = lora_target_modules(model, lora_args.lora_target_modules)
-    if hasattr(model.config, "vision_config"):  # a vision-language model (finetune.vision.models)
-        from finetune.vision.models import language_model_linear_layers, trained_projector_modules
+    if hasattr(model.config, "vision_config"):  # a vision-language model (finetune.models.vision.loading)
+        from finetune.models.vision.loading import language_model_linear_layers, trained_projector_modules
 
         if not lora_args.lora_target_modules:  # the language model's linear layers, not the vision tower's
             targets = language_model_linear_layers(model)

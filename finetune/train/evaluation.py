@@ -19,8 +19,8 @@ from transformers import TrainerCallback
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from finetune.data.tokenize import turn_end_ids
+from finetune.data.vision.encode import answer_text
 from finetune.launch.strategies import loaded_sharded
-from finetune.vision.encode import answer_text
 
 
 def stop_token_ids(tokenizer, generation_config, chat_template: bool = True) -> list[int]:
@@ -60,8 +60,8 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     """Greedy answers for chat prompts, each up to the token that ends it, decoded without special tokens. `synced`:
     every rank runs each forward together until all are done (a model whose weights are split over the ranks).
     `images`: each prompt's images (PIL), for a vision-language model, whose tokenizer carries its processor
-    (finetune.vision.processor_of)."""
-    from finetune.vision import processor_of
+    (finetune.models.vision.processor_of)."""
+    from finetune.models.vision import processor_of
 
     processor = processor_of(tokenizer)
     render = processor if processor is not None else tokenizer

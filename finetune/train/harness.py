@@ -150,10 +150,10 @@ def has_images(row: dict) -> bool:
 
 def image_task(path: Path, rows: list[dict]) -> LocalTask:
     """A task file whose rows show images (any format training reads for a vision-language model,
-    finetune.vision.data; image paths relative to the file): each conversation cut before its last assistant turn,
+    finetune.data.vision.data; image paths relative to the file): each conversation cut before its last assistant turn,
     with the images its prompt shows."""
-    from finetune.vision.data import vision_row
-    from finetune.vision.encode import answer_text, image_parts
+    from finetune.data.vision.data import vision_row
+    from finetune.data.vision.encode import answer_text, image_parts
 
     examples = []
     for number, row in enumerate(rows, start=1):
@@ -302,7 +302,7 @@ def evaluate_run(source: str | Path, selection: TaskSelection, *, compare_base: 
                               "MODEL (a directory, hub id, or tiny).")
     record = {"model": str(source), "tasks": [task.name for task in selection.local] + selection.registered,
               "max_new_tokens": max_new_tokens, "limit": limit}
-    from finetune.vision import processor_of
+    from finetune.models.vision import processor_of
 
     if processor_of(tokenizer) is not None or any(task.shows_images for task in selection.local):
         return evaluate_with_images(source, selection, model, tokenizer, record, path, tasks_folder, base_name, seed,
@@ -335,7 +335,7 @@ def evaluate_with_images(source: Path, selection: TaskSelection, model, tokenize
     each local task is scored by the toolkit's own exact match (finetune.train.evaluation: the processor renders the
     prompt and its images, generation stops where training taught it, surrounding whitespace ignored, as lm-eval's
     `exact_match` here); the same record and answers are written."""
-    from finetune.vision import processor_of
+    from finetune.models.vision import processor_of
 
     if processor_of(tokenizer) is None:
         shown = next(task for task in selection.local if task.shows_images)

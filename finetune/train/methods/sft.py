@@ -59,13 +59,13 @@ class SupervisedFineTuning(Method):
         from finetune.axes import axes_collator
         from finetune.checkpoints.complete import recipe_values
         from finetune.data.collate import data_collator
-        from finetune.vision import processor_of
+        from finetune.models.vision import processor_of
 
         if recipe.data.streaming:  # each process reads its own rows of the stream (finetune.data.streaming)
             recipe.training.accelerator_config.dispatch_batches = False
         processor = processor_of(tokenizer)
         if processor is not None:  # rows with images: their pixels are computed as each batch is built
-            from finetune.vision.collate import VisionCollator
+            from finetune.data.vision.collate import VisionCollator
 
             recipe.training.remove_unused_columns = False  # the collator reads the `images` column
             collator = VisionCollator(processor)

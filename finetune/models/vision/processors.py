@@ -97,10 +97,10 @@ def _chat_template(path: str) -> str | None:
 def vision_processor(model_args):
     """The processor of the recipe's vision-language model (`tiny-vl`: built in code), its image sizes bounded by the
     recipe's `min_pixels`/`max_pixels`, its chat template the recipe's `chat_template` when given; returned as its
-    tokenizer carrying it (finetune.vision.with_processor), which is what the pipeline's stages take."""
+    tokenizer carrying it (finetune.models.vision.with_processor), which is what the pipeline's stages take."""
     from finetune.models.loading import check_local_path, loading_refusals
-    from finetune.vision import with_processor
-    from finetune.vision.presets import TINY_VL_MODEL, build_processor
+    from finetune.models.vision import with_processor
+    from finetune.models.vision.presets import TINY_VL_MODEL, build_processor
 
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
     if name == TINY_VL_MODEL:

@@ -1,8 +1,9 @@
 """Rows with images through the data pipeline `finetune train`, `finetune plan --recipe` and `finetune preprocess`
-share (finetune.data.tokenize.prepare_datasets): each row read in the peers' formats (finetune.vision.data), rendered
-and tokenized by the model's processor with labels on the assistant's tokens only (finetune.vision.encode), under the
-recipe's length policies, and kept as its tokens and its images (a file by its path, anything else by its bytes):
-the pixels are computed as each batch is built (finetune.vision.collate), so none are stored with the dataset.
+share (finetune.data.tokenize.prepare_datasets): each row read in the peers' formats (finetune.data.vision.data),
+rendered and tokenized by the model's processor with labels on the assistant's tokens only
+(finetune.data.vision.encode), under the recipe's length policies, and kept as its tokens and its images (a file by
+its path, anything else by its bytes): the pixels are computed as each batch is built (finetune.data.vision.collate),
+so none are stored with the dataset.
 
 A row is never cut inside its image tokens: the model needs every token of an image for its features. A row whose
 images end past `max_seq_length` is dropped under `overlong_policy: truncate` or `drop` (counted as overlong) and
@@ -14,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.data.tokenize import IGNORE_INDEX, apply_length_policies
+from finetune.data.vision.data import vision_row
+from finetune.data.vision.encode import encode_vision_conversation, image_token_ids
 from finetune.errors import RecipeError
-from finetune.vision.data import vision_row
-from finetune.vision.encode import encode_vision_conversation, image_token_ids
 
 # The token-aligned columns a processor may return beside `input_ids` (Qwen2-VL's `mm_token_type_ids`), with the
 # value that pads them
@@ -71,7 +72,7 @@ class VisionEncoder:
 def vision_generation_examples(split, data_dir: Path | None, limit: int) -> list[dict]:
     """The first `limit` eval rows cut before their last assistant turn, with their images, for exact-match
     generation: `{"prompt", "images", "reference", "task"}`."""
-    from finetune.vision.encode import answer_text, image_parts
+    from finetune.data.vision.encode import answer_text, image_parts
 
     examples = []
     for index, example in enumerate(split):

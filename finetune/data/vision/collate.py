@@ -1,4 +1,4 @@
-"""Batches of rows with images: the tokens the data pipeline encoded (finetune.vision.pipeline), padded to the
+"""Batches of rows with images: the tokens the data pipeline encoded (finetune.data.vision.pipeline), padded to the
 batch's longest row, and the pixels of the rows' images, computed here by the processor's image processor (none are
 stored with the dataset), concatenated in row order with its extra inputs (Qwen2-VL's `image_grid_thw`)."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 
 from finetune.data.tokenize import IGNORE_INDEX
-from finetune.vision.pipeline import TOKEN_COLUMNS
+from finetune.data.vision.pipeline import TOKEN_COLUMNS
 
 
 class VisionCollator:
     """Rows of `input_ids`, `labels` (and a processor's token-aligned columns) with `images` (as stored:
-    finetune.vision.data.stored_image, or PIL images) → the model's batch."""
+    finetune.data.vision.data.stored_image, or PIL images) → the model's batch."""
 
     def __init__(self, processor, pad_to_multiple_of: int | None = None):
         self.processor = processor
@@ -20,7 +20,7 @@ class VisionCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, rows: list[dict]) -> dict:
-        from finetune.vision.data import read_image
+        from finetune.data.vision.data import read_image
 
         longest = max(len(row["input_ids"]) for row in rows)
         if self.pad_to_multiple_of:

@@ -37,7 +37,7 @@ def is_vision_model(name: str) -> bool:
     """Whether `name` is a vision-language model: the embedded `tiny-vl`; a folder whose config has a vision part
     (`vision_config`) with an image processor saved beside it; or a folder of a run that trained one (its processor
     saved, `processor_config.json`, or a LoRA adapter whose base is one)."""
-    from finetune.vision.presets import TINY_VL_MODEL
+    from finetune.models.vision.presets import TINY_VL_MODEL
 
     if name == TINY_VL_MODEL:
         return True

@@ -6,11 +6,11 @@ import pytest
 from PIL import Image
 
 from finetune.data.tokenize import IGNORE_INDEX
+from finetune.data.vision import synthetic
+from finetune.data.vision.encode import encode_vision_conversation
 from finetune.errors import RecipeError
-from finetune.vision import synthetic
-from finetune.vision.encode import encode_vision_conversation
-from finetune.vision.presets import build_model, build_processor
-from finetune.vision.processors import load_processor
+from finetune.models.vision.presets import build_model, build_processor
+from finetune.models.vision.processors import load_processor
 
 # Qwen2-VL's hub template, written from its documented ChatML format: images as
 # `<|vision_start|><|image_pad|><|vision_end|>` inside the user turn, every turn `<|im_start|>ROLE\n...<|im_end|>\n`.
@@ -137,9 +137,9 @@ def test_synthetic_rows_are_seeded_and_answerable():
 def test_the_collator_pads_tokens_and_computes_each_rows_pixels_in_row_order(processor):
     import torch
 
+    from finetune.data.vision.collate import VisionCollator
+    from finetune.data.vision.pipeline import VisionEncoder
     from finetune.recipe.args import DataArguments
-    from finetune.vision.collate import VisionCollator
-    from finetune.vision.pipeline import VisionEncoder
 
     encoder = VisionEncoder("train", processor, DataArguments(max_seq_length=512), None)
     rows = [encoder({"messages": TWO_IMAGES_TWO_TURNS, "images": IMAGES}, 0), encoder(synthetic.rows(1, seed=5)[0], 1)]

@@ -9,10 +9,10 @@ import pytest
 from PIL import Image
 
 from finetune.data.tokenize import IGNORE_INDEX
+from finetune.data.vision.data import vision_example
+from finetune.data.vision.encode import encode_vision_conversation
 from finetune.errors import RecipeError
-from finetune.vision.data import vision_example
-from finetune.vision.encode import encode_vision_conversation
-from finetune.vision.presets import build_processor
+from finetune.models.vision.presets import build_processor
 
 RED = (220, 40, 40)
 

@@ -2,9 +2,9 @@
 circle or triangle, in one of four colours) near the centre of a light background, 5/8 to 7/8 of the image wide,
 asked its colour or its shape. Seeded: the same seed draws the same rows on every rank.
 
-Measured on the tiny Qwen2-VL (finetune.vision.presets), one CPU process, 2,000 rows, 2 epochs at batch 16: held-out
-exact match 0.98 of 60 rows (colour 1.0, shape 0.97) in 24 s. With the shape anywhere at half to nearly the whole
-width, the shape question stayed near chance (0.37; 0.43 at 64 × 64 pixels and 4 epochs)."""
+Measured on the tiny Qwen2-VL (finetune.models.vision.presets), one CPU process, 2,000 rows, 2 epochs at batch 16:
+held-out exact match 0.98 of 60 rows (colour 1.0, shape 0.97) in 24 s. With the shape anywhere at half to nearly the
+whole width, the shape question stayed near chance (0.37; 0.43 at 64 × 64 pixels and 4 epochs)."""
 
 from __future__ import annotations
 

@@ -4,24 +4,26 @@ projector that maps its features into the language model, the language model), a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from finetune.errors import RecipeError
-
-# Where Transformers' vision-language models keep their parts, by module name: the vision tower (Qwen2-VL's `visual`,
-# LLaVA's and Gemma 3's `vision_tower`, Idefics3's and SmolVLM's `vision_model`), the projector (LLaVA's and Gemma 3's
-# `multi_modal_projector`, Qwen2-VL's `merger` inside its tower, Idefics3's `connector`), the language model
-TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
-PROJECTOR_NAMES = ("multi_modal_projector", "merger", "deepstack_merger_list", "connector", "mm_projector")
-LANGUAGE_MODEL_NAMES = ("language_model",)
+from finetune.memory.shapes import (  # where the planner names a vision-language model's parts
+    LANGUAGE_MODEL_NAMES,
+    PROJECTOR_NAMES,
+    TOWER_NAMES,
+    part_of,
+    vision_parameter_names,
+)
 
 
 def load_vision_model(model_args, tokenizer, seed: int = 0, qlora: bool = False, parallelism=None,
                       shapes_only: bool = False):
     """The vision-language model, its parts frozen as `freeze_vision_tower` and `freeze_projector` say."""
     from finetune.models.loading import DTYPES, check_local_path, loading_refusals, stored_dtype
-    from finetune.vision import processor_of
-    from finetune.vision.presets import TINY_VL_MODEL, build_model
+    from finetune.models.vision import processor_of
+    from finetune.models.vision.presets import TINY_VL_MODEL, build_model
 
     name = model_args.model_name_or_path
     if qlora:
@@ -32,13 +34,11 @@ def load_vision_model(model_args, tokenizer, seed: int = 0, qlora: bool = False,
                           "stage or FSDP.")
     dtype = DTYPES[model_args.torch_dtype]
     if name == TINY_VL_MODEL:
-        if shapes_only:
-            from accelerate import init_empty_weights
+        from accelerate import init_empty_weights
 
-            with init_empty_weights():
-                model = build_model(processor_of(tokenizer), seed=seed, dtype=None if dtype == "auto" else dtype)
-        else:
+        with init_empty_weights() if shapes_only else whole_under_zero3():
             model = build_model(processor_of(tokenizer), seed=seed, dtype=None if dtype == "auto" else dtype)
+        model.tie_weights()  # built on the meta device, the tie was a second meta Parameter
         if model_args.attn_implementation is not None:
             with loading_refusals(model_args):
                 model.set_attn_implementation(model_args.attn_implementation)
@@ -66,25 +66,33 @@ def load_vision_model(model_args, tokenizer, seed: int = 0, qlora: bool = False,
     return model
 
 
-def _part_of(name: str, names: tuple[str, ...]) -> bool:
-    return any(piece in names for piece in name.split("."))
+def load_base_vision_model(name: str, seed: int = 0):
+    """The vision-language model `name` as a recipe naming only it loads it (its dtype as saved, the tower frozen):
+    the base a LoRA adapter was trained on."""
+    from types import SimpleNamespace
+
+    from finetune.models.vision.processors import vision_processor
+
+    model_args = SimpleNamespace(model_name_or_path=name, tokenizer_name_or_path=None, torch_dtype="auto",
+                                 attn_implementation=None, trust_remote_code=False, chat_template=None,
+                                 min_pixels=None, max_pixels=None, freeze_vision_tower=True, freeze_projector=False)
+    return load_vision_model(model_args, vision_processor(model_args), seed)
 
 
-def vision_parameter_names(model) -> dict[str, list[str]]:
-    """The parameter names of the vision tower (without the projector inside it, as Qwen2-VL's `merger`), of the
-    projector, and of the language model with its head: `{"tower", "projector", "language"}`."""
-    parts = {"tower": [], "projector": [], "language": []}
-    for name, _ in model.named_parameters():
-        if _part_of(name, PROJECTOR_NAMES):
-            parts["projector"].append(name)
-        elif _part_of(name, TOWER_NAMES):
-            parts["tower"].append(name)
-        else:
-            parts["language"].append(name)
-    if not parts["tower"]:
-        raise RecipeError(f"no vision tower found in {type(model).__name__} (no module named "
-                          f"{', '.join(TOWER_NAMES)}): it cannot be trained as a vision-language model here.")
-    return parts
+@contextmanager
+def whole_under_zero3():
+    """Builds the tiny model whole on every rank under ZeRO-3, as the tiny text model is built: Qwen2-VL's
+    constructor builds its vision tower through `_from_config`, which under a registered ZeRO-3 config partitions
+    that part alone inside `zero.Init`, and the outer model's weight initialisation then indexes the empty partitions.
+    Built whole (a few MB), the model is partitioned by DeepSpeed's engine when it wraps it."""
+    from transformers.integrations import deepspeed
+
+    registered = deepspeed._hf_deepspeed_config_weak_ref
+    deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = registered
 
 
 def freeze_vision_parts(model, tower: bool = True, projector: bool = False) -> dict[str, list[str]]:
@@ -105,8 +113,8 @@ def language_model_linear_layers(model) -> str:
 
     names = set()
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and _part_of(name, LANGUAGE_MODEL_NAMES) \
-                and not _part_of(name, TOWER_NAMES + PROJECTOR_NAMES):
+        if isinstance(module, torch.nn.Linear) and part_of(name, LANGUAGE_MODEL_NAMES) \
+                and not part_of(name, TOWER_NAMES + PROJECTOR_NAMES):
             names.add(name.rsplit(".", 1)[-1])
     if not names:
         raise RecipeError(f"no linear layer found in the language model of {type(model).__name__} (a module named "
