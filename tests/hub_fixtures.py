@@ -243,3 +243,15 @@ def preference_rows(count: int, start: int = 0) -> list[dict]:
                      "chosen": [user, {"role": "assistant", "content": f"w{index}"[::-1]}],
                      "rejected": [user, {"role": "assistant", "content": f"w{index}"}]})
     return rows
+
+
+# Qwen2-VL's hub template, written from its documented ChatML format: images as
+# `<|vision_start|><|image_pad|><|vision_end|>` inside the user turn, every turn `<|im_start|>ROLE\n...<|im_end|>\n`.
+VL_CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)

@@ -147,3 +147,22 @@ def slack(key: str, run: str) -> int:
         element = 2 if run.endswith("bf16") else 4
         return ALIGNMENT + NO_DECAY_FP32 + model_shape("tiny").largest_layer_parameters * element
     return ALIGNMENT + NO_DECAY_FP32
+
+
+def wait_for_models(port: int, server, timeout: float = 240) -> list[dict]:
+    """The models a server just started lists, once it answers (`finetune serve`'s tests); it failing first is an
+    error with what it printed."""
+    import json
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"the server ended early ({server.returncode}): {server.stderr.read()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
+                return json.loads(response.read())["data"]
+        except OSError:
+            time.sleep(1)
+    raise AssertionError("the server did not answer in time")

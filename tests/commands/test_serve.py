@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import PROJECT_ROOT, finetune_command, free_port
+from support import PROJECT_ROOT, finetune_command, free_port, wait_for_models
 
 from finetune import presets
 from finetune.cli import main
@@ -24,19 +24,6 @@ from finetune.train.evaluation import stop_token_ids
 from finetune.train.trained_model import load_with_tokenizer
 
 PROMPTS = ["reverse\n\nabcdef", "sort\n\ndcba"]
-
-
-def wait_for_models(port: int, server, timeout: float = 240) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"the server ended early ({server.returncode}): {server.stderr.read()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
-                return json.loads(response.read())["data"]
-        except OSError:
-            time.sleep(1)
-    raise AssertionError("the server did not answer in time")
 
 
 def test_the_demo_run_answers_the_openai_client_as_chat_does(trained_demo, tmp_path, capsys):

@@ -3,6 +3,7 @@ assistant's tokens only (no image token, no prompt token), under the tiny templa
 hub checkpoints ship it."""
 
 import pytest
+from hub_fixtures import VL_CHATML as CHATML
 from PIL import Image
 
 from finetune.data.tokenize import IGNORE_INDEX
@@ -12,16 +13,6 @@ from finetune.errors import RecipeError
 from finetune.models.vision.presets import build_model, build_processor
 from finetune.models.vision.processors import load_processor
 
-# Qwen2-VL's hub template, written from its documented ChatML format: images as
-# `<|vision_start|><|image_pad|><|vision_end|>` inside the user turn, every turn `<|im_start|>ROLE\n...<|im_end|>\n`.
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 TWO_IMAGES_TWO_TURNS = [
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
     {"role": "assistant", "content": [{"type": "text", "text": "red"}]},

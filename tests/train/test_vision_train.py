@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 from PIL import Image
-from support import PROJECT_ROOT, assert_succeeded, finetune_command, free_port
+from support import PROJECT_ROOT, assert_succeeded, finetune_command, free_port, wait_for_models
 
 from finetune.cli import main
 from finetune.data.vision import synthetic
@@ -86,22 +86,6 @@ def test_the_plan_of_the_recipe_holds_what_each_rank_held(catalogue, capsys):
         for part in ("params_bytes", "grads_bytes", "optimizer_bytes"):
             # ZeRO-2 splits the flat gradient and optimizer partitions with padding: within 3% on each rank
             assert rank["measured"][part] == pytest.approx(predicted[part], rel=0.03), (rank["rank"], part)
-
-
-def wait_for_models(port: int, server, timeout: float = 240) -> list[dict]:
-    import time
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"the server ended early ({server.returncode}): {server.stderr.read()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
-                return json.loads(response.read())["data"]
-        except OSError:
-            time.sleep(1)
-    raise AssertionError("the server did not answer in time")
 
 
 # --- after training --------------------------------------------------------------------------------------------------
@@ -339,3 +323,32 @@ def test_zero3_and_fsdp2_train_it_with_the_ledger_equal_to_the_plan_on_both_rank
     assert [rank["rank"] for rank in ranks] == [0, 1]
     assert all(rank["ratio"] == pytest.approx(1.0, abs=0.01) for rank in ranks), ranks
     assert results["after"]["eval_loss"] < 4.0  # 5.51 before any step; 3.03 after 10 under either (measured)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_saved_vlm_folder_in_bf16_with_its_own_chatml_template_trains_as_the_tiny_one(precision, tmp_path):
+    """The real path: a folder as `save_pretrained` writes a hub vision-language model (bf16 safetensors, its
+    processor with its own ChatML template), named by path; in fp32 (no autocast: the frozen bf16 tower is held in
+    its trained projector's fp32) and under bf16 autocast."""
+    import torch
+    from hub_fixtures import VL_CHATML as CHATML
+
+    from finetune.recipe.parse import parse_recipe
+    from finetune.train.run import train
+
+    folder = tmp_path / "qwen2-vl-like"
+    processor = build_processor()
+    processor.tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    processor.chat_template = processor.tokenizer.chat_template = CHATML
+    build_model(processor, seed=3, dtype=torch.bfloat16).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    output_dir = tmp_path / "run"
+    recipe = parse_recipe("recipes/vision.yaml", [
+        "--model_name_or_path", str(folder), "--output_dir", str(output_dir), "--strategy", "single",
+        "--max_steps", "4", "--eval_on_start", "false", "--generation_eval_samples", "4", "--report_to", "none",
+        "--disable_tqdm", "true", "--bf16", str(precision == "bf16").lower()])
+    summary = train(recipe)
+    assert summary["frozen_weights_unchanged"] is True and summary["train_loss"] > 0
+    assert "<|im_start|>assistant" in (output_dir / "chat_template.jinja").read_text()  # its own template, saved
+    config = json.loads((output_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]

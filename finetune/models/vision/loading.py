@@ -63,6 +63,7 @@ def load_vision_model(model_args, tokenizer, seed: int = 0, qlora: bool = False,
                     trust_remote_code=model_args.trust_remote_code)
         model.checkpoint_dtype = stored_dtype(name) or model.dtype
     freeze_vision_parts(model, model_args.freeze_vision_tower, model_args.freeze_projector)
+    projector_reads_its_own_dtype(model)
     return model
 
 
@@ -131,4 +132,29 @@ def trained_projector_modules(model) -> list[str]:
         if last in PROJECTOR_NAMES and any(p.requires_grad for p in module.parameters()):
             found.append(last)
     return sorted(set(found))
+
+
+def projector_reads_its_own_dtype(model) -> int:
+    """Makes the projector cast the tower's features to its own weights' dtype as it reads them; returns how many
+    projector modules do. A frozen tower keeps its loaded dtype (a bf16 checkpoint's: bf16) while the trained
+    projector is held in fp32 (finetune.models.loading.hold_trainable_parameters): without autocast (an fp32 run,
+    or generation outside the training step's autocast) the two meet in a dtype mismatch at its first matmul. A
+    cast at the projector's input costs nothing where the dtypes agree and keeps the frozen tower in its own
+    dtype (half the bytes of an fp32 copy). A LoRA run's trained copy of the projector (peft's `modules_to_save`)
+    is a copy of the module, hook included."""
+    def cast(module, args, kwargs):
+        dtype = next(module.parameters()).dtype
+
+        def to_own(value):
+            floating = torch.is_tensor(value) and value.is_floating_point() and value.dtype != dtype
+            return value.to(dtype) if floating else value
+
+        return tuple(to_own(value) for value in args), {key: to_own(value) for key, value in kwargs.items()}
+
+    hooked = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTOR_NAMES and next(module.parameters(), None) is not None:
+            module.register_forward_pre_hook(cast, with_kwargs=True)
+            hooked += 1
+    return hooked
 
