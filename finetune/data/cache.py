@@ -57,6 +57,11 @@ def cache_key(data_args, tokenizer, seed: int) -> dict[str, str]:
     key = {"pipeline": str(PIPELINE_VERSION), **data_digests(data_args)}
     key["tokenizer"] = _digest(tokenizer_text(tokenizer).encode())
     key["chat_template"] = _digest(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
+    from finetune.models.vision import processor_of
+
+    processor = processor_of(tokenizer)
+    if processor is not None:  # a vision-language model's: its resize rules decide each image's tokens
+        key["image_processor"] = _digest(processor.image_processor.to_json_string().encode())
     for field in dataclasses.fields(data_args):
         if field.name not in NOT_IN_KEY and field.name not in DATA_LOCATIONS:
             key[field.name] = str(getattr(data_args, field.name))

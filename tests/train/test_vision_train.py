@@ -352,3 +352,16 @@ def test_a_saved_vlm_folder_in_bf16_with_its_own_chatml_template_trains_as_the_t
     assert "<|im_start|>assistant" in (output_dir / "chat_template.jinja").read_text()  # its own template, saved
     config = json.loads((output_dir / "config.json").read_text())
     assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
+
+
+def test_the_preprocessed_cache_is_keyed_by_the_image_resize_rules():
+    """`max_pixels` changes every image's tokens: a cache written under other bounds is stale, never read."""
+    from finetune.data.cache import cache_key
+    from finetune.models.loading import load_tokenizer
+    from finetune.recipe.args import ModelArguments
+
+    data = DataArguments(dataset="synthetic-shapes")
+    keys = [cache_key(data, load_tokenizer(ModelArguments(model_name_or_path="tiny-vl", max_pixels=pixels)), 0)
+            for pixels in (None, None, 32 * 32)]
+    assert keys[0] == keys[1]
+    assert [part for part in keys[0] if keys[0][part] != keys[2][part]] == ["image_processor"]

@@ -39,6 +39,7 @@ class VisionEncoder:
 
     def __init__(self, name: str, processor, data_args, data_dir: Path | None):
         self.name, self.processor, self.data_args, self.data_dir = name, processor, data_args, data_dir
+        self.image_ids = image_token_ids(processor)  # the image tokens and the vision markers around them
 
     def __call__(self, example: dict, index: int) -> dict:
         where = f"{self.name} example {index + 1}"
@@ -49,8 +50,8 @@ class VisionEncoder:
             raise RecipeError(f"{where}: {error}") from None
         input_ids, labels = encoded["input_ids"], encoded["labels"]
         length, limit = len(input_ids), self.data_args.max_seq_length
-        image_ids = image_token_ids(self.processor)
-        last_image = max((position for position, token in enumerate(input_ids) if token in image_ids), default=-1)
+        last_image = max((position for position, token in enumerate(input_ids) if token in self.image_ids),
+                         default=-1)
         if last_image >= limit:  # cutting would split an image: never trained
             if self.data_args.overlong_policy == "error":
                 raise RecipeError(f"{where} has {length} tokens, its images ending at token {last_image + 1}, more "
