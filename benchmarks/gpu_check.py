@@ -14,7 +14,10 @@
   and tests/memory/test_loading_memory.py run it on CPU); its loss need not fall in 20 steps from an untrained model;
 - GRPO in bf16 with fp32 masters: the generation round's KV cache, fp32 keys beside bf16 values under autocast,
   measured against the plan's bytes (`kv_cache_gap_bytes`; tests/train/test_grpo.py checks the dtypes on CPU).
-  Its loss need not fall in 20 steps: the row passes when it runs.
+  Its loss need not fall in 20 steps: the row passes when it runs;
+- the tiny vision-language model under bf16 autocast: LoRA under ZeRO-2 and full fine-tuning under FSDP2 over NCCL,
+  its frozen tower beside the trained projector and ledger = prediction per rank (tests/train/test_vision_train.py and
+  tests/train/test_vision_engines.py run both strategies' CPU twins, and a bf16 checkpoint under autocast).
 
 Each row: the exit status, first and last logged loss, and the largest gap between measured and predicted model-state
 bytes on any rank. On one GPU the FSDP and ZeRO-3 rows run one process and say "not sharded: one process". Results
@@ -45,6 +48,9 @@ from finetune.testing.subprocesses import run  # noqa: E402
 SHORT = ["--max_steps", "20", "--logging_steps", "5", "--save_strategy", "no", "--eval_on_start", "false",
          "--generation_eval_samples", "0"]
 QLORA = ["--use_qlora", "true", "--lora_r", "8", "--learning_rate", "1e-3"]
+# The tiny Qwen2-VL on its drawn shapes (recipes/vision.yaml's model and data), its tower frozen
+VISION = ["--model_name_or_path", "tiny-vl", "--dataset", "synthetic-shapes", "--per_device_train_batch_size", "8",
+          "--learning_rate", "3e-3"]
 CHECKS = {
     "fsdp_full_shard_bf16": ("fsdp_full_shard", ["--bf16", "true"]),
     "qlora_single_bf16": ("single", [*QLORA, "--bf16", "true"]),
@@ -62,6 +68,8 @@ CHECKS = {
                                     "--num_generations", "8", "--max_completion_length", "8",
                                     "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "40",
                                     "--max_eval_samples", "40", "--bf16", "true"]),
+    "vision_lora_zero2_bf16": ("zero2", [*VISION, "--use_lora", "true", "--bf16", "true"]),
+    "vision_fsdp_full_shard_bf16": ("fsdp_full_shard", [*VISION, "--bf16", "true"]),
 }
 # From the untrained tiny model, 20 steps of DPO (pairs it cannot yet tell apart) or GRPO (rewards near 0) move the
 # loss by noise: those rows pass when they run and their ledger and KV cache match the plan.

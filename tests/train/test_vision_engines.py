@@ -57,3 +57,23 @@ def test_a_saved_vlm_folder_in_bf16_with_its_own_chatml_template_trains_as_the_t
     assert "<|im_start|>assistant" in (output_dir / "chat_template.jinja").read_text()  # its own template, saved
     config = json.loads((output_dir / "config.json").read_text())
     assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
+
+
+def test_the_gpu_checks_vision_rows_parse_as_recipes():
+    """The GPU check's vision-language rows (benchmarks/gpu_check.py) are recipes the toolkit takes: the day a GPU is
+    lent they run, not stop on an argument."""
+    import importlib.util
+
+    from support import PROJECT_ROOT
+
+    from finetune.recipe.parse import parse_recipe
+
+    spec = importlib.util.spec_from_file_location("gpu_check", PROJECT_ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    rows = {name: extra for name, (_, extra) in gpu_check.CHECKS.items() if name.startswith("vision_")}
+    assert sorted(rows) == ["vision_fsdp_full_shard_bf16", "vision_lora_zero2_bf16"]
+    for extra in rows.values():
+        recipe = parse_recipe("recipes/demo.yaml", [*gpu_check.SHORT, *extra])
+        assert recipe.model.model_name_or_path == "tiny-vl" and recipe.data.dataset == "synthetic-shapes"
+        assert recipe.model.freeze_vision_tower is True
